@@ -1,0 +1,24 @@
+"""headwise: multi-head attention for PyTorch, correct for every mask, fast, and explainable.
+
+>>> import torch, headwise
+>>> mha = headwise.MultiHeadAttention(128, 8)
+>>> mha(torch.rand(3, 2, 128), torch.tensor([[1, 1], [1, 0], [1, 0]])).shape
+torch.Size([3, 2, 128])
+"""
+
+from headwise import masks, reference
+from headwise.dispatch import Dispatch
+from headwise.functional import attention, available_backends, choose_backend
+from headwise.module import MultiHeadAttention
+
+__all__ = [
+    "Dispatch",
+    "MultiHeadAttention",
+    "attention",
+    "available_backends",
+    "choose_backend",
+    "masks",
+    "reference",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,189 @@
+"""The functional API: validate once, normalise the mask, dispatch to a kernel.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from headwise import kernels as _kernels  # noqa: F401  (registers the built-in kernels)
+from headwise.dispatch import Dispatch, select
+from headwise.kernels.registry import Request, get_kernel, kernels
+from headwise.masks import normalize_mask
+
+__all__ = ["attention", "available_backends", "choose_backend"]
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (B, H, S, D), got shape {tuple(t.shape)}; "
+                "split heads first, e.g. x.reshape(B, S, H, D).transpose(1, 2)"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); "
+            "move them to one device"
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (B, Hkv, Sk, D)"
+        )
+    B, H, _, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"q has batch {B} but k and v have batch {k.shape[0]}")
+    if k.shape[-1] != D:
+        raise ValueError(
+            f"q head dim ({D}) differs from k/v head dim ({k.shape[-1]}); "
+            "project q, k and v to the same head_dim"
+        )
+    Hkv = k.shape[1]
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(
+            f"q has {H} heads, which is not a multiple of k/v's {Hkv} heads; "
+            "grouped-query attention needs num_heads % num_kv_heads == 0"
+        )
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if backend != "auto":
+        get_kernel(backend)  # raises ValueError listing the known names
+
+
+def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
+             need_weights: bool) -> Request:
+    B, H, S, D = q.shape
+    return Request(
+        device=q.device,
+        dtype=q.dtype,
+        batch=B,
+        heads=H,
+        kv_heads=k.shape[1],
+        q_len=S,
+        k_len=k.shape[2],
+        head_dim=D,
+        mask_kind="none" if mask is None else ("bool" if mask.dtype == torch.bool else "float"),
+        mask_shape=None if mask is None else tuple(mask.shape),
+        is_causal=bool(is_causal),
+        dropout_p=float(dropout_p),
+        need_weights=need_weights,
+        requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad),
+    )
+
+
+def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend):
+    _check_inputs(q, k, v, dropout_p, backend)
+    B, H, S, _ = q.shape
+    mask = normalize_mask(attention_mask, batch=B, heads=H, q_len=S, k_len=k.shape[2],
+                          device=q.device, dtype=q.dtype)
+    request = _request(q, k, mask, is_causal, dropout_p, need_weights)
+    return mask, select(request, backend)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,  # None: 1 / sqrt(D)
+    backend: str = "auto",
+    need_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention with headwise's mask contract.
+
+    ``softmax(q k^T * scale + mask) v``, per head; a query row that may attend nothing
+    returns zeros (and zero gradients), never NaN.
+
+    Args:
+        q: queries (B, H, S, D).
+        k: keys (B, Hkv, Sk, D); ``H % Hkv == 0`` (Hkv < H: grouped-query attention,
+            query head ``h`` reads kv head ``h // (H // Hkv)``).
+        v: values (B, Hkv, Sk, D).
+        attention_mask: bool/integer (True = attend) or float (additive) mask, 2-D
+            (B, Sk) key padding, 3-D (B, S, Sk) or 4-D broadcastable to (B, H, S, Sk).
+        is_causal: query ``i`` may attend key ``j`` iff ``j <= i + Sk - S``; ANDed with
+            the mask.
+        dropout_p: dropout on the attention probabilities (always applied when > 0, as
+            in ``F.scaled_dot_product_attention``; the module passes 0 in eval mode).
+        scale: multiplier of ``q k^T``.
+        backend: ``"auto"`` or a name from :func:`available_backends`.
+        need_weights: also return the (B, H, S, Sk) probabilities before dropout.
+
+    Returns:
+        The output (B, H, S, D), or ``(output, weights)`` when ``need_weights``.
+
+    Raises:
+        TypeError: non-tensor or non-floating inputs, dtypes that differ, a bad mask dtype.
+        ValueError: shapes that do not fit, devices that differ, dropout outside [0, 1),
+            an unknown backend, or a backend that cannot serve the request.
+
+    >>> q = k = v = torch.randn(2, 8, 5, 16)
+    >>> attention(q, k, v, torch.tensor([[1, 1, 1, 0, 0], [1] * 5])).shape
+    torch.Size([2, 8, 5, 16])
+    """
+    mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
+                              backend)
+    B, H, S, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
+        out = q.new_zeros(B, H, S, D)
+        return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
+    out, weights = dispatch.kernel.fn(
+        q, k, v,
+        attention_mask=mask,
+        is_causal=bool(is_causal),
+        dropout_p=float(dropout_p),
+        scale=scale,
+        need_weights=need_weights,
+    )
+    return (out, weights) if need_weights else out
+
+
+def choose_backend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    backend: str = "auto",
+) -> Dispatch:
+    """Which backend :func:`attention` would run for these arguments, and why.
+
+    Takes the same arguments as :func:`attention` and runs nothing.
+
+    Returns:
+        A :class:`~headwise.dispatch.Dispatch`; ``print`` it for the reasons.
+
+    >>> q = torch.randn(1, 2, 3, 4)
+    >>> choose_backend(q, q, q).backend
+    'sdpa'
+    """
+    return _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend)[1]
+
+
+def available_backends() -> list[str]:
+    """Names of the backends usable on this machine (``"auto"`` is always usable too).
+
+    >>> "matmul" in available_backends()
+    True
+    """
+    return [name for name, kernel in kernels().items() if kernel.available() is None]

@@ -1,0 +1,47 @@
+"""The documents' ``torch.bmm`` form: batch and heads flattened into one 3-D batch.
+
+``bmm`` takes 3-D tensors only and does not broadcast, so grouped-query k/v are copied
+to H heads before flattening.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.registry import register
+
+
+@register(
+    "bmm",
+    summary="torch.bmm on (B*H, S, D); copies k/v to H heads for grouped-query attention",
+    supports_weights=True,
+)
+def bmm_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attention_mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    B, H, S, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if Hkv != H:
+        k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+        v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+    q3 = q.reshape(B * H, S, D)  # (B, H, S, D) -> (B*H, S, D)
+    k3 = k.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
+    v3 = v.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
+    scores = torch.bmm(q3, k3.transpose(1, 2)) * scale  # (B*H, S, D) x (B*H, D, Sk) -> (B*H, S, Sk)
+    scores = scores.reshape(B, H, S, Sk)  # (B*H, S, Sk) -> (B, H, S, Sk)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p)
+    out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, D) -> (B*H, S, D)
+    return out.reshape(B, H, S, D), weights if need_weights else None  # -> (B, H, S, D)

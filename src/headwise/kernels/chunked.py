@@ -1,0 +1,239 @@
+"""Blockwise attention with an online softmax, in plain PyTorch: O(S) memory.
+
+The FlashAttention idea without a custom kernel: queries are taken in blocks of
+``BLOCK_Q`` rows, keys in blocks of ``BLOCK_K`` columns; each query block keeps a running
+row max ``m``, running sum ``l`` and running output ``acc`` so that the (S, Sk) score
+matrix never exists. Forward saves only q, k, v, the output and the log-sum-exp per row;
+backward recomputes each tile (scores, probabilities, dropout mask) from them. Forward
+and backward memory therefore grow as O(S) (plus one tile), not O(S^2).
+
+Dropout draws a fresh seed per call from torch's default generator; each tile's keep
+mask comes from its own generator seeded with ``seed + tile index``, so backward can
+regenerate exactly the mask forward used.
+
+Grouped-query attention runs on a (B, Hkv, G, S, D) view of q: the G query heads that
+share a kv head are stacked into one matmul against that kv head, so k and v are never
+copied to H heads.
+
+Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S query length,
+Sk key length, D head dim, bq / bk the rows / columns of one tile.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from headwise.kernels.registry import register
+
+BLOCK_Q = 256
+BLOCK_K = 512
+
+
+def _tile_keep(seed: int, tile: int, shape: tuple[int, ...], dropout_p: float,
+               device: torch.device) -> Tensor:
+    """Dropout keep mask of one tile, reproducible from ``(seed, tile)``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed + tile)
+    return torch.rand(shape, generator=gen, device=device) >= dropout_p
+
+
+def _causal_tile(i0: int, i1: int, j0: int, j1: int, offset: int,
+                 device: torch.device) -> Tensor | None | bool:
+    """The causal rule on rows [i0, i1) x cols [j0, j1).
+
+    Returns False when the whole tile is blocked, None when it is entirely allowed,
+    else a bool (bq, bk) mask (True = may attend).
+    """
+    if j0 > i1 - 1 + offset:
+        return False
+    if j1 - 1 <= i0 + offset:
+        return None
+    i = torch.arange(i0, i1, device=device)[:, None]  # (bq, 1)
+    j = torch.arange(j0, j1, device=device)[None, :]  # (1, bk)
+    return j <= i + offset  # (bq, bk)
+
+
+class _Plan:
+    """Shapes, tiling and the mask of one call, shared by forward and backward."""
+
+    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool,
+                 block_q: int, block_k: int):
+        B, H, S, D = q.shape
+        Hkv, Sk = k.shape[1], k.shape[2]
+        self.B, self.H, self.Hkv, self.G, self.S, self.Sk, self.D = B, H, Hkv, H // Hkv, S, Sk, D
+        self.device = q.device
+        self.offset = Sk - S  # bottom-right causal alignment
+        self.is_causal = is_causal
+        self.q_blocks = [(i, min(i + block_q, S)) for i in range(0, S, block_q)]
+        self.k_blocks = [(j, min(j + block_k, Sk)) for j in range(0, Sk, block_k)]
+        self.mask5 = None
+        if mask is not None:
+            b, h, s, _ = mask.shape
+            hk, g = (Hkv, self.G) if h == H else (1, 1)
+            self.mask5 = mask.reshape(b, hk, g, s, Sk)  # (B|1, Hkv|1, G|1, S|1, Sk)
+
+    def tiles(self):
+        """Yield (tile index, (i0, i1), (j0, j1), causal tile) for tiles not fully blocked."""
+        n_k = len(self.k_blocks)
+        for qi, (i0, i1) in enumerate(self.q_blocks):
+            for kj, (j0, j1) in enumerate(self.k_blocks):
+                causal = None
+                if self.is_causal:
+                    causal = _causal_tile(i0, i1, j0, j1, self.offset, self.device)
+                    if causal is False:
+                        continue
+                yield qi * n_k + kj, (i0, i1), (j0, j1), causal
+
+    def mask_tile(self, i0: int, i1: int, j0: int, j1: int) -> Tensor | None:
+        m = self.mask5
+        if m is None:
+            return None
+        rows = slice(i0, i1) if m.shape[3] != 1 else slice(None)
+        return m[:, :, :, rows, j0:j1]  # (B|1, Hkv|1, G|1, bq|1, bk)
+
+
+def _scores(plan: _Plan, qt: Tensor, kt: Tensor, scale: float, mask_t: Tensor | None,
+            causal: Tensor | None) -> Tensor:
+    """Masked, scaled scores of one tile (B, Hkv, G, bq, bk)."""
+    B, Hkv, G, bq, _ = qt.shape
+    s = torch.matmul(qt.reshape(B, Hkv, G * bq, -1), kt.transpose(-2, -1)) * scale
+    s = s.reshape(B, Hkv, G, bq, -1)  # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
+    if mask_t is not None:
+        s = s.masked_fill(~mask_t, float("-inf")) if mask_t.dtype == torch.bool else s + mask_t
+    if causal is not None:
+        s = s.masked_fill(~causal, float("-inf"))
+    return s
+
+
+def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float,
+             seed: int) -> tuple[Tensor, Tensor]:
+    B, Hkv, G, S, D = qg.shape
+    out = torch.zeros_like(qg)  # (B, Hkv, G, S, D)
+    lse = torch.zeros(B, Hkv, G, S, 1, dtype=qg.dtype, device=qg.device)
+    running = {}
+    for tile, (i0, i1), (j0, j1), causal in plan.tiles():
+        qt = qg[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
+        kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
+        s = _scores(plan, qt, kt, scale, plan.mask_tile(i0, i1, j0, j1), causal)
+        m_old, l_old, acc = running.get(i0, (None, None, None))
+        m_tile = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G, bq, 1)
+        m_new = m_tile if m_old is None else torch.maximum(m_old, m_tile)
+        # -inf max = nothing attended yet: shift by 0 so exp(-inf - 0) = 0, never NaN.
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(s - m_safe)  # (B, Hkv, G, bq, bk)
+        l_tile = p.sum(dim=-1, keepdim=True)
+        if dropout_p > 0:
+            p = p * _tile_keep(seed, tile, p.shape, dropout_p, p.device) / (1 - dropout_p)
+        pv = torch.matmul(p.reshape(B, Hkv, -1, j1 - j0), vt).reshape(B, Hkv, G, i1 - i0, D)
+        # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
+        if m_old is None:
+            running[i0] = (m_new, l_tile, pv)
+        else:
+            alpha = torch.exp(m_old - m_safe)  # rescale what was summed under the old max
+            running[i0] = (m_new, alpha * l_old + l_tile, alpha * acc + pv)
+    for i0, i1 in plan.q_blocks:
+        if i0 not in running:
+            continue  # every tile of these rows is causally blocked: zeros, lse 0
+        m, l, acc = running.pop(i0)
+        alive = l > 0
+        out[:, :, :, i0:i1] = acc / torch.where(alive, l, torch.ones_like(l))
+        lse[:, :, :, i0:i1] = torch.where(alive, m + torch.log(torch.where(alive, l, 1.0)), 0.0)
+    return out, lse
+
+
+def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              dout: Tensor, scale: float, dropout_p: float, seed: int, mask_grad: bool):
+    B, Hkv, G, S, D = qg.shape
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    dmask5 = torch.zeros_like(plan.mask5) if mask_grad else None
+    delta = (dout * out).sum(dim=-1, keepdim=True)  # (B, Hkv, G, S, 1)
+    for tile, (i0, i1), (j0, j1), causal in plan.tiles():
+        bq, bk = i1 - i0, j1 - j0
+        qt, dot = qg[:, :, :, i0:i1], dout[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
+        kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
+        mask_t = plan.mask_tile(i0, i1, j0, j1)
+        s = _scores(plan, qt, kt, scale, mask_t, causal)
+        p = torch.exp(s - lse[:, :, :, i0:i1])  # (B, Hkv, G, bq, bk)
+        dot3 = dot.reshape(B, Hkv, G * bq, D)
+        dp = torch.matmul(dot3, vt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk)
+        # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
+        if dropout_p > 0:
+            keep = _tile_keep(seed, tile, p.shape, dropout_p, p.device) / (1 - dropout_p)
+            p_used, dp = p * keep, dp * keep
+        else:
+            p_used = p
+        dv[:, :, j0:j1] += torch.matmul(p_used.reshape(B, Hkv, G * bq, bk).transpose(-2, -1), dot3)
+        # (B, Hkv, bk, G*bq) x (B, Hkv, G*bq, D) -> (B, Hkv, bk, D)
+        ds = p * (dp - delta[:, :, :, i0:i1])  # (B, Hkv, G, bq, bk)
+        ds3 = ds.reshape(B, Hkv, G * bq, bk)
+        dq[:, :, :, i0:i1] += torch.matmul(ds3, kt).reshape(B, Hkv, G, bq, D) * scale
+        # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
+        dk[:, :, j0:j1] += torch.matmul(ds3.transpose(-2, -1), qt.reshape(B, Hkv, G * bq, D)) * scale
+        # (B, Hkv, bk, G*bq) x (B, Hkv, G*bq, D) -> (B, Hkv, bk, D)
+        if dmask5 is not None:
+            reduce_dims = [d for d in range(4) if dmask5.shape[d] == 1 and ds.shape[d] != 1]
+            g = ds.sum(dim=reduce_dims, keepdim=True) if reduce_dims else ds
+            rows = slice(i0, i1) if dmask5.shape[3] != 1 else slice(None)
+            dmask5[:, :, :, rows, j0:j1] += g
+    return dq, dk, dv, dmask5
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, dropout_p, scale, seed, block_q, block_k):
+        plan = _Plan(q, k, mask, is_causal, block_q, block_k)
+        qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
+        out, lse = _forward(plan, qg, k, v, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.args = (is_causal, dropout_p, scale, seed, block_q, block_k)
+        return out.reshape(plan.B, plan.H, plan.S, plan.D)  # (B, Hkv, G, S, D) -> (B, H, S, D)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        is_causal, dropout_p, scale, seed, block_q, block_k = ctx.args
+        plan = _Plan(q, k, mask, is_causal, block_q, block_k)
+        qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, Hkv, G, S, D)
+        dout = dout.reshape(out.shape)  # (B, H, S, D) -> (B, Hkv, G, S, D)
+        mask_grad = mask is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dmask5 = _backward(plan, qg, k, v, out, lse, dout, scale, dropout_p, seed,
+                                       mask_grad)
+        dmask = dmask5.reshape(mask.shape) if dmask5 is not None else None
+        return dq.reshape(q.shape), dk, dv, dmask, None, None, None, None, None, None
+
+
+@register(
+    "chunked",
+    summary="blockwise online softmax in plain PyTorch; O(S) memory forward and backward",
+    native_gqa=True,
+)
+def chunked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attention_mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float,
+    need_weights: bool,
+    block_q: int | None = None,  # None: BLOCK_Q
+    block_k: int | None = None,  # None: BLOCK_K
+) -> tuple[Tensor, Tensor | None]:
+    seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        # Accumulate in fp32: the running sums lose too much in half precision.
+        q, k, v = q.float(), k.float(), v.float()
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+    out = _ChunkedAttention.apply(
+        q, k, v, attention_mask, is_causal, dropout_p, scale, seed,
+        block_q or BLOCK_Q, block_k or BLOCK_K,
+    )
+    return out.to(dtype), None

@@ -1,0 +1,41 @@
+"""The documents' ``einops`` form: named axes for every rearrangement and product.
+
+Legend: b batch, h query heads, hkv key/value heads, g = h // hkv query heads per kv head,
+s query length, k key length, d head dim.
+"""
+
+from __future__ import annotations
+
+import einops
+from torch import Tensor
+
+from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.registry import register
+
+
+@register(
+    "einops",
+    summary="einops.rearrange and einops.einsum with named axes; grouped-query without copies",
+    supports_weights=True,
+    native_gqa=True,
+)
+def einops_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attention_mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    hkv = k.shape[1]
+    qg = einops.rearrange(q, "b (hkv g) s d -> b hkv g s d", hkv=hkv)
+    scores = einops.einsum(qg, k, "b hkv g s d, b hkv k d -> b hkv g s k") * scale
+    scores = einops.rearrange(scores, "b hkv g s k -> b (hkv g) s k")  # (B, H, S, Sk)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p)
+    dropped = einops.rearrange(dropped, "b (hkv g) s k -> b hkv g s k", hkv=hkv)
+    out = einops.einsum(dropped, v, "b hkv g s k, b hkv k d -> b hkv g s d")
+    out = einops.rearrange(out, "b hkv g s d -> b (hkv g) s d")  # (B, H, S, D)
+    return out, weights if need_weights else None

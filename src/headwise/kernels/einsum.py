@@ -1,0 +1,41 @@
+"""The documents' ``torch.einsum`` form: ``'bhij,bhjd->bhid'``, with a group axis for GQA.
+
+Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per kv head,
+S query length, Sk key length, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.registry import register
+
+
+@register(
+    "einsum",
+    summary="torch.einsum index notation; grouped-query heads without copying k/v",
+    supports_weights=True,
+    native_gqa=True,
+)
+def einsum_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attention_mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    B, H, S, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, H // Hkv, S, D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
+    scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k) * scale  # -> (B, Hkv, G, S, Sk)
+    scores = scores.reshape(B, H, S, Sk)  # (B, Hkv, G, S, Sk) -> (B, H, S, Sk)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p)
+    dropped = dropped.reshape(B, Hkv, H // Hkv, S, Sk)  # (B, H, S, Sk) -> (B, Hkv, G, S, Sk)
+    out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v)  # -> (B, Hkv, G, S, D)
+    return out.reshape(B, H, S, D), weights if need_weights else None  # -> (B, H, S, D)

@@ -1,0 +1,44 @@
+"""The textbook kernel: softmax(q k^T * scale + mask) v, written as the documents write it.
+
+This is the oracle the tests compare every other kernel with, and the first file a
+newcomer should open.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.registry import register
+
+
+@register(
+    "matmul",
+    summary="torch.matmul, the documents' formula; the reference the others are tested against",
+    supports_weights=True,
+)
+def matmul_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attention_mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    H, Hkv = q.shape[1], k.shape[1]
+    if Hkv != H:
+        # Grouped-query attention: query head h reads kv head h // (H // Hkv).
+        # Readable, but it copies k and v to H heads; einsum/sdpa/chunked do not.
+        k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+        v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p)
+    out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)
+    return out, weights if need_weights else None

@@ -1,0 +1,140 @@
+"""One registry for every attention kernel.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+
+A kernel is a function with one keyword-only signature::
+
+    kernel(q, k, v, *, attention_mask, is_causal, dropout_p, scale, need_weights)
+        -> (out, weights)
+
+* ``q`` (B, H, S, D), ``k`` and ``v`` (B, Hkv, Sk, D) with ``H % Hkv == 0``;
+* ``attention_mask`` is ``None`` or already normalised by
+  :func:`headwise.masks.normalize_mask` (4-D, bool True = attend, or float additive);
+* ``out`` is (B, H, S, D); ``weights`` is the (B, H, S, Sk) softmax before dropout when
+  ``need_weights`` is True (only kernels that declare ``supports_weights``), else None.
+
+Kernels never own parameters and never validate caller input: :func:`headwise.attention`
+has done that. They register themselves with :func:`register`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+KernelFn = Callable[..., tuple[Tensor, Tensor | None]]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one attention call asks for: everything a kernel may refuse on."""
+
+    device: torch.device
+    dtype: torch.dtype
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    k_len: int
+    head_dim: int
+    mask_kind: str  # "none", "bool" or "float"
+    mask_shape: tuple[int, ...] | None
+    is_causal: bool
+    dropout_p: float
+    need_weights: bool
+    requires_grad: bool
+
+    @property
+    def is_gqa(self) -> bool:
+        return self.kv_heads != self.heads
+
+    @property
+    def key_padding_only(self) -> bool:
+        """True when the mask is a pure key padding mask ``(B|1, 1, 1, Sk)``."""
+        return self.mask_shape is not None and self.mask_shape[1:3] == (1, 1)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A registered kernel and what it can do.
+
+    Attributes:
+        name: the backend name users pass as ``backend=``.
+        fn: the kernel function (signature in the module docstring).
+        summary: one line for listings.
+        supports_weights: can return the (B, H, S, Sk) probabilities.
+        native_gqa: handles Hkv < H without copying k/v to H heads.
+        fused: computes scores, mask, softmax and weighted sum in one opaque step
+            (explain mode shows those stages as one).
+        available: returns None when usable on this machine, else the reason it is not.
+        refuses: returns None when the kernel can serve a request, else the reason.
+    """
+
+    name: str
+    fn: KernelFn
+    summary: str
+    supports_weights: bool = False
+    native_gqa: bool = False
+    fused: bool = False
+    available: Callable[[], str | None] = field(default=lambda: None)
+    refuses: Callable[[Request], str | None] = field(default=lambda request: None)
+
+    def why_not(self, request: Request) -> str | None:
+        """None if this kernel can serve ``request``, else a short reason."""
+        reason = self.available()
+        if reason is not None:
+            return reason
+        if request.need_weights and not self.supports_weights:
+            return "cannot return attention weights (need_weights=True)"
+        return self.refuses(request)
+
+
+_KERNELS: dict[str, Kernel] = {}
+
+
+def register(
+    name: str,
+    *,
+    summary: str,
+    supports_weights: bool = False,
+    native_gqa: bool = False,
+    fused: bool = False,
+    available: Callable[[], str | None] | None = None,
+    refuses: Callable[[Request], str | None] | None = None,
+) -> Callable[[KernelFn], KernelFn]:
+    """Decorator: register ``fn`` as backend ``name``."""
+
+    def wrap(fn: KernelFn) -> KernelFn:
+        if name in _KERNELS:
+            raise ValueError(f"a kernel named {name!r} is already registered")
+        _KERNELS[name] = Kernel(
+            name=name,
+            fn=fn,
+            summary=summary,
+            supports_weights=supports_weights,
+            native_gqa=native_gqa,
+            fused=fused,
+            available=available or (lambda: None),
+            refuses=refuses or (lambda request: None),
+        )
+        return fn
+
+    return wrap
+
+
+def get_kernel(name: str) -> Kernel:
+    """The registered kernel ``name``; ``ValueError`` listing the known names otherwise."""
+    try:
+        return _KERNELS[name]
+    except KeyError:
+        known = ", ".join(repr(n) for n in ["auto", *_KERNELS])
+        raise ValueError(f"unknown backend {name!r}; choose one of {known}") from None
+
+
+def kernels() -> dict[str, Kernel]:
+    """All registered kernels by name, in registration order."""
+    return dict(_KERNELS)

@@ -1,0 +1,72 @@
+"""PyTorch's ``scaled_dot_product_attention``, held to headwise's mask contract.
+
+Three things differ between torch's SDPA and our contract, and are handled here:
+
+* ``is_causal=True`` in SDPA is top-left aligned; ours is bottom-right. They agree only
+  when S == Sk, so that is the only case handed to SDPA's own causal path; otherwise the
+  causal rule is folded into an explicit mask.
+* SDPA cannot take a mask and ``is_causal`` together: they are combined into one mask.
+* A query row that may attend nothing must give zeros and zero gradients on every torch
+  version: such rows are unblocked before the call (so no 0/0 arises inside SDPA) and
+  zeroed after it (so no gradient leaves them).
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from headwise.kernels.registry import register
+from headwise.masks import combined_mask, row_is_dead
+
+# enable_gqa arrived in torch 2.5; before it, kv heads are repeated (a copy).
+_TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
+
+
+@register(
+    "sdpa",
+    summary="torch.nn.functional.scaled_dot_product_attention (fused where torch can)",
+    native_gqa=SDPA_HAS_GQA,
+    fused=True,
+)
+def sdpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attention_mask: Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float,
+    need_weights: bool,
+) -> tuple[Tensor, Tensor | None]:
+    S, Sk = q.shape[-2], k.shape[-2]
+    extra = {}
+    if k.shape[1] != q.shape[1]:
+        if SDPA_HAS_GQA:
+            extra["enable_gqa"] = True
+        else:
+            G = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(G, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+            v = v.repeat_interleave(G, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+    if attention_mask is None and (not is_causal or S == Sk):
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
+        )  # (B, H, S, D)
+        return out, None
+    mask = combined_mask(attention_mask, is_causal, S, Sk, q.device)  # (B|1, H|1, S|1, Sk)
+    dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
+    # Unblock dead rows (no 0/0 inside SDPA), then zero their output (no gradient out).
+    if mask.dtype == torch.bool:
+        mask = mask | dead
+    else:
+        mask = mask.masked_fill(dead, 0.0)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra
+    )  # (B, H, S, D)
+    return out.masked_fill(dead, 0.0), None

@@ -1,0 +1,284 @@
+"""The one mask contract, in code.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim, E embed dim.
+
+Rules (the README repeats them):
+
+* bool or integer mask: True / nonzero = may attend, False / 0 = masked.
+* floating mask: an additive bias added to the scaled scores; ``-inf`` blocks.
+* 2-D ``(B, Sk)`` is a key padding mask; 3-D is ``(B, S, Sk)``; 4-D broadcasts to
+  ``(B, H, S, Sk)``. Every dimension may also be 1 (broadcast).
+* causal: query ``i`` may attend key ``j`` iff ``j <= i + (Sk - S)`` (bottom-right
+  alignment, so decoding with a cache works). Causal and a mask combine with AND.
+* a query row that may attend nothing outputs zeros and gets zero gradients.
+
+Every kernel receives the mask already normalised by :func:`normalize_mask`: ``None``
+or a 4-D tensor of shape ``(B|1, H|1, S|1, Sk)`` that is either bool (True = attend)
+or floating in the query dtype (additive).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "normalize_mask",
+    "causal_mask",
+    "combined_mask",
+    "masked_scores",
+    "safe_softmax",
+    "row_is_dead",
+    "from_torch_masks",
+    "key_padding_mask",
+]
+
+_LAYOUTS = {
+    2: "(B, Sk) key padding mask",
+    3: "(B, S, Sk)",
+    4: "(B, H, S, Sk)",
+}
+
+
+def normalize_mask(
+    attention_mask: Tensor | None,
+    *,
+    batch: int,
+    heads: int,
+    q_len: int,
+    k_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Tensor | None:
+    """Validate a user mask and bring it to the canonical 4-D form kernels expect.
+
+    Args:
+        attention_mask: ``None``, or a bool / integer / floating tensor of shape
+            ``(B, Sk)``, ``(B, S, Sk)`` or ``(B, H, S, Sk)`` (any dimension may be 1).
+        batch, heads, q_len, k_len: the expected B, H, S and Sk.
+        device: the device of the queries; the mask must already be there.
+        dtype: the query dtype; floating masks are cast to it.
+
+    Returns:
+        ``None`` or a tensor of shape ``(B|1, H|1, S|1, Sk)``: bool (True = attend) for
+        bool and integer masks, ``dtype`` for floating masks. No data is copied for
+        bool masks; integer masks become bool.
+
+    Raises:
+        TypeError: the mask is not a tensor, or has a complex dtype.
+        ValueError: the mask has the wrong number of dimensions, a wrong size, or lives
+            on another device.
+
+    >>> normalize_mask(torch.tensor([[1, 0]]), batch=1, heads=8, q_len=2, k_len=2,
+    ...                device=torch.device("cpu"), dtype=torch.float32).shape
+    torch.Size([1, 1, 1, 2])
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(
+            f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}; "
+            "wrap it with torch.as_tensor(...)"
+        )
+    m = attention_mask
+    if m.is_complex():
+        raise TypeError(
+            f"attention_mask has dtype {m.dtype}; use bool/integer (True = attend) or a "
+            "real floating additive bias"
+        )
+    if m.device != device:
+        raise ValueError(
+            f"attention_mask is on {m.device} but the queries are on {device}; "
+            f"move it with attention_mask.to({str(device)!r})"
+        )
+    expected = {
+        2: (batch, k_len),
+        3: (batch, q_len, k_len),
+        4: (batch, heads, q_len, k_len),
+    }
+    if m.dim() not in expected:
+        raise ValueError(
+            f"attention_mask must be 2-D {_LAYOUTS[2]} {expected[2]}, 3-D {_LAYOUTS[3]} "
+            f"{expected[3]} or 4-D {_LAYOUTS[4]} {expected[4]}; got {m.dim()}-D with shape "
+            f"{tuple(m.shape)}"
+        )
+    want = expected[m.dim()]
+    if any(got not in (exp, 1) for got, exp in zip(m.shape, want, strict=True)):
+        raise ValueError(
+            f"attention_mask of shape {tuple(m.shape)} does not fit {m.dim()}-D layout "
+            f"{_LAYOUTS[m.dim()]} = {want} (each dimension must match or be 1)"
+        )
+    if m.dim() == 2:
+        m = m[:, None, None, :]  # (B, Sk) -> (B, 1, 1, Sk)
+    elif m.dim() == 3:
+        m = m[:, None, :, :]  # (B, S, Sk) -> (B, 1, S, Sk)
+    if m.dtype == torch.bool:
+        return m
+    if m.is_floating_point():
+        return m.to(dtype)
+    return m != 0  # integer: nonzero = may attend
+
+
+def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
+    """Bottom-right aligned causal mask: query ``i`` may attend key ``j`` iff ``j <= i + Sk - S``.
+
+    Args:
+        q_len: S, the number of queries.
+        k_len: Sk, the number of keys.
+        device: where to build it.
+
+    Returns:
+        Bool tensor ``(S, Sk)``, True = may attend.
+
+    >>> causal_mask(2, 3).int().tolist()
+    [[1, 1, 0], [1, 1, 1]]
+    """
+    i = torch.arange(q_len, device=device)[:, None]  # (S, 1)
+    j = torch.arange(k_len, device=device)[None, :]  # (1, Sk)
+    return j <= i + (k_len - q_len)  # (S, Sk)
+
+
+def combined_mask(mask: Tensor | None, is_causal: bool, q_len: int, k_len: int,
+                  device: torch.device) -> Tensor | None:
+    """AND a normalised mask with the causal rule, as one tensor ``(B|1, H|1, S|1, Sk)``.
+
+    A bool mask stays bool; a floating mask gets ``-inf`` where causality blocks.
+    """
+    if not is_causal:
+        return mask
+    c = causal_mask(q_len, k_len, device)[None, None]  # (1, 1, S, Sk)
+    if mask is None:
+        return c
+    if mask.dtype == torch.bool:
+        return mask & c
+    return mask.masked_fill(~c, float("-inf"))
+
+
+def masked_scores(scores: Tensor, mask: Tensor | None) -> Tensor:
+    """Apply a combined mask to scores ``(..., S, Sk)``: bool blocks with ``-inf``, float adds."""
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask
+
+
+def safe_softmax(scores: Tensor, dim: int = -1) -> Tensor:
+    """Softmax that returns zeros, with zero gradients, for rows that are all ``-inf``.
+
+    ``torch.softmax`` returns NaN there (0 / 0), and its backward spreads the NaN.
+    Subtracting the row max is the usual stabilisation; the max is taken as a constant
+    (softmax does not depend on it), replaced by 0 in dead rows so ``exp(-inf - 0) = 0``.
+
+    >>> safe_softmax(torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")]]))
+    tensor([[1., 0.],
+            [0., 0.]])
+    """
+    row_max = scores.detach().amax(dim=dim, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(scores - row_max)
+    total = e.sum(dim=dim, keepdim=True)
+    return e / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def row_is_dead(mask: Tensor) -> Tensor:
+    """For a combined mask ``(..., S, Sk)``, True where a query row may attend no key.
+
+    Returns a bool tensor ``(..., S, 1)``.
+    """
+    if mask.dtype == torch.bool:
+        return ~mask.any(dim=-1, keepdim=True)
+    return torch.isneginf(mask).all(dim=-1, keepdim=True)
+
+
+def key_padding_mask(lengths: Tensor | list[int], max_len: int | None = None) -> Tensor:
+    """Build a ``(B, Sk)`` bool key padding mask (True = real token) from lengths.
+
+    >>> key_padding_mask([2, 1]).tolist()
+    [[True, True], [True, False]]
+    """
+    lengths = torch.as_tensor(lengths)
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be 1-D (B,), got shape {tuple(lengths.shape)}")
+    if (lengths < 0).any():
+        raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
+    longest = int(lengths.max()) if lengths.numel() else 0
+    max_len = longest if max_len is None else max_len
+    if max_len < longest:
+        raise ValueError(f"max_len ({max_len}) is shorter than the longest length ({longest})")
+    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]  # (B, Sk)
+
+
+def from_torch_masks(
+    key_padding_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    *,
+    num_heads: int | None = None,
+) -> Tensor | None:
+    """Translate ``torch.nn.MultiheadAttention`` masks into headwise's contract.
+
+    Torch's bool masks mean True = *ignore*; ours mean True = *attend*, so bool masks are
+    inverted. Floating masks are additive in both and pass through.
+
+    Args:
+        key_padding_mask: torch's ``(B, Sk)`` mask (bool True = padding, or float).
+        attn_mask: torch's ``(S, Sk)`` or ``(B * num_heads, S, Sk)`` mask.
+        num_heads: required when ``attn_mask`` is 3-D, to split ``B * num_heads``.
+
+    Returns:
+        ``None``, a ``(B, Sk)`` mask, a ``(1, 1, S, Sk)`` mask or a ``(B, H, S, Sk)`` mask
+        in headwise's contract (bool True = attend, or float additive).
+
+    >>> from_torch_masks(torch.tensor([[False, True]])).tolist()
+    [[True, False]]
+    """
+
+    def ours(m: Tensor) -> Tensor:
+        if m.dtype == torch.bool:
+            return ~m
+        if m.is_floating_point():
+            return m
+        raise TypeError(
+            f"torch.nn.MultiheadAttention masks are bool or float, got {m.dtype}; "
+            "convert with .bool() (True = ignore)"
+        )
+
+    kpm = None if key_padding_mask is None else ours(key_padding_mask)
+    am = None
+    if attn_mask is not None:
+        am = ours(attn_mask)
+        if am.dim() == 2:
+            am = am[None, None]  # (S, Sk) -> (1, 1, S, Sk)
+        elif am.dim() == 3:
+            if num_heads is None:
+                raise ValueError(
+                    f"a 3-D attn_mask {tuple(am.shape)} is (B * num_heads, S, Sk); "
+                    "pass num_heads= to split it"
+                )
+            if am.shape[0] % num_heads:
+                raise ValueError(
+                    f"attn_mask's first dimension ({am.shape[0]}) is not a multiple of "
+                    f"num_heads ({num_heads})"
+                )
+            am = am.reshape(-1, num_heads, *am.shape[1:])  # (B*H, S, Sk) -> (B, H, S, Sk)
+        else:
+            raise ValueError(
+                f"attn_mask must be (S, Sk) or (B * num_heads, S, Sk), got shape "
+                f"{tuple(attn_mask.shape)}"
+            )
+    if am is None:
+        return kpm
+    if kpm is None:
+        return am
+    k4 = kpm[:, None, None, :]  # (B, Sk) -> (B, 1, 1, Sk)
+    if am.dtype == torch.bool and k4.dtype == torch.bool:
+        return am & k4
+    dtype = am.dtype if am.is_floating_point() else k4.dtype
+    return _as_bias(am, dtype) + _as_bias(k4, dtype)
+
+
+def _as_bias(m: Tensor, dtype: torch.dtype) -> Tensor:
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, float("-inf"))
+    return m.to(dtype)

@@ -1,0 +1,283 @@
+"""``MultiHeadAttention``: projections and head bookkeeping around :func:`headwise.attention`.
+
+The module owns the parameters; the kernels (``headwise.kernels``) own the arithmetic.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim, E embed dim.
+
+State dict (separate projections, as the documents and Hugging Face models keep them)::
+
+    q_proj.weight   (E, E)         q_proj.bias   (E,)
+    k_proj.weight   (Hkv * D, E)   k_proj.bias   (Hkv * D,)
+    v_proj.weight   (Hkv * D, E)   v_proj.bias   (Hkv * D,)
+    out_proj.weight (E, E)         out_proj.bias (E,)
+
+(no ``*.bias`` entries when ``bias=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from headwise.dispatch import Dispatch
+from headwise.functional import attention, choose_backend
+from headwise.kernels.registry import get_kernel
+
+__all__ = ["MultiHeadAttention"]
+
+
+def _divisors_near(n: int, around: int) -> str:
+    """'4 or 5' style hint: the divisors of ``n`` just below and above ``around``."""
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    below = [d for d in divs if d < around]
+    above = [d for d in divs if d > around]
+    picks = ([below[-1]] if below else []) + ([above[0]] if above else [])
+    return " or ".join(str(d) for d in picks)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with one NaN-free mask contract and interchangeable kernels.
+
+    Args:
+        embed_dim: E, the model width; input and output are (B, S, E).
+        num_heads: H, the number of query heads; ``E % H == 0`` and ``D = E // H``.
+        dropout: dropout probability on the attention weights, in [0, 1), active in
+            training mode only.
+        bias: add biases to the four projections.
+        num_kv_heads: Hkv, the number of key/value heads (None: H, plain multi-head;
+            1: multi-query; otherwise grouped-query with ``H % Hkv == 0``).
+        is_causal: default causal flag for :meth:`forward`.
+        backend: ``"auto"`` or a name from :func:`headwise.available_backends`.
+        device, dtype: where and how to create the parameters.
+
+    Raises:
+        ValueError: sizes that do not divide, dropout outside [0, 1), unknown backend.
+        TypeError: sizes that are not integers.
+
+    >>> mha = MultiHeadAttention(128, 8)
+    >>> x = torch.rand(3, 2, 128)
+    >>> mha(x, torch.tensor([[1, 1], [1, 0], [1, 0]])).shape
+    torch.Size([3, 2, 128])
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        *,
+        bias: bool = True,
+        num_kv_heads: int | None = None,  # None: num_heads (no grouping)
+        is_causal: bool = False,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                            ("num_kv_heads", num_kv_heads)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must divide embed_dim ({embed_dim}); "
+                f"try num_heads={_divisors_near(embed_dim, num_heads)}"
+            )
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}); "
+                f"try num_kv_heads={_divisors_near(num_heads, num_kv_heads)}"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if backend != "auto":
+            get_kernel(backend)  # ValueError listing the known backends
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = float(dropout)
+        self.is_causal = bool(is_causal)
+        self.backend = backend
+        kv_dim = num_kv_heads * self.head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+
+    def extra_repr(self) -> str:
+        kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, "
+            f"head_dim={self.head_dim}, dropout={self.dropout}, is_causal={self.is_causal}, "
+            f"backend={self.backend!r}"
+        )
+
+    def _check(self, x: Tensor, context: Tensor | None) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"x must be (B, S, E) with E = embed_dim = {self.embed_dim}, got shape "
+                f"{tuple(x.shape)}"
+                + ("; add a batch dimension with x.unsqueeze(0)" if x.dim() == 2 else "")
+            )
+        if context is None:
+            return
+        if not isinstance(context, Tensor):
+            raise TypeError(f"context must be a torch.Tensor or None, got {type(context).__name__}")
+        if context.dim() != 3 or context.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"context must be (B, Sk, E) with E = embed_dim = {self.embed_dim}, got shape "
+                f"{tuple(context.shape)}"
+            )
+        if context.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"context batch ({context.shape[0]}) differs from x batch ({x.shape[0]})"
+            )
+
+    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        source = x if context is None else context
+        q = rearrange(self.q_proj(x), "b s (h d) -> b h s d", h=self.num_heads)  # (B, H, S, D)
+        k = rearrange(self.k_proj(source), "b s (h d) -> b h s d", h=self.num_kv_heads)
+        v = rearrange(self.v_proj(source), "b s (h d) -> b h s d", h=self.num_kv_heads)
+        return q, k, v  # k, v: (B, Hkv, Sk, D)
+
+    def forward(
+        self,
+        x: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        context: Tensor | None = None,  # None: self-attention
+        is_causal: bool | None = None,  # None: the constructor's value
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from ``x`` to ``x`` (or to ``context``).
+
+        Args:
+            x: (B, S, E) queries (and keys/values for self-attention).
+            attention_mask: see the mask contract: bool/integer True = attend, float
+                additive; (B, Sk), (B, S, Sk) or broadcastable to (B, H, S, Sk).
+            context: (B, Sk, E) keys/values source for cross-attention.
+            is_causal: bottom-right causal masking, ANDed with the mask.
+            need_weights: also return the (B, H, S, Sk) softmax probabilities (before
+                dropout, per head: not averaged as ``nn.MultiheadAttention`` does).
+
+        Returns:
+            (B, S, E), or ``(output, weights)`` when ``need_weights``.
+
+        Raises:
+            ValueError / TypeError: inputs or mask that do not fit; see the messages.
+        """
+        self._check(x, context)
+        q, k, v = self._project(x, context)
+        out = attention(
+            q, k, v, attention_mask,
+            is_causal=self.is_causal if is_causal is None else is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=self.backend,
+            need_weights=need_weights,
+        )
+        out, weights = out if need_weights else (out, None)
+        out = self.out_proj(rearrange(out, "b h s d -> b s (h d)"))  # (B, H, S, D) -> (B, S, E)
+        return (out, weights) if need_weights else out
+
+    def dispatch(
+        self,
+        x: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        context: Tensor | None = None,
+        is_causal: bool | None = None,
+        need_weights: bool = False,
+    ) -> Dispatch:
+        """Which kernel :meth:`forward` would run on these inputs, and why (runs nothing).
+
+        >>> print(MultiHeadAttention(64, 4).dispatch(torch.rand(1, 3, 64)).backend)
+        sdpa
+        """
+        self._check(x, context)
+        with torch.no_grad():
+            q, k, v = self._project(x, context)
+        return choose_backend(
+            q, k, v, attention_mask,
+            is_causal=self.is_causal if is_causal is None else is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights,
+            backend=self.backend,
+        )
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention, **kwargs) -> MultiHeadAttention:
+        """Build one from a ``torch.nn.MultiheadAttention`` (either ``batch_first``), copying weights.
+
+        The result is always batch-first: inputs (B, S, E). Translate torch's masks with
+        :func:`headwise.masks.from_torch_masks` (torch's bool True means *ignore*).
+
+        Args:
+            m: the torch module.
+            **kwargs: ``is_causal`` / ``backend`` for the new module.
+
+        Raises:
+            TypeError: ``m`` is not an ``nn.MultiheadAttention``.
+            ValueError: features headwise does not model (``kdim``/``vdim`` other than
+                ``embed_dim``, ``add_bias_kv``, ``add_zero_attn``).
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"from_torch expects torch.nn.MultiheadAttention, got {type(m).__name__}")
+        if not m._qkv_same_embed_dim:
+            raise ValueError(
+                f"kdim ({m.kdim}) and vdim ({m.vdim}) must equal embed_dim ({m.embed_dim}); "
+                "headwise projects keys and values from embed_dim-wide inputs"
+            )
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError(
+                "add_bias_kv=True and add_zero_attn=True are not supported; "
+                "append the extra key/value position to the inputs instead"
+            )
+        w = m.in_proj_weight
+        bias = m.in_proj_bias is not None
+        out = cls(m.embed_dim, m.num_heads, m.dropout, bias=bias, device=w.device, dtype=w.dtype,
+                  **kwargs)
+        E = m.embed_dim
+        with torch.no_grad():
+            for i, proj in enumerate((out.q_proj, out.k_proj, out.v_proj)):
+                proj.weight.copy_(w[i * E:(i + 1) * E])
+                if bias:
+                    proj.bias.copy_(m.in_proj_bias[i * E:(i + 1) * E])
+            out.out_proj.weight.copy_(m.out_proj.weight)
+            if bias:
+                out.out_proj.bias.copy_(m.out_proj.bias)
+        return out.train(m.training)
+
+    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
+        """The equivalent ``torch.nn.MultiheadAttention``, weights copied.
+
+        Raises:
+            ValueError: grouped-query modules (torch has no kv-head count).
+        """
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                f"torch.nn.MultiheadAttention has no grouped-query attention; this module has "
+                f"num_kv_heads={self.num_kv_heads} < num_heads={self.num_heads}"
+            )
+        w = self.q_proj.weight
+        bias = self.q_proj.bias is not None
+        m = nn.MultiheadAttention(self.embed_dim, self.num_heads, self.dropout, bias=bias,
+                                  batch_first=batch_first, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            m.in_proj_weight.copy_(torch.cat([self.q_proj.weight, self.k_proj.weight,
+                                              self.v_proj.weight]))
+            if bias:
+                m.in_proj_bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias,
+                                                self.v_proj.bias]))
+            m.out_proj.weight.copy_(self.out_proj.weight)
+            if bias:
+                m.out_proj.bias.copy_(self.out_proj.bias)
+        return m.train(self.training)
