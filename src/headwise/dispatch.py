@@ -15,8 +15,11 @@ The rules, measured on a 2-core CPU with torch 2.13 (see ``headwise bench``):
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from headwise.kernels.registry import Kernel, Request, get_kernel, kernels
 
@@ -29,6 +32,14 @@ SCORES_BUDGET_BYTES = 256 * 2**20
 _WEIGHT_ORDER = ("matmul", "einsum", "einops", "bmm")
 _DEFAULT_ORDER = ("sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _LOW_MEMORY_ORDER = ("chunked", "sdpa", "matmul", "einsum", "einops", "bmm")
+_COST = {
+    "sdpa": "PyTorch's fused kernel, unfused when it cannot fuse the request",
+    "chunked": "a Python loop over tiles: slower than a fused kernel, its gain is O(S) memory",
+    "matmul": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",
+    "einsum": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",
+    "einops": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",
+    "bmm": "materialises the (B, H, S, Sk) scores and copies grouped k/v heads",
+}
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ class Dispatch:
 
     backend: str
     reason: str
-    passed_over: dict[str, str] = field(default_factory=dict)
+    passed_over: Mapping[str, str] = field(default_factory=dict)
     request: Request | None = None
 
     @property
@@ -61,15 +72,15 @@ def _scores_bytes(r: Request) -> int:
     return r.batch * r.heads * r.q_len * r.k_len * r.dtype.itemsize
 
 
-def _ranking(r: Request) -> tuple[tuple[str, ...], str]:
+def _ranking(r: Request, budget: int) -> tuple[tuple[str, ...], str]:
     """Preference order for a request, and the sentence that explains it."""
     if r.need_weights:
         return _WEIGHT_ORDER, "need_weights=True: it returns the probabilities and is the plainest"
     size = _scores_bytes(r)
-    if r.device.type == "cpu" and r.dropout_p > 0 and size > SCORES_BUDGET_BYTES:
+    if r.device.type == "cpu" and r.dropout_p > 0 and size > budget:
         return _LOW_MEMORY_ORDER, (
             f"dropout on CPU keeps SDPA off its fused kernel, and its fallback would hold "
-            f"{size / 2**20:.0f} MiB of scores (budget {SCORES_BUDGET_BYTES / 2**20:.0f} MiB); "
+            f"{size / 2**20:.0f} MiB of scores (budget {budget / 2**20:.0f} MiB); "
             "chunked keeps O(S) memory"
         )
     return _DEFAULT_ORDER, "PyTorch's fused kernel is the fastest dense path"
@@ -77,6 +88,9 @@ def _ranking(r: Request) -> tuple[tuple[str, ...], str]:
 
 def select(request: Request, backend: str = "auto") -> Dispatch:
     """Pick the kernel for ``request``.
+
+    The decision depends only on the request and the registry, so it is memoised: a
+    forward in a training loop pays a dictionary look-up, not the ranking.
 
     Args:
         request: the validated call description.
@@ -89,7 +103,19 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
         ValueError: unknown backend, or a named backend that cannot serve the request
             (the message says why and which backends can).
     """
-    registry = kernels()
+    dispatch = _select(request, backend, tuple(kernels().values()), SCORES_BUDGET_BYTES)
+    if backend == "auto" and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("auto chose %s", dispatch)
+    return dispatch
+
+
+@functools.lru_cache(maxsize=1024)
+def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budget: int) -> Dispatch:
+    # The cache key holds everything the decision reads: the request, the registered
+    # kernel objects (identity-hashed, so re-registering or replacing one invalidates
+    # earlier decisions) and the memory budget. A kernel's ``available()`` is taken to
+    # be fixed for the life of the process.
+    registry = {kernel.name: kernel for kernel in registered}
     if backend != "auto":
         kernel = get_kernel(backend)
         why = kernel.why_not(request)
@@ -99,8 +125,8 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
                 f"backend {backend!r} {why}; use backend='auto' or one of {able}"
             )
         others = {n: f"backend={backend!r} was requested" for n in registry if n != backend}
-        return Dispatch(backend, "requested explicitly", others, request)
-    order, because = _ranking(request)
+        return Dispatch(backend, "requested explicitly", MappingProxyType(others), request)
+    order, because = _ranking(request, budget)
     order = [n for n in order if n in registry] + [n for n in registry if n not in order]
     passed: dict[str, str] = {}
     chosen = None
@@ -111,13 +137,11 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
         elif why is not None:
             passed[name] = why
         else:
-            passed[name] = f"ranked below {chosen!r}"
+            cost = _COST.get(name)
+            passed[name] = f"ranked below {chosen!r}" + (f" ({cost})" if cost else "")
     if chosen is None:  # matmul serves everything; only a broken registry gets here
         raise RuntimeError(f"no registered backend can serve {request}: {passed}")
     reason = because if order[0] == chosen else f"first able backend in the ranking ({because})"
     if request.is_gqa and not registry[chosen].native_gqa:
         reason += "; it copies k/v to all query heads for grouped-query attention"
-    dispatch = Dispatch(chosen, reason, passed, request)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("auto chose %s", dispatch)
-    return dispatch
+    return Dispatch(chosen, reason, MappingProxyType(passed), request)

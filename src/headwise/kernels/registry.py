@@ -58,7 +58,7 @@ class Request:
         return self.mask_shape is not None and self.mask_shape[1:3] == (1, 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity equality and hash: one object per registration
 class Kernel:
     """A registered kernel and what it can do.
 

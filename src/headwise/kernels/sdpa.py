@@ -54,7 +54,7 @@ def sdpa_attention(
             G = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(G, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
             v = v.repeat_interleave(G, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
-    if attention_mask is None and (not is_causal or S == Sk):
+    if attention_mask is None and (not is_causal or Sk == S):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )  # (B, H, S, D)

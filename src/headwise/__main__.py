@@ -1,0 +1,5 @@
+import sys
+
+from headwise.cli import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures: the float64 reference every kernel is compared against.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import settings
+
+settings.register_profile("headwise", max_examples=25, deadline=None, derandomize=True)
+settings.load_profile("headwise")
+
+
+def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=None,
+                        keep=None, dropout_p=0.0):
+    """The mask contract written out independently of headwise, in float64.
+
+    ``keep`` (B, H, S, Sk) bool, if given, is the dropout keep mask to apply.
+    Returns (out (B, H, S, D), weights (B, H, S, Sk)).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    B, H, S, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(H // Hkv, dim=1)  # (B, H, Sk, D)
+    v = v.repeat_interleave(H // Hkv, dim=1)
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    allowed = torch.ones(B, H, S, Sk, dtype=torch.bool)
+    bias = torch.zeros(B, H, S, Sk, dtype=torch.float64)
+    if attention_mask is not None:
+        m = attention_mask
+        if m.dim() == 2:
+            m = m[:, None, None, :]
+        elif m.dim() == 3:
+            m = m[:, None, :, :]
+        m = m.expand(B, H, S, Sk)
+        if m.is_floating_point():
+            m = m.double()
+            allowed = allowed & ~torch.isneginf(m)
+            bias = torch.where(allowed, m, torch.zeros_like(m))
+        else:
+            allowed = allowed & (m != 0)
+    if is_causal:
+        i = torch.arange(S)[:, None]
+        j = torch.arange(Sk)[None, :]
+        allowed = allowed & (j <= i + (Sk - S))
+    s = q @ k.transpose(-2, -1) * scale + bias
+    row_max = torch.where(allowed, s, torch.tensor(-math.inf, dtype=s.dtype)).amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    e = torch.exp(torch.where(allowed, s, row_max) - row_max) * allowed
+    weights = e / e.sum(-1, keepdim=True).clamp_min(1e-300)
+    p = weights
+    if keep is not None:
+        p = weights * keep / (1 - dropout_p)
+    return p @ v, weights
+
+
+@pytest.fixture
+def ref():
+    return reference_attention

@@ -1,0 +1,219 @@
+"""Every kernel against the float64 reference: outputs and gradients, every mask form.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import headwise
+from conftest import reference_attention
+from headwise.kernels import chunked
+
+BACKENDS = headwise.available_backends()
+B, D = 3, 8
+SHAPES = [(5, 5), (3, 7), (7, 3)]  # (S, Sk): square, fewer queries (decode-like), more queries
+HEADS = [(4, 4), (4, 2), (4, 1)]  # (H, Hkv): MHA, GQA, MQA
+MASKS = [
+    "none", "pad2d_bool", "pad2d_int", "pad2d_float", "full3d_bool", "bcast3d_int",
+    "full4d_bool", "bcast4d_float", "doc_expanded",
+]
+
+
+def make_mask(form: str, H: int, S: int, Sk: int, gen: torch.Generator):
+    """A mask in the given form; every form except 'none' contains a dead query row."""
+    if form == "none":
+        return None
+    lengths = torch.tensor([Sk, max(Sk - 2, 1), 0])  # batch row 2 is fully padded
+    pad = torch.arange(Sk)[None, :] < lengths[:, None]  # (B, Sk)
+    if form == "pad2d_bool":
+        return pad
+    if form == "pad2d_int":
+        return pad.long()
+    if form == "pad2d_float":
+        return torch.zeros(B, Sk).masked_fill(~pad, float("-inf")) + torch.randn(B, Sk, generator=gen)
+    if form == "doc_expanded":  # the first document's unsqueeze(1).unsqueeze(2).expand
+        return pad.int().unsqueeze(1).unsqueeze(2).expand(B, H, S, Sk)
+    if form == "full3d_bool":
+        m = torch.rand(B, S, Sk, generator=gen) > 0.3
+        m[0, 1] = False  # a dead row
+        return m
+    if form == "bcast3d_int":
+        m = (torch.rand(1, S, Sk, generator=gen) > 0.3).int()
+        m[0, -1] = 0
+        return m
+    if form == "full4d_bool":
+        m = torch.rand(B, H, S, Sk, generator=gen) > 0.4
+        m[1, 2, 0] = False
+        return m
+    if form == "bcast4d_float":
+        m = torch.randn(B, 1, S, Sk, generator=gen)
+        m = m.masked_fill(torch.rand(B, 1, S, Sk, generator=gen) > 0.6, float("-inf"))
+        m[2, 0, 1] = float("-inf")
+        return m
+    raise AssertionError(form)
+
+
+@pytest.fixture(params=[*BACKENDS, "chunked-tiled"])
+def backend(request, monkeypatch):
+    """Each backend; 'chunked-tiled' runs chunked with tiny tiles so the online softmax
+    really spans several key blocks and causal tiles get skipped."""
+    if request.param == "chunked-tiled":
+        monkeypatch.setattr(chunked, "BLOCK_Q", 2)
+        monkeypatch.setattr(chunked, "BLOCK_K", 3)
+        return "chunked"
+    return request.param
+
+
+def _inputs(H, Hkv, S, Sk, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=gen, dtype=dtype).requires_grad_()
+    k = torch.randn(B, Hkv, Sk, D, generator=gen, dtype=dtype).requires_grad_()
+    v = torch.randn(B, Hkv, Sk, D, generator=gen, dtype=dtype).requires_grad_()
+    return q, k, v, gen
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["S=Sk", "S<Sk", "S>Sk"])
+@pytest.mark.parametrize("form", MASKS)
+def test_matches_float64_reference(backend, form, shape, heads, is_causal, ref):
+    (S, Sk), (H, Hkv) = shape, heads
+    q, k, v, gen = _inputs(H, Hkv, S, Sk)
+    mask = make_mask(form, H, S, Sk, gen)
+    out = headwise.attention(q, k, v, mask, is_causal=is_causal, backend=backend)
+    grad_out = torch.randn(out.shape, generator=gen)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected, weights = ref(qd, kd, vd, mask, is_causal=is_causal)
+    edq, edk, edv = torch.autograd.grad(expected, (qd, kd, vd), grad_out.double())
+
+    for got, want in ((out, expected), (dq, edq), (dk, edk), (dv, edv)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    dead = weights.sum(-1) == 0  # (B, H, S) rows that may attend nothing
+    assert (out.detach()[dead] == 0).all()
+    assert (dq[dead] == 0).all()
+
+
+WEIGHT_BACKENDS = [n for n in BACKENDS if headwise.kernels.get_kernel(n).supports_weights]
+
+
+@pytest.mark.parametrize("form", ["none", "pad2d_bool", "bcast4d_float"])
+@pytest.mark.parametrize("backend", WEIGHT_BACKENDS)
+def test_weights_match_reference(backend, form, ref):
+    q, k, v, gen = _inputs(4, 2, 5, 6)
+    mask = make_mask(form, 4, 5, 6, gen)
+    out, weights = headwise.attention(q, k, v, mask, is_causal=True, backend=backend,
+                                      need_weights=True)
+    expected, expected_weights = ref(q, k, v, mask, is_causal=True)
+    torch.testing.assert_close(weights.double(), expected_weights, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_gradcheck_float64(backend, is_causal):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 1, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+
+    def f(q, k, v):
+        return headwise.attention(q, k, v, mask, is_causal=is_causal, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_gradcheck_float_mask_bias(backend):
+    """A learnable additive bias receives its gradient through every kernel."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 1, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, bias):
+        return headwise.attention(q, k, v, bias, is_causal=True, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_low_precision_within_twice_plain_torch_error(backend, dtype, ref):
+    """flash-attn's rule: error vs float64 at most ~2x that of plain PyTorch in `dtype`."""
+    q, k, v, gen = _inputs(4, 2, 16, 24, dtype=torch.float32, seed=3)
+    mask = make_mask("pad2d_bool", 4, 16, 24, gen)
+    q, k, v = (t.detach().to(dtype) for t in (q, k, v))
+    expected, _ = ref(q, k, v, mask, is_causal=True)
+    plain = headwise.attention(q, k, v, mask, is_causal=True, backend="matmul")
+    got = headwise.attention(q, k, v, mask, is_causal=True, backend=backend)
+    assert got.dtype == dtype
+    plain_err = (plain.double() - expected).abs().max().item()
+    err = (got.double() - expected).abs().max().item()
+    assert err <= 2 * plain_err + 1e-3, (err, plain_err)
+
+
+def test_dropout_is_unbiased_and_keeps_dead_rows_zero(backend, ref):
+    """Averaged over a large batch of identical inputs, dropout output -> no-dropout output."""
+    n = 4000
+    gen = torch.Generator().manual_seed(4)
+    q1 = torch.randn(1, 2, 3, 4, generator=gen)
+    k1, v1 = torch.randn(2, 1, 2, 4, 4, generator=gen)
+    mask1 = torch.tensor([[[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 1, 1]]], dtype=torch.bool)
+    q, k, v = (t.expand(n, -1, -1, -1) for t in (q1, k1, v1))
+    mask = mask1.expand(n, -1, -1)  # (B, S, Sk)
+    torch.manual_seed(0)
+    out = headwise.attention(q, k, v, mask, dropout_p=0.3, backend=backend)
+    expected, _ = ref(q1, k1, v1, mask1)
+    assert torch.isfinite(out).all()
+    assert (out[:, :, 1] == 0).all()  # the dead query row
+    torch.testing.assert_close(out.double().mean(0, keepdim=True), expected, atol=0.06, rtol=0)
+    assert not torch.allclose(out[0], out[1])  # dropout really drew different masks
+
+
+@st.composite
+def _problem(draw):
+    """Random shapes, grouping, mask layout and causality."""
+    Bq = draw(st.integers(1, 3))
+    Hkv = draw(st.integers(1, 3))
+    H = Hkv * draw(st.integers(1, 3))
+    S, Sk, Dh = draw(st.integers(1, 9)), draw(st.integers(1, 9)), draw(st.sampled_from([1, 4, 8]))
+    layout = draw(st.sampled_from(["none", (Bq, Sk), (Bq, S, Sk), (1, S, Sk), (Bq, H, S, Sk),
+                                   (Bq, 1, 1, Sk), (1, H, 1, Sk)]))
+    kind = draw(st.sampled_from(["bool", "int", "float"]))
+    return Bq, H, Hkv, S, Sk, Dh, layout, kind, draw(st.booleans()), draw(st.integers(0, 2**31))
+
+
+@given(problem=_problem())
+def test_property_every_backend_matches_reference(problem):
+    Bq, H, Hkv, S, Sk, Dh, layout, kind, is_causal, seed = problem
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(Bq, H, S, Dh, generator=gen, requires_grad=True)
+    k = torch.randn(Bq, Hkv, Sk, Dh, generator=gen, requires_grad=True)
+    v = torch.randn(Bq, Hkv, Sk, Dh, generator=gen, requires_grad=True)
+    mask = None
+    if layout != "none":
+        allowed = torch.rand(layout, generator=gen) > 0.4
+        if kind == "bool":
+            mask = allowed
+        elif kind == "int":
+            mask = allowed.to(torch.int32) * torch.randint(1, 5, layout, generator=gen, dtype=torch.int32)
+        else:
+            mask = torch.randn(layout, generator=gen).masked_fill(~allowed, float("-inf"))
+    expected, _ = reference_attention(q, k, v, mask, is_causal=is_causal)
+    g = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad(expected, (q, k, v), g)
+    for name in BACKENDS:
+        out = headwise.attention(q, k, v, mask, is_causal=is_causal, backend=name)
+        got = torch.autograd.grad(out, (q, k, v), g.float())
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5, msg=name)
+        for a, b in zip(got, want, strict=True):
+            assert torch.isfinite(a).all(), name
+            torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5, msg=name)

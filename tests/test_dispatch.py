@@ -1,0 +1,261 @@
+"""Tests for ``headwise.dispatch``: what ``backend="auto"`` picks, and that it says why.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import pytest
+import torch
+
+import headwise
+import headwise.dispatch
+from headwise import attention, available_backends, choose_backend
+from headwise.dispatch import select
+from headwise.kernels import registry
+from headwise.kernels.registry import Request, kernels
+
+B, H, S, Sk, D = 2, 4, 3, 5, 8
+
+
+def qkv(kv_heads=H):
+    return (
+        torch.randn(B, H, S, D),
+        torch.randn(B, kv_heads, Sk, D),
+        torch.randn(B, kv_heads, Sk, D),
+    )
+
+
+def request(**changes) -> Request:
+    """A Request described without tensors, so huge sizes cost nothing."""
+    base = dict(
+        device=torch.device("cpu"), dtype=torch.float32, batch=B, heads=H, kv_heads=H,
+        q_len=S, k_len=Sk, head_dim=D, mask_kind="none", mask_shape=None, is_causal=False,
+        dropout_p=0.0, need_weights=False, requires_grad=False,
+    )
+    return Request(**{**base, **changes})
+
+
+def weight_backends() -> list[str]:
+    return [n for n, k in kernels().items() if k.supports_weights]
+
+
+def assert_covers_every_other_kernel(d: headwise.Dispatch) -> None:
+    assert d.backend not in d.passed_over
+    assert set(d.passed_over) == set(kernels()) - {d.backend}
+    assert all(isinstance(why, str) and why for why in d.passed_over.values())
+
+
+@pytest.fixture
+def tiny_budget(monkeypatch):
+    monkeypatch.setattr(headwise.dispatch, "SCORES_BUDGET_BYTES", 16)
+
+
+def swap_kernel(monkeypatch, name, **changes):
+    """Replace a registered kernel for one test (the registry is restored afterwards)."""
+    kernel = dataclasses.replace(registry.get_kernel(name), **changes)
+    monkeypatch.setitem(registry._KERNELS, name, kernel)
+    return kernel
+
+
+# --- the rules ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"attention_mask": torch.ones(B, Sk, dtype=torch.bool)},
+        {"attention_mask": torch.zeros(B, S, Sk)},
+        {"is_causal": True},
+        {"dropout_p": 0.1},  # small scores: SDPA's fallback is cheap
+    ],
+    ids=["plain", "bool-mask", "float-mask", "causal", "dropout"],
+)
+def test_auto_picks_sdpa_by_default(kwargs):
+    d = choose_backend(*qkv(), **kwargs)
+    assert d.backend == "sdpa"
+    assert d.reason == "PyTorch's fused kernel is the fastest dense path"
+    assert_covers_every_other_kernel(d)
+
+
+def test_auto_picks_sdpa_for_grouped_query_without_copy_note():
+    d = choose_backend(*qkv(kv_heads=2))
+    assert d.backend == "sdpa"
+    if registry.get_kernel("sdpa").native_gqa:
+        assert "copies k/v" not in d.reason
+
+
+def test_need_weights_picks_a_weights_capable_backend():
+    d = choose_backend(*qkv(), need_weights=True)
+    assert d.backend in weight_backends()
+    assert d.backend == "matmul"
+    assert d.reason == "need_weights=True: it returns the probabilities and is the plainest"
+    for name, kernel in kernels().items():
+        if not kernel.supports_weights:
+            assert d.passed_over[name] == "cannot return attention weights (need_weights=True)"
+    assert_covers_every_other_kernel(d)
+
+
+def test_need_weights_with_grouped_query_says_it_copies():
+    d = choose_backend(*qkv(kv_heads=1), need_weights=True)
+    assert d.backend == "matmul"
+    assert d.reason.endswith("; it copies k/v to all query heads for grouped-query attention")
+
+
+def test_cpu_dropout_with_huge_scores_picks_chunked(tiny_budget):
+    d = choose_backend(*qkv(), dropout_p=0.1)
+    assert d.backend == "chunked"
+    assert re.fullmatch(
+        r"dropout on CPU keeps SDPA off its fused kernel, and its fallback would hold "
+        r"0 MiB of scores \(budget 0 MiB\); chunked keeps O\(S\) memory",
+        d.reason,
+    )
+    assert d.passed_over["sdpa"].startswith("ranked below 'chunked'")
+    assert_covers_every_other_kernel(d)
+
+
+def test_budget_is_read_when_deciding(monkeypatch):
+    # The same request, asked before and after the budget changes: rule 3 must see the change.
+    q, k, v = qkv()
+    assert choose_backend(q, k, v, dropout_p=0.1).backend == "sdpa"
+    monkeypatch.setattr(headwise.dispatch, "SCORES_BUDGET_BYTES", 16)
+    assert choose_backend(q, k, v, dropout_p=0.1).backend == "chunked"
+
+
+def test_huge_scores_without_dropout_stay_on_sdpa(tiny_budget):
+    assert choose_backend(*qkv()).backend == "sdpa"
+
+
+def test_huge_scores_with_need_weights_still_need_weights(tiny_budget):
+    assert choose_backend(*qkv(), dropout_p=0.1, need_weights=True).backend == "matmul"
+
+
+def test_default_budget_on_a_described_request():
+    # (1, 16, 8192, 8192) fp32 scores are 4 GiB: far over the default 256 MiB budget
+    huge = request(batch=1, heads=16, kv_heads=16, q_len=8192, k_len=8192, dropout_p=0.1)
+    d = select(huge)
+    assert d.backend == "chunked"
+    assert "would hold 4096 MiB of scores (budget 256 MiB)" in d.reason
+    assert select(dataclasses.replace(huge, dropout_p=0.0)).backend == "sdpa"
+    # off the CPU SDPA has fused dropout, so the rule does not apply
+    assert select(dataclasses.replace(huge, device=torch.device("cuda"))).backend == "sdpa"
+
+
+def test_chosen_backend_is_the_one_that_runs(monkeypatch, tiny_budget):
+    calls = []
+    chunked = registry.get_kernel("chunked")
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return chunked.fn(*args, **kwargs)
+
+    swap_kernel(monkeypatch, "chunked", fn=spy)
+    out = attention(*qkv(), dropout_p=0.1)
+    assert out.shape == (B, H, S, D)
+    assert len(calls) == 1 and calls[0]["dropout_p"] == 0.1
+
+
+# --- explicit backends -----------------------------------------------------------------------
+
+
+def test_explicit_backend_that_cannot_return_weights_names_able_backends():
+    able = weight_backends()
+    for name in (n for n, k in kernels().items() if not k.supports_weights):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"backend {name!r} cannot return attention weights (need_weights=True); "
+                f"use backend='auto' or one of {able}"
+            ),
+        ):
+            choose_backend(*qkv(), need_weights=True, backend=name)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_explicit_backend_is_used_and_explains_the_rest(backend):
+    d = choose_backend(*qkv(), backend=backend)
+    assert d.backend == backend
+    assert d.reason == "requested explicitly"
+    assert d.passed_over == {n: f"backend={backend!r} was requested" for n in kernels()
+                             if n != backend}
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match=r"unknown backend 'fast'; choose one of 'auto', "):
+        select(request(), "fast")
+
+
+def test_unavailable_kernel_is_passed_over_with_its_reason(monkeypatch):
+    swap_kernel(monkeypatch, "sdpa", available=lambda: "needs a newer torch")
+    assert "sdpa" not in available_backends()
+    d = choose_backend(*qkv())
+    assert d.backend == "chunked"
+    assert d.reason.startswith("first able backend in the ranking (")
+    assert d.passed_over["sdpa"] == "needs a newer torch"
+    assert_covers_every_other_kernel(d)
+    able = [n for n in kernels() if n != "sdpa"]
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"backend 'sdpa' needs a newer torch; use backend='auto' or one of {able}"),
+    ):
+        choose_backend(*qkv(), backend="sdpa")
+
+
+def test_kernel_refusal_is_reported(monkeypatch):
+    swap_kernel(monkeypatch, "sdpa", refuses=lambda r: "no causal today" if r.is_causal else None)
+    assert choose_backend(*qkv()).backend == "sdpa"
+    d = choose_backend(*qkv(), is_causal=True)
+    assert d.backend != "sdpa"
+    assert d.passed_over["sdpa"] == "no causal today"
+
+
+def test_no_able_backend_is_a_runtime_error(monkeypatch):
+    for name in kernels():
+        swap_kernel(monkeypatch, name, refuses=lambda r: "refused")
+    with pytest.raises(RuntimeError, match="no registered backend can serve"):
+        select(request())
+
+
+# --- observability ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"need_weights": True}, {"dropout_p": 0.2}, {"is_causal": True}]
+)
+def test_passed_over_covers_every_other_registered_kernel(kwargs):
+    assert_covers_every_other_kernel(choose_backend(*qkv(), **kwargs))
+
+
+def test_dispatch_prints_one_line_per_kernel():
+    d = choose_backend(*qkv())
+    lines = str(d).splitlines()
+    assert lines[0] == "backend 'sdpa': PyTorch's fused kernel is the fastest dense path"
+    assert sorted(lines[1:]) == sorted(
+        f"  passed over {name!r}: {why}" for name, why in d.passed_over.items()
+    )
+    assert d.kernel is registry.get_kernel("sdpa")
+    assert d.request == request(dtype=torch.float32)
+
+
+def test_auto_logs_its_choice_at_debug(caplog):
+    caplog.set_level(logging.DEBUG, logger="headwise.dispatch")
+    attention(*qkv())
+    records = [r for r in caplog.records if r.name == "headwise.dispatch"]
+    assert len(records) == 1
+    assert records[0].levelno == logging.DEBUG
+    assert records[0].getMessage().startswith(
+        "auto chose backend 'sdpa': PyTorch's fused kernel is the fastest dense path"
+    )
+    assert "passed over 'matmul'" in records[0].getMessage()
+
+
+def test_no_log_above_debug(caplog):
+    caplog.set_level(logging.INFO, logger="headwise.dispatch")
+    attention(*qkv())
+    assert not [r for r in caplog.records if r.name == "headwise.dispatch"]

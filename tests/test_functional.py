@@ -1,0 +1,330 @@
+"""Tests for ``headwise.functional``: input checks, masks end to end, backend listing.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import headwise
+from headwise import attention, available_backends, choose_backend
+from headwise.kernels.registry import get_kernel, kernels
+
+B, H, Hkv, S, Sk, D = 2, 4, 2, 3, 5, 8
+BACKENDS = available_backends()
+WEIGHT_BACKENDS = [n for n in BACKENDS if get_kernel(n).supports_weights]
+
+
+def qkv(heads=H, kv_heads=Hkv, q_len=S, k_len=Sk, dtype=torch.float32, requires_grad=False):
+    q = torch.randn(B, heads, q_len, D, dtype=dtype, requires_grad=requires_grad)
+    k = torch.randn(B, kv_heads, k_len, D, dtype=dtype, requires_grad=requires_grad)
+    v = torch.randn(B, kv_heads, k_len, D, dtype=dtype, requires_grad=requires_grad)
+    return q, k, v
+
+
+def close(a, b):
+    torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
+
+
+# --- input errors -------------------------------------------------------------------------
+
+
+def test_non_tensor_inputs():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        attention(q.tolist(), k, v)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor, got NoneType"):
+        attention(q, None, v)
+    with pytest.raises(TypeError, match="v must be a torch.Tensor, got str"):
+        attention(q, k, "v")
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_inputs_must_be_4d(which):
+    t = dict(zip("qkv", qkv(), strict=True))
+    t[which] = t[which][0]
+    shape = tuple(t[which].shape)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"{which} must be 4-D (B, H, S, D), got shape {shape}; "
+            "split heads first, e.g. x.reshape(B, S, H, D).transpose(1, 2)"
+        ),
+    ):
+        attention(t["q"], t["k"], t["v"])
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_inputs_must_be_floating(which):
+    t = dict(zip("qkv", qkv(), strict=True))
+    t[which] = t[which].long()
+    with pytest.raises(TypeError, match=f"{which} must be floating point, got torch.int64"):
+        attention(t["q"], t["k"], t["v"])
+
+
+def test_dtypes_must_agree():
+    q, k, v = qkv()
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "q, k, v dtypes differ (torch.float32, torch.float64, torch.float32); "
+            "cast them to one dtype"
+        ),
+    ):
+        attention(q, k.double(), v)
+
+
+def test_devices_must_agree():
+    q, k, v = qkv()
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "q, k, v are on different devices (cpu, cpu, meta); move them to one device"
+        ),
+    ):
+        attention(q, k, v.to("meta"))
+
+
+def test_k_and_v_shapes_must_agree():
+    q, k, v = qkv()
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "k (2, 2, 5, 8) and v (2, 2, 4, 8) must have the same shape (B, Hkv, Sk, D)"
+        ),
+    ):
+        attention(q, k, v[:, :, :4])
+
+
+def test_batches_must_agree():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="q has batch 1 but k and v have batch 2"):
+        attention(q[:1], k, v)
+
+
+def test_head_dims_must_agree():
+    q, k, v = qkv()
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "q head dim (6) differs from k/v head dim (8); "
+            "project q, k and v to the same head_dim"
+        ),
+    ):
+        attention(q[..., :6], k, v)
+
+
+@pytest.mark.parametrize("kv_heads", [3, 0])
+def test_heads_must_be_a_multiple_of_kv_heads(kv_heads):
+    q, k, v = qkv(kv_heads=kv_heads)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"q has 4 heads, which is not a multiple of k/v's {kv_heads} heads; "
+            "grouped-query attention needs num_heads % num_kv_heads == 0"
+        ),
+    ):
+        attention(q, k, v)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])
+def test_dropout_range(p):
+    with pytest.raises(ValueError, match=re.escape(f"dropout_p must be in [0, 1), got {p}")):
+        attention(*qkv(), dropout_p=p)
+
+
+def test_unknown_backend_lists_known_ones():
+    known = ", ".join(repr(n) for n in ["auto", *kernels()])
+    with pytest.raises(
+        ValueError, match=re.escape(f"unknown backend 'flash9'; choose one of {known}")
+    ):
+        attention(*qkv(), backend="flash9")
+    assert "'matmul'" in known and "'sdpa'" in known
+
+
+def test_backend_that_cannot_return_weights():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "backend 'sdpa' cannot return attention weights (need_weights=True); "
+            f"use backend='auto' or one of {WEIGHT_BACKENDS}"
+        ),
+    ):
+        attention(*qkv(), backend="sdpa", need_weights=True)
+
+
+def test_mask_errors_reach_the_caller():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=re.escape("attention_mask of shape (2, 3) does not fit")):
+        attention(q, k, v, torch.ones(B, S, dtype=torch.bool))  # (B, S) instead of (B, Sk)
+    with pytest.raises(TypeError, match="attention_mask has dtype torch.complex64"):
+        attention(q, k, v, torch.ones(B, Sk, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="attention_mask is on meta but the queries are on cpu"):
+        attention(q, k, v, torch.ones(B, Sk, dtype=torch.bool, device="meta"))
+    with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor or None, got list"):
+        attention(q, k, v, [[1] * Sk] * B)
+
+
+def test_choose_backend_checks_inputs_too():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=re.escape("dropout_p must be in [0, 1), got 2")):
+        choose_backend(q, k, v, dropout_p=2)
+
+
+# --- results ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv_heads", [H, Hkv, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("q_len", [S, Sk, 7], ids=["S<Sk", "S==Sk", "S>Sk"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_matches_float64_reference(ref, backend, kv_heads, q_len, is_causal):
+    q, k, v = qkv(kv_heads=kv_heads, q_len=q_len)
+    mask = torch.rand(B, q_len, Sk) > 0.3
+    mask[1, 0] = False  # one dead row regardless of causality
+    out = attention(q, k, v, mask, is_causal=is_causal, backend=backend)
+    close(out, ref(q, k, v, mask, is_causal=is_causal)[0])
+    assert out.shape == (B, H, q_len, D) and out.dtype == q.dtype
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float_mask_is_additive_and_scale_applies(ref, backend):
+    q, k, v = qkv()
+    bias = torch.randn(B, H, S, Sk)
+    bias[0, :, :, 1] = float("-inf")
+    out = attention(q, k, v, bias, scale=0.3, backend=backend)
+    close(out, ref(q, k, v, bias, scale=0.3)[0])
+
+
+@pytest.mark.parametrize("backend", WEIGHT_BACKENDS)
+@pytest.mark.parametrize("kv_heads", [H, Hkv, 1], ids=["mha", "gqa", "mqa"])
+def test_need_weights_shapes_and_values(ref, backend, kv_heads):
+    q, k, v = qkv(kv_heads=kv_heads)
+    keep = torch.ones(B, Sk, dtype=torch.bool)
+    keep[1] = False  # batch 1 attends nothing
+    out, weights = attention(q, k, v, keep, backend=backend, need_weights=True)
+    assert out.shape == (B, H, S, D)
+    assert weights.shape == (B, H, S, Sk)
+    close(weights, ref(q, k, v, keep)[1])
+    close(weights.sum(-1), torch.tensor([1.0, 0.0])[:, None, None].expand(B, H, S))
+
+
+def test_need_weights_false_returns_a_tensor():
+    out = attention(*qkv())
+    assert isinstance(out, torch.Tensor) and out.shape == (B, H, S, D)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_keys_gives_zeros(backend):
+    q, k, v = qkv(k_len=0)
+    out = attention(q, k, v, backend=backend)
+    assert out.shape == (B, H, S, D)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_no_keys_gives_zero_weights():
+    q, k, v = qkv(k_len=0)
+    out, weights = attention(q, k, v, torch.ones(B, 0, dtype=torch.bool), need_weights=True)
+    assert torch.equal(out, torch.zeros(B, H, S, D))
+    assert weights.shape == (B, H, S, 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_dead_rows_give_zeros_and_zero_gradients(backend, mask_kind):
+    q, k, v = qkv(q_len=7, requires_grad=True)  # causal with S > Sk: rows 0 and 1 are dead
+    keep = torch.ones(B, Sk, dtype=torch.bool)
+    keep[1] = False  # and all of batch 1
+    mask = keep if mask_kind == "bool" else torch.zeros(B, Sk).masked_fill(~keep, float("-inf"))
+    out = attention(q, k, v, mask, is_causal=True, backend=backend)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[0, :, :2], torch.zeros_like(out[0, :, :2]))
+    out.square().sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[1], torch.zeros_like(q.grad[1]))
+    assert torch.equal(q.grad[0, :, :2], torch.zeros_like(q.grad[0, :, :2]))
+    assert torch.equal(k.grad[1], torch.zeros_like(k.grad[1]))
+    assert torch.equal(v.grad[1], torch.zeros_like(v.grad[1]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_integer_and_bool_masks_agree(backend):
+    q, k, v = qkv()
+    keep = torch.rand(B, S, Sk) > 0.4
+    out_bool = attention(q, k, v, keep, backend=backend)
+    for dtype in (torch.int64, torch.int32, torch.uint8):
+        assert torch.equal(attention(q, k, v, keep.to(dtype), backend=backend), out_bool)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    layout=st.sampled_from([(B, Sk), (B, S, Sk), (B, H, S, Sk), (1, 1, S, Sk), (B, 1, 1, Sk)]),
+    is_causal=st.booleans(),
+)
+def test_property_integer_mask_equals_bool_mask(seed, layout, is_causal):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=gen) for n in (S, Sk, Sk))
+    ints = torch.randint(-2, 3, layout, generator=gen)
+    out_int = attention(q, k, v, ints, is_causal=is_causal)
+    out_bool = attention(q, k, v, ints != 0, is_causal=is_causal)
+    assert torch.equal(out_int, out_bool)
+    assert torch.isfinite(out_int).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_documents_expanded_4d_mask_equals_2d_form(ref, backend):
+    # The documents build (B, H, S, S) int masks: mask.unsqueeze(1).unsqueeze(2).expand(...)
+    q, k, v = qkv(kv_heads=H, q_len=2, k_len=2)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    expanded = mask.unsqueeze(1).unsqueeze(2).expand(B, H, 2, 2)
+    out_4d = attention(q, k, v, expanded, backend=backend)
+    close(out_4d, attention(q, k, v, mask, backend=backend))
+    close(out_4d, ref(q, k, v, expanded)[0])
+
+
+# --- backends -----------------------------------------------------------------------------
+
+
+def test_available_backends():
+    names = available_backends()
+    assert {"sdpa", "matmul", "einsum", "einops", "bmm", "chunked"} <= set(names)
+    assert "auto" not in names
+    assert set(names) <= set(kernels())
+    for name in names:
+        assert get_kernel(name).available() is None
+    assert headwise.available_backends is available_backends
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_available_backend_runs(ref, backend):
+    q, k, v = qkv()
+    close(attention(q, k, v, backend=backend), ref(q, k, v)[0])
+
+
+def test_choose_backend_prints_readably():
+    d = choose_backend(*qkv())
+    assert isinstance(d, headwise.Dispatch)
+    text = str(d)
+    lines = text.splitlines()
+    assert lines[0] == f"backend {d.backend!r}: {d.reason}"
+    assert len(lines) == len(kernels())  # the choice, then one line per kernel passed over
+    for name, why in d.passed_over.items():
+        assert f"  passed over {name!r}: {why}" in lines
+
+
+def test_choose_backend_runs_nothing_and_agrees_with_attention():
+    q, k, v = qkv()
+    d = choose_backend(q, k, v, need_weights=True)
+    assert d.backend in WEIGHT_BACKENDS
+    assert d.request.need_weights and d.request.q_len == S and d.request.k_len == Sk
+    assert choose_backend(q, k, v, backend="einsum").backend == "einsum"

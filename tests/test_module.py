@@ -1,0 +1,481 @@
+"""Tests for ``headwise.MultiHeadAttention``: checks, shapes, dropout, and parity with
+``torch.nn.MultiheadAttention`` and the documents' reference classes on every backend.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim, E embed dim.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from headwise import MultiHeadAttention, available_backends
+from headwise.kernels.registry import get_kernel
+from headwise.masks import from_torch_masks
+from headwise.reference import MHSA, MultiHeadAttentionFormal, to_headwise_state_dict
+
+B, S, Sk, E, H = 2, 5, 3, 16, 4
+BACKENDS = available_backends()
+WEIGHT_BACKENDS = [n for n in BACKENDS if get_kernel(n).supports_weights]
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, **TOL)
+
+
+# --- constructor errors ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        ((100, 8), {}, ValueError,
+         "num_heads (8) must divide embed_dim (100); try num_heads=5 or 10"),
+        ((64, 7), {}, ValueError, "num_heads (7) must divide embed_dim (64); try num_heads=4 or 8"),
+        ((64, 8), {"num_kv_heads": 3}, ValueError,
+         "num_kv_heads (3) must divide num_heads (8); try num_kv_heads=2 or 4"),
+        ((64, 8), {"num_kv_heads": 16}, ValueError,
+         "num_kv_heads (16) must divide num_heads (8); try num_kv_heads=8"),
+        ((64, 8, 1.0), {}, ValueError, "dropout must be in [0, 1), got 1.0"),
+        ((64, 8, -0.1), {}, ValueError, "dropout must be in [0, 1), got -0.1"),
+        ((64, 8), {"backend": "flash"}, ValueError,
+         "unknown backend 'flash'; choose one of 'auto', "),
+        ((64.0, 8), {}, TypeError, "embed_dim must be an int, got float (64.0)"),
+        ((64, True), {}, TypeError, "num_heads must be an int, got bool (True)"),
+        ((64, 8), {"num_kv_heads": "2"}, TypeError, "num_kv_heads must be an int, got str ('2')"),
+        ((0, 8), {}, ValueError, "embed_dim must be positive, got 0"),
+        ((64, -8), {}, ValueError, "num_heads must be positive, got -8"),
+        ((64, 8), {"num_kv_heads": 0}, ValueError, "num_kv_heads must be positive, got 0"),
+    ],
+)
+def test_constructor_errors(args, kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        MultiHeadAttention(*args, **kwargs)
+
+
+def test_unknown_backend_lists_every_known_one():
+    with pytest.raises(ValueError) as info:
+        MultiHeadAttention(E, H, backend="flash")
+    for name in ["auto", *BACKENDS]:
+        assert repr(name) in str(info.value)
+
+
+# --- forward errors -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "x, message",
+    [
+        (torch.randn(S, E), f"x must be (B, S, E) with E = embed_dim = {E}, got shape ({S}, {E}); "
+                            "add a batch dimension with x.unsqueeze(0)"),
+        (torch.randn(B, S, E + 1), f"x must be (B, S, E) with E = embed_dim = {E}, got shape "
+                                   f"({B}, {S}, {E + 1})"),
+        (torch.randn(1, B, S, E), f"x must be (B, S, E) with E = embed_dim = {E}, got shape "
+                                  f"(1, {B}, {S}, {E})"),
+    ],
+)
+def test_x_shape_errors(x, message):
+    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+        MultiHeadAttention(E, H)(x)
+
+
+def test_x_type_error():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        MultiHeadAttention(E, H)([[0.0] * E])
+
+
+def test_context_errors():
+    mha = MultiHeadAttention(E, H)
+    x = torch.randn(B, S, E)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"context must be (B, Sk, E) with E = embed_dim = {E}, got shape (2, 3, 8)"
+        ),
+    ):
+        mha(x, context=torch.randn(B, Sk, 8))
+    with pytest.raises(ValueError, match=re.escape(f"got shape ({Sk}, {E})")):
+        mha(x, context=torch.randn(Sk, E))
+    with pytest.raises(ValueError, match=re.escape("context batch (3) differs from x batch (2)")):
+        mha(x, context=torch.randn(3, Sk, E))
+    with pytest.raises(TypeError, match="context must be a torch.Tensor or None, got str"):
+        mha(x, context="memory")
+
+
+def test_mask_errors():
+    mha = MultiHeadAttention(E, H)
+    x = torch.randn(B, S, E)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "attention_mask of shape (2, 3) does not fit 2-D layout (B, Sk) key padding mask "
+            "= (2, 5) (each dimension must match or be 1)"
+        ),
+    ):
+        mha(x, torch.ones(B, Sk, dtype=torch.bool))
+    with pytest.raises(ValueError, match=re.escape("got 1-D with shape (5,)")):
+        mha(x, torch.ones(S, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attention_mask has dtype torch.complex64"):
+        mha(x, torch.ones(B, S, dtype=torch.complex64))
+    with pytest.raises(
+        ValueError,
+        match=re.escape("attention_mask is on meta but the queries are on cpu; "
+                        "move it with attention_mask.to('cpu')"),
+    ):
+        mha(x, torch.ones(B, S, dtype=torch.bool, device="meta"))
+
+
+def test_backend_without_weights_refuses_need_weights():
+    mha = MultiHeadAttention(E, H, backend="sdpa")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "backend 'sdpa' cannot return attention weights (need_weights=True); "
+            f"use backend='auto' or one of {WEIGHT_BACKENDS}"
+        ),
+    ):
+        mha(torch.randn(B, S, E), need_weights=True)
+
+
+# --- shapes and state -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_kv_heads", [None, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_output_shapes_self_and_cross(backend, num_kv_heads):
+    mha = MultiHeadAttention(E, H, num_kv_heads=num_kv_heads, backend=backend)
+    x = torch.randn(B, S, E)
+    context = torch.randn(B, Sk, E)
+    assert mha(x).shape == (B, S, E)
+    assert mha(x, context=context).shape == (B, S, E)
+    assert mha(x, torch.ones(B, Sk, dtype=torch.bool), context=context).shape == (B, S, E)
+    assert mha(x, context=context, is_causal=True).shape == (B, S, E)
+
+
+@pytest.mark.parametrize("backend", WEIGHT_BACKENDS)
+@pytest.mark.parametrize("num_kv_heads", [None, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_weights_shapes(backend, num_kv_heads):
+    mha = MultiHeadAttention(E, H, num_kv_heads=num_kv_heads, backend=backend)
+    out, weights = mha(torch.randn(B, S, E), context=torch.randn(B, Sk, E), need_weights=True)
+    assert out.shape == (B, S, E)
+    assert weights.shape == (B, H, S, Sk)
+
+
+@pytest.mark.parametrize("num_kv_heads, kv_dim", [(None, E), (2, E // 2), (1, E // 4)])
+def test_state_dict_keys_and_shapes(num_kv_heads, kv_dim):
+    mha = MultiHeadAttention(E, H, num_kv_heads=num_kv_heads)
+    shapes = {k: tuple(v.shape) for k, v in mha.state_dict().items()}
+    assert shapes == {
+        "q_proj.weight": (E, E), "q_proj.bias": (E,),
+        "k_proj.weight": (kv_dim, E), "k_proj.bias": (kv_dim,),
+        "v_proj.weight": (kv_dim, E), "v_proj.bias": (kv_dim,),
+        "out_proj.weight": (E, E), "out_proj.bias": (E,),
+    }
+    assert mha.head_dim == E // H
+    assert mha.num_kv_heads == (num_kv_heads or H)
+
+
+def test_state_dict_without_bias():
+    keys = list(MultiHeadAttention(E, H, bias=False).state_dict())
+    assert keys == ["q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight"]
+
+
+def test_factory_dtype():
+    mha = MultiHeadAttention(E, H, dtype=torch.float64)
+    assert all(p.dtype == torch.float64 for p in mha.parameters())
+    assert mha(torch.randn(B, S, E, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_repr_names_the_settings():
+    text = repr(MultiHeadAttention(E, H, num_kv_heads=2, is_causal=True, backend="einsum"))
+    assert "embed_dim=16, num_heads=4, num_kv_heads=2, head_dim=4" in text
+    assert "is_causal=True, backend='einsum'" in text
+    assert "num_kv_heads" not in repr(MultiHeadAttention(E, H))
+
+
+def repeat_kv(gqa: MultiHeadAttention) -> MultiHeadAttention:
+    """The plain multi-head module that grouped-query ``gqa`` is equivalent to."""
+    mha = MultiHeadAttention(gqa.embed_dim, gqa.num_heads, backend="matmul")
+    G, D = gqa.num_heads // gqa.num_kv_heads, gqa.head_dim
+    state = dict(gqa.state_dict())
+    for name in ("k_proj", "v_proj"):
+        w = state[f"{name}.weight"].reshape(gqa.num_kv_heads, D, -1)  # (Hkv*D, E) -> (Hkv, D, E)
+        state[f"{name}.weight"] = w.repeat_interleave(G, dim=0).reshape(-1, gqa.embed_dim)
+        b = state[f"{name}.bias"].reshape(gqa.num_kv_heads, D)  # (Hkv*D,) -> (Hkv, D)
+        state[f"{name}.bias"] = b.repeat_interleave(G, dim=0).reshape(-1)
+    mha.load_state_dict(state)
+    return mha
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["gqa", "mqa"])
+def test_grouped_query_equals_repeated_kv_heads(backend, num_kv_heads):
+    gqa = MultiHeadAttention(E, H, num_kv_heads=num_kv_heads, backend=backend)
+    x, context = torch.randn(B, S, E), torch.randn(B, Sk, E)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    close(gqa(x, mask, context=context), repeat_kv(gqa)(x, mask, context=context))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_causal_default_and_override(backend):
+    causal = MultiHeadAttention(E, H, is_causal=True, backend=backend)
+    plain = MultiHeadAttention(E, H, backend=backend)
+    plain.load_state_dict(causal.state_dict())
+    x = torch.randn(B, S, E)
+    close(causal(x), plain(x, is_causal=True))
+    close(causal(x, is_causal=False), plain(x))
+    assert not torch.allclose(causal(x), plain(x))
+
+
+def test_dispatch_method():
+    mha = MultiHeadAttention(E, H, dropout=0.1)
+    x = torch.randn(B, S, E)
+    assert mha.dispatch(x).backend == "sdpa"
+    assert mha.dispatch(x).request.dropout_p == 0.1
+    assert mha.dispatch(x, need_weights=True).backend in WEIGHT_BACKENDS
+    assert mha.eval().dispatch(x).request.dropout_p == 0.0
+    assert MultiHeadAttention(E, H, backend="bmm").dispatch(x).backend == "bmm"
+
+
+# --- dropout and weights ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eval_is_deterministic_and_train_drops(backend):
+    mha = MultiHeadAttention(E, H, dropout=0.5, backend=backend)
+    no_dropout = MultiHeadAttention(E, H, backend=backend)
+    no_dropout.load_state_dict(mha.state_dict())
+    x = torch.randn(B, S, E)
+    mha.eval()
+    first = mha(x)
+    assert torch.equal(first, mha(x))
+    close(first, no_dropout(x))
+    mha.train()
+    dropped = mha(x)
+    assert torch.isfinite(dropped).all()
+    assert not torch.allclose(dropped, first)
+    assert not torch.allclose(dropped, mha(x))  # a fresh dropout mask each call
+
+
+@pytest.mark.parametrize("backend", WEIGHT_BACKENDS)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_weights_rows_sum_to_one_or_zero(backend, training):
+    mha = MultiHeadAttention(E, H, dropout=0.3, backend=backend).train(training)
+    # causal cross-attention with S > Sk: query i sees keys j <= i - 2, so rows 0, 1 are dead
+    _, weights = mha(torch.randn(B, S, E), context=torch.randn(B, Sk, E), is_causal=True,
+                     need_weights=True)
+    sums = weights.sum(dim=-1)  # (B, H, S)
+    want = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0]).expand(B, H, S)
+    close(sums, want)  # probabilities before dropout, so 1 even in training
+    assert torch.equal(weights[:, :, :2], torch.zeros(B, H, 2, Sk))
+    assert (weights >= 0).all()
+
+
+# --- parity with torch.nn.MultiheadAttention ------------------------------------------------
+
+
+def torch_masks(kind: str, num_heads: int = H):
+    """(key_padding_mask, attn_mask) in torch's convention (bool True = ignore)."""
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1, -2:] = True  # batch 1: the last two keys are padding
+    causal = torch.ones(S, S, dtype=torch.bool).triu(1)  # above the diagonal: ignore
+    if kind == "none":
+        return None, None
+    if kind == "kpm":
+        return kpm, None
+    if kind == "attn":
+        return None, causal
+    if kind == "both":
+        return kpm, causal
+    if kind == "float":
+        bias = torch.randn(S, S).masked_fill(causal, float("-inf"))
+        return torch.zeros(B, S).masked_fill(kpm, float("-inf")), bias
+    if kind == "3d":
+        per_head = torch.rand(B * num_heads, S, S) > 0.5
+        per_head &= ~torch.eye(S, dtype=torch.bool)  # the diagonal stays visible
+        return kpm, per_head
+    raise AssertionError(kind)
+
+
+def run_torch(m: nn.MultiheadAttention, x, kpm, am, **kwargs):
+    """torch's module on batch-first x (B, S, E), transposing when it is sequence-first."""
+    xt = x if m.batch_first else x.transpose(0, 1)  # (B, S, E) -> (S, B, E)
+    out, weights = m(xt, xt, xt, key_padding_mask=kpm, attn_mask=am, **kwargs)
+    return (out if m.batch_first else out.transpose(0, 1)), weights  # -> (B, S, E)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["none", "kpm", "attn", "both", "float", "3d"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+def test_from_torch_parity(backend, kind, batch_first):
+    m = nn.MultiheadAttention(E, H, batch_first=batch_first).eval()
+    nn.init.normal_(m.in_proj_bias)
+    nn.init.normal_(m.out_proj.bias)
+    ours = MultiHeadAttention.from_torch(m, backend=backend)
+    assert not ours.training and ours.backend == backend
+    x = torch.randn(B, S, E)
+    kpm, am = torch_masks(kind)
+    want, _ = run_torch(m, x, kpm, am, need_weights=False)
+    got = ours(x, from_torch_masks(kpm, am, num_heads=H))
+    close(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+def test_from_torch_parity_without_bias(backend, batch_first):
+    m = nn.MultiheadAttention(E, H, bias=False, batch_first=batch_first)
+    ours = MultiHeadAttention.from_torch(m, backend=backend)
+    assert ours.q_proj.bias is None and ours.out_proj.bias is None
+    x = torch.randn(B, S, E)
+    kpm, am = torch_masks("both")
+    close(ours(x, from_torch_masks(kpm, am)), run_torch(m, x, kpm, am, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_from_torch_gradients_match(backend):
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    nn.init.normal_(m.in_proj_bias)
+    ours = MultiHeadAttention.from_torch(m, backend=backend)
+    x = torch.randn(B, S, E)
+    kpm, am = torch_masks("both")
+    grad_out = torch.randn(B, S, E)
+    (run_torch(m, x, kpm, am, need_weights=False)[0] * grad_out).sum().backward()
+    (ours(x, from_torch_masks(kpm, am)) * grad_out).sum().backward()
+    in_w = torch.cat([ours.q_proj.weight.grad, ours.k_proj.weight.grad, ours.v_proj.weight.grad])
+    in_b = torch.cat([ours.q_proj.bias.grad, ours.k_proj.bias.grad, ours.v_proj.bias.grad])
+    close(in_w, m.in_proj_weight.grad)
+    close(in_b, m.in_proj_bias.grad)
+    close(ours.out_proj.weight.grad, m.out_proj.weight.grad)
+    close(ours.out_proj.bias.grad, m.out_proj.bias.grad)
+
+
+@pytest.mark.parametrize("backend", WEIGHT_BACKENDS)
+def test_from_torch_weights_match_per_head(backend):
+    m = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    ours = MultiHeadAttention.from_torch(m, backend=backend)
+    x = torch.randn(B, S, E)
+    kpm, am = torch_masks("both")
+    _, want = run_torch(m, x, kpm, am, need_weights=True, average_attn_weights=False)
+    _, got = ours(x, from_torch_masks(kpm, am), need_weights=True)
+    close(got, want)
+
+
+def test_from_torch_copies_settings():
+    m = nn.MultiheadAttention(E, H, dropout=0.25, dtype=torch.float64)
+    ours = MultiHeadAttention.from_torch(m, is_causal=True)
+    assert ours.dropout == 0.25 and ours.training and ours.is_causal
+    assert ours.q_proj.weight.dtype == torch.float64
+    assert ours.backend == "auto"
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_to_torch_round_trip(batch_first, bias):
+    ours = MultiHeadAttention(E, H, dropout=0.1, bias=bias).eval()
+    m = ours.to_torch(batch_first=batch_first)
+    assert isinstance(m, nn.MultiheadAttention)
+    assert m.batch_first == batch_first and m.dropout == 0.1 and not m.training
+    assert (m.in_proj_bias is not None) == bias
+    x = torch.randn(B, S, E)
+    kpm, am = torch_masks("both")
+    close(run_torch(m, x, kpm, am, need_weights=False)[0], ours(x, from_torch_masks(kpm, am)))
+    back = MultiHeadAttention.from_torch(m)
+    assert back.state_dict().keys() == ours.state_dict().keys()
+    for name, value in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+    assert ours.train().to_torch().training
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+def test_to_torch_refuses_grouped_query(num_kv_heads):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "torch.nn.MultiheadAttention has no grouped-query attention; this module has "
+            f"num_kv_heads={num_kv_heads} < num_heads={H}"
+        ),
+    ):
+        MultiHeadAttention(E, H, num_kv_heads=num_kv_heads).to_torch()
+
+
+def test_from_torch_errors():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "kdim (8) and vdim (12) must equal embed_dim (16); "
+            "headwise projects keys and values from embed_dim-wide inputs"
+        ),
+    ):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H, kdim=8, vdim=12))
+    for kwargs in ({"add_bias_kv": True}, {"add_zero_attn": True}):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "add_bias_kv=True and add_zero_attn=True are not supported; "
+                "append the extra key/value position to the inputs instead"
+            ),
+        ):
+            MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H, **kwargs))
+    with pytest.raises(
+        TypeError, match="from_torch expects torch.nn.MultiheadAttention, got MultiHeadAttention"
+    ):
+        MultiHeadAttention.from_torch(MultiHeadAttention(E, H))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_padded_batch_row_torch_nan_ours_zero(backend):
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    ours = MultiHeadAttention.from_torch(m, backend=backend)
+    assert torch.equal(ours.out_proj.bias, torch.zeros(E))  # torch initialises it to zero
+    x = torch.randn(B, S, E)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1] = True  # batch 1 is all padding
+
+    want, _ = m(x, x, x, key_padding_mask=kpm)  # torch's default call (need_weights=True)
+    assert torch.isnan(want[1]).all()  # torch: NaN for the whole padded batch row
+
+    x_ours = x.clone().requires_grad_(True)
+    got = ours(x_ours, from_torch_masks(kpm))
+    assert torch.equal(got[1], torch.zeros(S, E))  # ours: out_proj(0) = 0
+    close(got[0], want[0])
+    got.square().sum().backward()
+    for name, p in ours.named_parameters():
+        assert torch.isfinite(p.grad).all(), name
+    assert torch.isfinite(x_ours.grad).all()
+    assert torch.equal(x_ours.grad[1], torch.zeros(S, E))
+
+
+# --- parity with the documents' classes ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parity_with_multi_head_attention_formal(backend):
+    ref = MultiHeadAttentionFormal(128, 8).eval()
+    ours = MultiHeadAttention(128, 8, backend=backend).eval()
+    ours.load_state_dict(to_headwise_state_dict(ref))
+    X = torch.rand(3, 2, 128)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0]])
+    expanded = mask.unsqueeze(1).unsqueeze(2).expand(3, 8, 2, 2)  # as the document does
+    want = ref(X, expanded)
+    close(ours(X, expanded), want)
+    close(ours(X, mask), want)
+    close(ours(X, mask.bool()), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parity_with_mhsa(backend):
+    ref = MHSA(512, 8)
+    ours = MultiHeadAttention(512, 8, backend=backend)
+    ours.load_state_dict(to_headwise_state_dict(ref))
+    x = torch.rand(4, 10, 512)
+    close(ours(x), ref(x))
