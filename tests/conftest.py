@@ -17,10 +17,12 @@ settings.load_profile("headwise")
 
 
 def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=None,
-                        keep=None, dropout_p=0.0):
+                        keep=None, dropout_p=0.0, window=None, alibi_slopes=None):
     """The mask contract written out independently of headwise, in float64.
 
     ``keep`` (B, H, S, Sk) bool, if given, is the dropout keep mask to apply.
+    ``window``: key j allowed only if i + Sk - S - window < j <= i + Sk - S.
+    ``alibi_slopes`` (H,): adds -slope_h * |i + Sk - S - j|.
     Returns (out (B, H, S, D), weights (B, H, S, Sk)).
     """
     q, k, v = q.double(), k.double(), v.double()
@@ -44,10 +46,14 @@ def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=
             bias = torch.where(allowed, m, torch.zeros_like(m))
         else:
             allowed = allowed & (m != 0)
-    if is_causal:
-        i = torch.arange(S)[:, None]
-        j = torch.arange(Sk)[None, :]
-        allowed = allowed & (j <= i + (Sk - S))
+    pos = torch.arange(S)[:, None] + (Sk - S)  # each query's position among the keys
+    key = torch.arange(Sk)[None, :]
+    if is_causal or window is not None:
+        allowed = allowed & (key <= pos)
+    if window is not None:
+        allowed = allowed & (key > pos - window)
+    if alibi_slopes is not None:
+        bias = bias - alibi_slopes.double()[None, :, None, None] * (pos - key).abs().double()
     s = q @ k.transpose(-2, -1) * scale + bias
     row_max = torch.where(allowed, s, torch.tensor(-math.inf, dtype=s.dtype)).amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()

@@ -19,6 +19,29 @@ from headwise.masks import normalize_mask
 __all__ = ["attention", "available_backends", "choose_backend"]
 
 
+def _check_structure(q: Tensor, window: int | None, alibi_slopes: Tensor | None) -> None:
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise TypeError(f"window must be an int or None, got {type(window).__name__} ({window!r})")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (keys per query, its own included), got {window}")
+    if alibi_slopes is not None:
+        H = q.shape[1]
+        if not isinstance(alibi_slopes, Tensor) or not alibi_slopes.is_floating_point():
+            raise TypeError(
+                "alibi_slopes must be a floating tensor of shape (H,); "
+                "headwise.masks.alibi_slopes(num_heads) gives the paper's"
+            )
+        if alibi_slopes.shape != (H,):
+            raise ValueError(
+                f"alibi_slopes must have shape (H,) = ({H},), got {tuple(alibi_slopes.shape)}"
+            )
+        if alibi_slopes.device != q.device:
+            raise ValueError(
+                f"alibi_slopes is on {alibi_slopes.device} but the queries are on {q.device}"
+            )
+
+
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -64,7 +87,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: st
 
 
 def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
-             need_weights: bool) -> Request:
+             need_weights: bool, window: int | None, alibi: bool) -> Request:
     B, H, S, D = q.shape
     return Request(
         device=q.device,
@@ -77,19 +100,24 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         head_dim=D,
         mask_kind="none" if mask is None else ("bool" if mask.dtype == torch.bool else "float"),
         mask_shape=None if mask is None else tuple(mask.shape),
-        is_causal=bool(is_causal),
+        is_causal=bool(is_causal) or window is not None,
+        window=window,
+        alibi=alibi,
         dropout_p=float(dropout_p),
         need_weights=need_weights,
         requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad),
     )
 
 
-def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend):
+def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
+             window=None, alibi_slopes=None):
     _check_inputs(q, k, v, dropout_p, backend)
+    _check_structure(q, window, alibi_slopes)
     B, H, S, _ = q.shape
     mask = normalize_mask(attention_mask, batch=B, heads=H, q_len=S, k_len=k.shape[2],
                           device=q.device, dtype=q.dtype)
-    request = _request(q, k, mask, is_causal, dropout_p, need_weights)
+    request = _request(q, k, mask, is_causal, dropout_p, need_weights, window,
+                       alibi_slopes is not None)
     return mask, select(request, backend)
 
 
@@ -104,6 +132,8 @@ def attention(
     scale: float | None = None,  # None: 1 / sqrt(D)
     backend: str = "auto",
     need_weights: bool = False,
+    window: int | None = None,  # None: unlimited
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi bias
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention with headwise's mask contract.
 
@@ -124,6 +154,10 @@ def attention(
         scale: multiplier of ``q k^T``.
         backend: ``"auto"`` or a name from :func:`available_backends`.
         need_weights: also return the (B, H, S, Sk) probabilities before dropout.
+        window: sliding window: query ``i`` attends only keys ``j`` with
+            ``i + Sk - S - window < j <= i + Sk - S`` (implies causal).
+        alibi_slopes: (H,) slopes; adds ``-slope_h * |i + Sk - S - j|`` to the scores
+            (``headwise.masks.alibi_slopes(H)`` gives the ALiBi paper's).
 
     Returns:
         The output (B, H, S, D), or ``(output, weights)`` when ``need_weights``.
@@ -138,7 +172,7 @@ def attention(
     torch.Size([2, 8, 5, 16])
     """
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
-                              backend)
+                              backend, window, alibi_slopes)
     B, H, S, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
@@ -147,10 +181,12 @@ def attention(
     out, weights = dispatch.kernel.fn(
         q, k, v,
         attention_mask=mask,
-        is_causal=bool(is_causal),
+        is_causal=bool(is_causal) or window is not None,
         dropout_p=float(dropout_p),
         scale=scale,
         need_weights=need_weights,
+        window=window,
+        alibi_slopes=alibi_slopes,
     )
     return (out, weights) if need_weights else out
 
@@ -165,6 +201,8 @@ def choose_backend(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     backend: str = "auto",
+    window: int | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Dispatch:
     """Which backend :func:`attention` would run for these arguments, and why.
 
@@ -177,7 +215,8 @@ def choose_backend(
     >>> choose_backend(q, q, q).backend
     'sdpa'
     """
-    return _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend)[1]
+    return _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
+                    window, alibi_slopes)[1]
 
 
 def available_backends() -> list[str]:

@@ -11,6 +11,7 @@ Rules (the README repeats them):
   ``(B, H, S, Sk)``. Every dimension may also be 1 (broadcast).
 * causal: query ``i`` may attend key ``j`` iff ``j <= i + (Sk - S)`` (bottom-right
   alignment, so decoding with a cache works). Causal and a mask combine with AND.
+* sliding window ``W``: additionally ``j > i + (Sk - S) - W``; a window implies causal.
 * a query row that may attend nothing outputs zeros and gets zero gradients.
 
 Every kernel receives the mask already normalised by :func:`normalize_mask`: ``None``
@@ -20,12 +21,16 @@ or floating in the query dtype (additive).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 __all__ = [
     "normalize_mask",
     "causal_mask",
+    "alibi_slopes",
+    "alibi_bias",
     "combined_mask",
     "masked_scores",
     "safe_softmax",
@@ -120,34 +125,75 @@ def normalize_mask(
     return m != 0  # integer: nonzero = may attend
 
 
-def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
+def causal_mask(q_len: int, k_len: int, device: torch.device | None = None,
+                window: int | None = None) -> Tensor:
     """Bottom-right aligned causal mask: query ``i`` may attend key ``j`` iff ``j <= i + Sk - S``.
 
     Args:
         q_len: S, the number of queries.
         k_len: Sk, the number of keys.
         device: where to build it.
+        window: also require ``j > i + Sk - S - window`` (a sliding window of ``window``
+            keys ending at the query's own position); None: unlimited.
 
     Returns:
         Bool tensor ``(S, Sk)``, True = may attend.
 
     >>> causal_mask(2, 3).int().tolist()
     [[1, 1, 0], [1, 1, 1]]
+    >>> causal_mask(3, 3, window=2).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
     """
-    i = torch.arange(q_len, device=device)[:, None]  # (S, 1)
+    i = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)  # (S, 1) aligned position
     j = torch.arange(k_len, device=device)[None, :]  # (1, Sk)
-    return j <= i + (k_len - q_len)  # (S, Sk)
+    allowed = j <= i  # (S, Sk)
+    if window is not None:
+        allowed = allowed & (j > i - window)
+    return allowed
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """The ALiBi paper's head slopes: a geometric sequence starting at ``2 ** (-8 / H)``.
+
+    For a head count that is not a power of two, the paper's recipe interleaves the
+    slopes of the next power of two.
+
+    >>> alibi_slopes(4).tolist()
+    [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(closest)
+    if closest < num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: Tensor, q_len: int, k_len: int) -> Tensor:
+    """ALiBi's additive bias ``-slope_h * |i + Sk - S - j|`` as a float ``(1, H, S, Sk)``.
+
+    Positions are aligned bottom-right like the causal rule, so the last query sits at
+    the last key and a cache keeps distances right.
+    """
+    i = torch.arange(q_len, device=slopes.device)[:, None] + (k_len - q_len)  # (S, 1)
+    j = torch.arange(k_len, device=slopes.device)[None, :]  # (1, Sk)
+    distance = (i - j).abs().to(slopes.dtype)  # (S, Sk)
+    return -slopes[None, :, None, None] * distance  # (1, H, S, Sk)
 
 
 def combined_mask(mask: Tensor | None, is_causal: bool, q_len: int, k_len: int,
-                  device: torch.device) -> Tensor | None:
-    """AND a normalised mask with the causal rule, as one tensor ``(B|1, H|1, S|1, Sk)``.
+                  device: torch.device, window: int | None = None) -> Tensor | None:
+    """AND a normalised mask with the causal (and window) rule, as one ``(B|1, H|1, S|1, Sk)``.
 
-    A bool mask stays bool; a floating mask gets ``-inf`` where causality blocks.
+    A bool mask stays bool; a floating mask gets ``-inf`` where causality blocks. A
+    ``window`` implies the causal upper bound.
     """
-    if not is_causal:
+    if not is_causal and window is None:
         return mask
-    c = causal_mask(q_len, k_len, device)[None, None]  # (1, 1, S, Sk)
+    c = causal_mask(q_len, k_len, device, window)[None, None]  # (1, 1, S, Sk)
     if mask is None:
         return c
     if mask.dtype == torch.bool:

@@ -217,3 +217,32 @@ def test_property_every_backend_matches_reference(problem):
         for a, b in zip(got, want, strict=True):
             assert torch.isfinite(a).all(), name
             torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("heads", HEADS, ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["S=Sk", "S<Sk", "S>Sk"])
+@pytest.mark.parametrize("form", ["none", "pad2d_bool", "bcast4d_float"])
+def test_window_and_alibi_match_reference(backend, form, shape, heads, alibi, window, ref):
+    (S, Sk), (H, Hkv) = shape, heads
+    q, k, v, gen = _inputs(H, Hkv, S, Sk, seed=5)
+    mask = make_mask(form, H, S, Sk, gen)
+    slopes = headwise.masks.alibi_slopes(H) if alibi else None
+    out = headwise.attention(q, k, v, mask, window=window, alibi_slopes=slopes, backend=backend)
+    g = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    expected, _ = ref(q, k, v, mask, window=window, alibi_slopes=slopes)
+    want = torch.autograd.grad(expected, (q, k, v), g.double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_alibi_without_causal_is_symmetric_distance(backend, ref):
+    q, k, v, gen = _inputs(4, 2, 4, 6, seed=6)
+    slopes = headwise.masks.alibi_slopes(4)
+    out = headwise.attention(q, k, v, alibi_slopes=slopes, backend=backend)
+    expected, _ = ref(q, k, v, alibi_slopes=slopes)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

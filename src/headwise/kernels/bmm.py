@@ -31,6 +31,8 @@ def bmm_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
+    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -42,6 +44,6 @@ def bmm_attention(
     v3 = v.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
     scores = torch.bmm(q3, k3.transpose(1, 2)) * scale  # (B*H, S, D) x (B*H, D, Sk) -> (B*H, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B*H, S, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, D) -> (B*H, S, D)
     return out.reshape(B, H, S, D), weights if need_weights else None  # -> (B, H, S, D)

@@ -39,33 +39,43 @@ def _tile_keep(seed: int, tile: int, shape: tuple[int, ...], dropout_p: float,
     return torch.rand(shape, generator=gen, device=device) >= dropout_p
 
 
-def _causal_tile(i0: int, i1: int, j0: int, j1: int, offset: int,
+def _causal_tile(i0: int, i1: int, j0: int, j1: int, offset: int, window: int | None,
                  device: torch.device) -> Tensor | None | bool:
-    """The causal rule on rows [i0, i1) x cols [j0, j1).
+    """The causal (and sliding window) rule on rows [i0, i1) x cols [j0, j1).
 
     Returns False when the whole tile is blocked, None when it is entirely allowed,
     else a bool (bq, bk) mask (True = may attend).
     """
     if j0 > i1 - 1 + offset:
-        return False
-    if j1 - 1 <= i0 + offset:
+        return False  # every key is after every query
+    if window is not None and j1 - 1 <= i0 + offset - window:
+        return False  # every key is before even the first query's window
+    inside = j1 - 1 <= i0 + offset and (window is None or j0 > i1 - 1 + offset - window)
+    if inside:
         return None
-    i = torch.arange(i0, i1, device=device)[:, None]  # (bq, 1)
+    i = torch.arange(i0, i1, device=device)[:, None] + offset  # (bq, 1) aligned position
     j = torch.arange(j0, j1, device=device)[None, :]  # (1, bk)
-    return j <= i + offset  # (bq, bk)
+    allowed = j <= i
+    if window is not None:
+        allowed = allowed & (j > i - window)
+    return allowed  # (bq, bk)
 
 
 class _Plan:
     """Shapes, tiling and the mask of one call, shared by forward and backward."""
 
     def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool,
-                 block_q: int, block_k: int):
+                 window: int | None, slopes: Tensor | None, block_q: int, block_k: int):
         B, H, S, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
         self.B, self.H, self.Hkv, self.G, self.S, self.Sk, self.D = B, H, Hkv, H // Hkv, S, Sk, D
         self.device = q.device
         self.offset = Sk - S  # bottom-right causal alignment
-        self.is_causal = is_causal
+        self.is_causal = is_causal or window is not None
+        self.window = window
+        self.slopes5 = None  # (1, Hkv, G, 1, 1) ALiBi slopes
+        if slopes is not None:
+            self.slopes5 = slopes.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
         self.q_blocks = [(i, min(i + block_q, S)) for i in range(0, S, block_q)]
         self.k_blocks = [(j, min(j + block_k, Sk)) for j in range(0, Sk, block_k)]
         self.mask5 = None
@@ -81,7 +91,7 @@ class _Plan:
             for kj, (j0, j1) in enumerate(self.k_blocks):
                 causal = None
                 if self.is_causal:
-                    causal = _causal_tile(i0, i1, j0, j1, self.offset, self.device)
+                    causal = _causal_tile(i0, i1, j0, j1, self.offset, self.window, self.device)
                     if causal is False:
                         continue
                 yield qi * n_k + kj, (i0, i1), (j0, j1), causal
@@ -94,14 +104,18 @@ class _Plan:
         return m[:, :, :, rows, j0:j1]  # (B|1, Hkv|1, G|1, bq|1, bk)
 
 
-def _scores(plan: _Plan, qt: Tensor, kt: Tensor, scale: float, mask_t: Tensor | None,
-            causal: Tensor | None) -> Tensor:
+def _scores(plan: _Plan, qt: Tensor, kt: Tensor, scale: float, i0: int, j0: int,
+            mask_t: Tensor | None, causal: Tensor | None) -> Tensor:
     """Masked, scaled scores of one tile (B, Hkv, G, bq, bk)."""
     B, Hkv, G, bq, _ = qt.shape
     s = torch.matmul(qt.reshape(B, Hkv, G * bq, -1), kt.transpose(-2, -1)) * scale
     s = s.reshape(B, Hkv, G, bq, -1)  # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
     if mask_t is not None:
         s = s.masked_fill(~mask_t, float("-inf")) if mask_t.dtype == torch.bool else s + mask_t
+    if plan.slopes5 is not None:
+        i = torch.arange(i0, i0 + bq, device=s.device)[:, None] + plan.offset  # (bq, 1)
+        j = torch.arange(j0, j0 + s.shape[-1], device=s.device)[None, :]  # (1, bk)
+        s = s - plan.slopes5 * (i - j).abs().to(s.dtype)  # ALiBi: (1, Hkv, G, 1, 1) x (bq, bk)
     if causal is not None:
         s = s.masked_fill(~causal, float("-inf"))
     return s
@@ -116,7 +130,7 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
     for tile, (i0, i1), (j0, j1), causal in plan.tiles():
         qt = qg[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
-        s = _scores(plan, qt, kt, scale, plan.mask_tile(i0, i1, j0, j1), causal)
+        s = _scores(plan, qt, kt, scale, i0, j0, plan.mask_tile(i0, i1, j0, j1), causal)
         m_old, l_old, acc = running.get(i0, (None, None, None))
         m_tile = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G, bq, 1)
         m_new = m_tile if m_old is None else torch.maximum(m_old, m_tile)
@@ -156,7 +170,7 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         qt, dot = qg[:, :, :, i0:i1], dout[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
         mask_t = plan.mask_tile(i0, i1, j0, j1)
-        s = _scores(plan, qt, kt, scale, mask_t, causal)
+        s = _scores(plan, qt, kt, scale, i0, j0, mask_t, causal)
         p = torch.exp(s - lse[:, :, :, i0:i1])  # (B, Hkv, G, bq, bk)
         dot3 = dot.reshape(B, Hkv, G * bq, D)
         dp = torch.matmul(dot3, vt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk)
@@ -184,27 +198,27 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, dropout_p, scale, seed, block_q, block_k):
-        plan = _Plan(q, k, mask, is_causal, block_q, block_k)
+    def forward(ctx, q, k, v, mask, is_causal, window, slopes, dropout_p, scale, seed, block_q, block_k):
+        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
         out, lse = _forward(plan, qg, k, v, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.args = (is_causal, dropout_p, scale, seed, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse, mask, slopes)
+        ctx.args = (is_causal, window, dropout_p, scale, seed, block_q, block_k)
         return out.reshape(plan.B, plan.H, plan.S, plan.D)  # (B, Hkv, G, S, D) -> (B, H, S, D)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        is_causal, dropout_p, scale, seed, block_q, block_k = ctx.args
-        plan = _Plan(q, k, mask, is_causal, block_q, block_k)
+        q, k, v, out, lse, mask, slopes = ctx.saved_tensors
+        is_causal, window, dropout_p, scale, seed, block_q, block_k = ctx.args
+        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, Hkv, G, S, D)
         dout = dout.reshape(out.shape)  # (B, H, S, D) -> (B, Hkv, G, S, D)
         mask_grad = mask is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dmask5 = _backward(plan, qg, k, v, out, lse, dout, scale, dropout_p, seed,
                                        mask_grad)
         dmask = dmask5.reshape(mask.shape) if dmask5 is not None else None
-        return dq.reshape(q.shape), dk, dv, dmask, None, None, None, None, None, None
+        return dq.reshape(q.shape), dk, dv, dmask, *([None] * 9)
 
 
 @register(
@@ -222,6 +236,8 @@ def chunked_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
+    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
     block_q: int | None = None,  # None: BLOCK_Q
     block_k: int | None = None,  # None: BLOCK_K
 ) -> tuple[Tensor, Tensor | None]:
@@ -233,7 +249,7 @@ def chunked_attention(
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
     out = _ChunkedAttention.apply(
-        q, k, v, attention_mask, is_causal, dropout_p, scale, seed,
+        q, k, v, attention_mask, is_causal, window, alibi_slopes, dropout_p, scale, seed,
         block_q or BLOCK_Q, block_k or BLOCK_K,
     )
     return out.to(dtype), None

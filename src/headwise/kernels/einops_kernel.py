@@ -29,12 +29,14 @@ def einops_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
+    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
 ) -> tuple[Tensor, Tensor | None]:
     hkv = k.shape[1]
     qg = einops.rearrange(q, "b (hkv g) s d -> b hkv g s d", hkv=hkv)
     scores = einops.einsum(qg, k, "b hkv g s d, b hkv k d -> b hkv g s k") * scale
     scores = einops.rearrange(scores, "b hkv g s k -> b (hkv g) s k")  # (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     dropped = einops.rearrange(dropped, "b (hkv g) s k -> b hkv g s k", hkv=hkv)
     out = einops.einsum(dropped, v, "b hkv g s k, b hkv k d -> b hkv g s d")
     out = einops.rearrange(out, "b hkv g s d -> b (hkv g) s d")  # (B, H, S, D)

@@ -29,13 +29,15 @@ def einsum_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
+    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, H // Hkv, S, D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
     scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k) * scale  # -> (B, Hkv, G, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B, Hkv, G, S, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     dropped = dropped.reshape(B, Hkv, H // Hkv, S, Sk)  # (B, H, S, Sk) -> (B, Hkv, G, S, Sk)
     out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v)  # -> (B, Hkv, G, S, D)
     return out.reshape(B, H, S, D), weights if need_weights else None  # -> (B, H, S, D)

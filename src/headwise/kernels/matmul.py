@@ -31,6 +31,8 @@ def matmul_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
+    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
 ) -> tuple[Tensor, Tensor | None]:
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:
@@ -39,6 +41,6 @@ def matmul_attention(
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)
     return out, weights if need_weights else None

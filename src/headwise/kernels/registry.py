@@ -5,12 +5,15 @@ D head dim.
 
 A kernel is a function with one keyword-only signature::
 
-    kernel(q, k, v, *, attention_mask, is_causal, dropout_p, scale, need_weights)
-        -> (out, weights)
+    kernel(q, k, v, *, attention_mask, is_causal, dropout_p, scale, need_weights,
+           window, alibi_slopes) -> (out, weights)
 
 * ``q`` (B, H, S, D), ``k`` and ``v`` (B, Hkv, Sk, D) with ``H % Hkv == 0``;
 * ``attention_mask`` is ``None`` or already normalised by
   :func:`headwise.masks.normalize_mask` (4-D, bool True = attend, or float additive);
+* ``window`` (None or int >= 1): query ``i`` attends keys ``j`` with
+  ``i + Sk - S - window < j <= i + Sk - S``; a window implies the causal bound;
+* ``alibi_slopes`` (None or (H,)): add ``-slope_h * |i + Sk - S - j|`` to the scores;
 * ``out`` is (B, H, S, D); ``weights`` is the (B, H, S, Sk) softmax before dropout when
   ``need_weights`` is True (only kernels that declare ``supports_weights``), else None.
 
@@ -43,10 +46,12 @@ class Request:
     head_dim: int
     mask_kind: str  # "none", "bool" or "float"
     mask_shape: tuple[int, ...] | None
-    is_causal: bool
+    is_causal: bool  # True also when a window is set (a window implies causal)
     dropout_p: float
     need_weights: bool
     requires_grad: bool
+    window: int | None = None  # None: unlimited
+    alibi: bool = False  # ALiBi slopes given
 
     @property
     def is_gqa(self) -> bool:

@@ -5,7 +5,8 @@ Three things differ between torch's SDPA and our contract, and are handled here:
 * ``is_causal=True`` in SDPA is top-left aligned; ours is bottom-right. They agree only
   when S == Sk, so that is the only case handed to SDPA's own causal path; otherwise the
   causal rule is folded into an explicit mask.
-* SDPA cannot take a mask and ``is_causal`` together: they are combined into one mask.
+* SDPA cannot take a mask and ``is_causal`` together: they are combined into one mask,
+  with the sliding window and the ALiBi bias when asked for.
 * A query row that may attend nothing must give zeros and zero gradients on every torch
   version: such rows are unblocked before the call (so no 0/0 arises inside SDPA) and
   zeroed after it (so no gradient leaves them).
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from headwise.kernels.registry import register
-from headwise.masks import combined_mask, row_is_dead
+from headwise.masks import alibi_bias, combined_mask, row_is_dead
 
 # enable_gqa arrived in torch 2.5; before it, kv heads are repeated (a copy).
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -44,6 +45,8 @@ def sdpa_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
+    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
 ) -> tuple[Tensor, Tensor | None]:
     S, Sk = q.shape[-2], k.shape[-2]
     extra = {}
@@ -54,12 +57,21 @@ def sdpa_attention(
             G = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(G, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
             v = v.repeat_interleave(G, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
-    if attention_mask is None and (not is_causal or Sk == S):
+    structured = window is not None or alibi_slopes is not None
+    if attention_mask is None and not structured and (not is_causal or S == Sk):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )  # (B, H, S, D)
         return out, None
-    mask = combined_mask(attention_mask, is_causal, S, Sk, q.device)  # (B|1, H|1, S|1, Sk)
+    mask = combined_mask(attention_mask, is_causal, S, Sk, q.device, window)  # (B|1, H|1, S|1, Sk)
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes.to(q.dtype), S, Sk)  # (1, H, S, Sk)
+        if mask is None:
+            mask = bias
+        elif mask.dtype == torch.bool:
+            mask = bias.masked_fill(~mask, float("-inf"))
+        else:
+            mask = mask + bias
     dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
     # Unblock dead rows (no 0/0 inside SDPA), then zero their output (no gradient out).
     if mask.dtype == torch.bool:
