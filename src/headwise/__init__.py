@@ -10,6 +10,7 @@ from headwise import masks, reference
 from headwise.dispatch import Dispatch
 from headwise.functional import attention, available_backends, choose_backend
 from headwise.module import MultiHeadAttention
+from headwise.tracing import Trace, trace
 
 __all__ = [
     "Dispatch",
@@ -19,6 +20,8 @@ __all__ = [
     "choose_backend",
     "masks",
     "reference",
+    "trace",
+    "Trace",
 ]
 
 __version__ = "0.1.0"

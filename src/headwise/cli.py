@@ -12,8 +12,12 @@ from collections.abc import Sequence
 import torch
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 import headwise
+from headwise.equivalences import measure
+from headwise.explain import ExplainConfig, explain, markdown_page
+from headwise.plot import plot_attention
 from headwise.reference import MultiHeadAttentionFormal, to_headwise_state_dict
 
 
@@ -58,20 +62,122 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         note = f"chose {mha.dispatch(x, mask).backend!r}" if name == "auto" else ""
         table.add_row(name, str(tuple(out.shape)), f"{diff:.2e}", note)
     console.print(table)
+    _demo_trace(console, x, mask, reference)
     return 0
 
 
+def _demo_trace(console: Console, x, mask, reference) -> None:
+    """The document's stage1..stage4 prints, as one table from a traced run."""
+    mha = headwise.MultiHeadAttention(x.shape[-1], 8, backend="matmul").eval()
+    mha.load_state_dict(to_headwise_state_dict(reference))
+    with torch.no_grad(), headwise.trace() as t:
+        mha(x, mask)
+    console.print(t.table(title="the same example, stage by stage (backend 'matmul')"))
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise ValueError(f"--mask lengths expects comma-separated integers like 10,7,3,5, got {text!r}") from None
+
+
+def _explain(args: argparse.Namespace, console: Console) -> int:
+    kind, spec = args.mask if args.mask else (None, None)
+    if kind not in (None, "lengths"):
+        raise ValueError(f"--mask kind must be 'lengths', got {kind!r}; e.g. --mask lengths 10,7,3,5")
+    config = ExplainConfig(batch=args.batch, seq=args.seq, dim=args.dim, heads=args.heads,
+                           lengths=_lengths(spec) if spec else None, causal=args.causal,
+                           kv_heads=args.kv_heads, backend=args.backend, seed=args.seed)
+    explained = explain(config)
+    if args.markdown:
+        console.file.write(markdown_page(explained))
+        return 0
+    console.print(explained.trace.table(
+        title=f"B={config.batch} S={config.seq} E={config.dim} H={config.heads}"
+        + (f" Hkv={config.kv_heads}" if config.kv_heads else "")
+        + (f" lengths={list(config.lengths)}" if config.lengths else "")
+        + (" causal" if config.causal else "") + f", backend {config.backend!r}"))
+    if args.plot:
+        row = args.plot_batch
+        if row is None:  # the row with the most padding shows the mask best
+            row = 0 if config.lengths is None else min(range(config.batch), key=config.lengths.__getitem__)
+        if not 0 <= row < config.batch:
+            raise ValueError(f"--plot-batch {row} is outside [0, {config.batch})")
+        width, height = plot_attention(explained.allowed[row], explained.weights[row], args.plot,
+                                       title=f"batch row {row}: mask and attention weights per head")
+        console.print(f"wrote {args.plot} ({width} x {height} px, batch row {row})")
+    return 0
+
+
+def _equivalences(args: argparse.Namespace, console: Console) -> int:
+    def yes_no(flag: bool | None) -> str:
+        return "fails" if flag is None else ("yes" if flag else "no")
+
+    table = Table(title="equivalent forms from the first document, measured on random tensors")
+    for column in ("step", "form", "needs contiguous input", "view of a contiguous input",
+                   "view of a non-contiguous input", "max |diff| vs first form"):
+        table.add_column(column)
+    for row in measure(seed=args.seed):
+        diff = f"{row.max_diff:.1e}" if row.max_diff is not None else f"fails: {row.error[:70]}"
+        needs = "fails" if row.view_of_contiguous is None else ("yes" if row.needs_contiguous else "no")
+        table.add_row(*(Text(c) for c in (
+            row.group, row.form, needs,
+            yes_no(row.view_of_contiguous), yes_no(row.view_of_noncontiguous), diff)))
+    console.print(table)
+    console.print("non-contiguous input: the layout the documents' split heads leave, "
+                  "memory in (B, S, H, D) order seen as (B, H, S, D).")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (exit 2), not usage plus a line."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="headwise",
         description="Multi-head attention, correct for every mask, and able to explain itself.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
     demo = sub.add_parser("demo", help="run the first document's example through every backend",
                           description="Run the first document's example (X (3, 2, 128), 8 heads, "
-                          "mask [[1, 1], [1, 0], [1, 0]]) through every backend.")
+                          "mask [[1, 1], [1, 0], [1, 0]]) through every backend, then show its "
+                          "stages as one table.")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.set_defaults(run=_demo)
+
+    ex = sub.add_parser("explain", help="trace any configuration stage by stage",
+                        description="Trace one configuration (default: the second document's "
+                        "example, B=4 S=10 E=512 H=8) and print every stage's shape.")
+    ex.add_argument("--batch", type=int, default=4, help="B (default 4)")
+    ex.add_argument("--seq", type=int, default=10, help="S (default 10)")
+    ex.add_argument("--dim", type=int, default=512, help="E (default 512)")
+    ex.add_argument("--heads", type=int, default=8, help="H (default 8)")
+    ex.add_argument("--mask", nargs=2, metavar=("KIND", "SPEC"),
+                    help="padding mask, e.g. --mask lengths 10,7,3,5 (one length per batch row)")
+    ex.add_argument("--causal", action="store_true", help="causal masking")
+    ex.add_argument("--kv-heads", type=int, default=None, help="Hkv for grouped-query attention")
+    ex.add_argument("--backend", default="matmul",
+                    help="kernel to trace (default matmul, which shows every stage; "
+                    "'auto' shows what auto runs)")
+    ex.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    ex.add_argument("--plot", metavar="FILE.png", help="also draw the mask and each head's weights")
+    ex.add_argument("--plot-batch", type=int, default=None,
+                    help="batch row to plot (default: the one with the most padding)")
+    ex.add_argument("--markdown", action="store_true",
+                    help="print the 'How multi-head attention works' page instead of the table")
+    ex.set_defaults(run=_explain)
+
+    eq = sub.add_parser("equivalences", help="measure the documents' equivalent forms side by side",
+                        description="Run each equivalence the first document tabulates on random "
+                        "tensors and measure contiguity needs, views and differences.")
+    eq.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    eq.set_defaults(run=_equivalences)
     return parser
 
 
@@ -86,10 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help (code 0) or a bad argument (code 2)
         return int(exc.code or 0)
-    console = Console()
+    console = Console(width=160) if args.command != "explain" or not args.markdown else Console()
     try:
         return args.run(args, console)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ImportError) as exc:
         print(f"headwise {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

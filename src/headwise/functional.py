@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from headwise import kernels as _kernels  # noqa: F401  (registers the built-in kernels)
+from headwise import tracing as trace
 from headwise.dispatch import Dispatch, select
 from headwise.kernels.registry import Request, get_kernel, kernels
 from headwise.masks import normalize_mask
@@ -171,9 +172,24 @@ def attention(
     >>> attention(q, k, v, torch.tensor([[1, 1, 1, 0, 0], [1] * 5])).shape
     torch.Size([2, 8, 5, 16])
     """
+    if trace.ACTIVE:
+        trace.begin_call()
+    return attend(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+                  backend=backend, need_weights=need_weights, window=window, alibi_slopes=alibi_slopes)
+
+
+def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
+           backend="auto", need_weights=False, window=None, alibi_slopes=None):
+    """:func:`attention` without opening a new call in an active trace (the module opens it)."""
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                               backend, window, alibi_slopes)
     B, H, S, D = q.shape
+    if trace.ACTIVE:
+        if attention_mask is not None:
+            trace.record("mask layout", mask, f"{attention_mask.dim()}-D {tuple(attention_mask.shape)} "
+                         f"{str(attention_mask.dtype).removeprefix('torch.')} -> {tuple(mask.shape)}: "
+                         "broadcasts over (B, H, S, Sk), no copy")
+        trace.record("kernel", q, f"backend {dispatch.backend!r}: {dispatch.reason}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
         out = q.new_zeros(B, H, S, D)

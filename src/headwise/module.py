@@ -21,8 +21,9 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from headwise import tracing as trace
 from headwise.dispatch import Dispatch
-from headwise.functional import attention, choose_backend
+from headwise.functional import attend, choose_backend
 from headwise.kernels.registry import get_kernel
 
 __all__ = ["MultiHeadAttention"]
@@ -144,10 +145,20 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         source = x if context is None else context
-        q = rearrange(self.q_proj(x), "b s (h d) -> b h s d", h=self.num_heads)  # (B, H, S, D)
-        k = rearrange(self.k_proj(source), "b s (h d) -> b h s d", h=self.num_kv_heads)
-        v = rearrange(self.v_proj(source), "b s (h d) -> b h s d", h=self.num_kv_heads)
-        return q, k, v  # k, v: (B, Hkv, Sk, D)
+        q, k, v = self.q_proj(x), self.k_proj(source), self.v_proj(source)  # (B, S, E), (B, Sk, Hkv*D)
+        if trace.ACTIVE:
+            src = "x" if context is None else "context"
+            trace.record("q projection", q, "q_proj(x): (B, S, E) x (E, E)^T + b")
+            trace.record("k projection", k, f"k_proj({src}): (B, Sk, E) x (Hkv*D, E)^T + b")
+            trace.record("v projection", v, f"v_proj({src}): (B, Sk, E) x (Hkv*D, E)^T + b")
+        q = rearrange(q, "b s (h d) -> b h s d", h=self.num_heads)  # (B, S, E) -> (B, H, S, D)
+        k = rearrange(k, "b s (h d) -> b h s d", h=self.num_kv_heads)  # -> (B, Hkv, Sk, D)
+        v = rearrange(v, "b s (h d) -> b h s d", h=self.num_kv_heads)  # -> (B, Hkv, Sk, D)
+        if trace.ACTIVE:
+            trace.record("split heads q", q, "rearrange 'b s (h d) -> b h s d' = "
+                         "view(B, S, H, D).transpose(1, 2)")
+            trace.record("split heads k, v", k, "rearrange 'b s (h d) -> b h s d' with h = Hkv")
+        return q, k, v
 
     def forward(
         self,
@@ -176,8 +187,11 @@ class MultiHeadAttention(nn.Module):
             ValueError / TypeError: inputs or mask that do not fit; see the messages.
         """
         self._check(x, context)
+        if trace.ACTIVE:
+            trace.begin_call()
+            trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
         q, k, v = self._project(x, context)
-        out = attention(
+        out = attend(
             q, k, v, attention_mask,
             is_causal=self.is_causal if is_causal is None else is_causal,
             dropout_p=self.dropout if self.training else 0.0,
@@ -185,7 +199,13 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights,
         )
         out, weights = out if need_weights else (out, None)
-        out = self.out_proj(rearrange(out, "b h s d -> b s (h d)"))  # (B, H, S, D) -> (B, S, E)
+        out = rearrange(out, "b h s d -> b s (h d)")  # (B, H, S, D) -> (B, S, E)
+        if trace.ACTIVE:
+            trace.record("merge heads", out, "rearrange 'b h s d -> b s (h d)' = "
+                         "transpose(1, 2).contiguous().view(B, S, E)")
+        out = self.out_proj(out)  # (B, S, E)
+        if trace.ACTIVE:
+            trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b")
         return (out, weights) if need_weights else out
 
     def dispatch(

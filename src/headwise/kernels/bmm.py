@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from headwise import tracing as trace
 from headwise.kernels.common import mask_softmax_dropout
 from headwise.kernels.registry import register
 
@@ -39,11 +40,22 @@ def bmm_attention(
     if Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+        if trace.ACTIVE:
+            trace.record("repeat kv heads", k, f"k, v.repeat_interleave({H // Hkv}, dim=1): "
+                         "(B, Hkv, Sk, D) -> (B, H, Sk, D), a copy (bmm cannot broadcast)")
     q3 = q.reshape(B * H, S, D)  # (B, H, S, D) -> (B*H, S, D)
     k3 = k.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
     v3 = v.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
-    scores = torch.bmm(q3, k3.transpose(1, 2)) * scale  # (B*H, S, D) x (B*H, D, Sk) -> (B*H, S, Sk)
+    scores = torch.bmm(q3, k3.transpose(1, 2))  # (B*H, S, D) x (B*H, D, Sk) -> (B*H, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B*H, S, Sk) -> (B, H, S, Sk)
+    if trace.ACTIVE:
+        trace.record("scores", scores, "torch.bmm on (B*H, S, D) x (B*H, D, Sk), reshaped to (B, H, S, Sk)")
+    scores = scores * scale
+    if trace.ACTIVE:
+        trace.record("scaling", scores, f"x scale = {scale:.4g} (1 / sqrt(D))")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, D) -> (B*H, S, D)
-    return out.reshape(B, H, S, D), weights if need_weights else None  # -> (B, H, S, D)
+    out = out.reshape(B, H, S, D)  # (B*H, S, D) -> (B, H, S, D)
+    if trace.ACTIVE:
+        trace.record("weighted sum", out, "torch.bmm on (B*H, S, Sk) x (B*H, Sk, D), reshaped to (B, H, S, D)")
+    return out, weights if need_weights else None

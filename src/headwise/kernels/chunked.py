@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from headwise import tracing as trace
 from headwise.kernels.registry import register
 
 BLOCK_Q = 256
@@ -225,6 +226,7 @@ class _ChunkedAttention(torch.autograd.Function):
     "chunked",
     summary="blockwise online softmax in plain PyTorch; O(S) memory forward and backward",
     native_gqa=True,
+    fused=True,
 )
 def chunked_attention(
     q: Tensor,
@@ -252,4 +254,8 @@ def chunked_attention(
         q, k, v, attention_mask, is_causal, window, alibi_slopes, dropout_p, scale, seed,
         block_q or BLOCK_Q, block_k or BLOCK_K,
     )
+    if trace.ACTIVE:
+        trace.record("chunked", out, f"scores, scaling, mask, softmax, dropout, weighted sum tile by tile "
+                     f"({block_q or BLOCK_Q} queries x {block_k or BLOCK_K} keys) with a running max and sum; "
+                     "the (S, Sk) matrix never exists", fused=True)
     return out.to(dtype), None

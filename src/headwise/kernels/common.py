@@ -6,9 +6,11 @@ D head dim.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from headwise import tracing as trace
 from headwise.masks import alibi_bias, combined_mask, masked_scores, safe_softmax
 
 
@@ -38,6 +40,30 @@ def mask_softmax_dropout(
     mask = combined_mask(attention_mask, is_causal, S, Sk, scores.device, window)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes.to(scores.dtype), S, Sk)  # + (1, H, S, Sk)
-    weights = safe_softmax(masked_scores(scores, mask))  # (B, H, S, Sk)
+        if trace.ACTIVE:
+            trace.record("alibi", scores, "+ -slope_h * |i + Sk - S - j| (per-head linear distance bias)")
+    scores = masked_scores(scores, mask)
+    if trace.ACTIVE:
+        trace.record("mask", scores, _mask_note(mask, attention_mask, is_causal, window))
+    weights = safe_softmax(scores)  # (B, H, S, Sk)
+    if trace.ACTIVE:
+        trace.record("softmax", weights, "softmax over Sk; a row with nothing to attend -> zeros, not NaN")
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    if trace.ACTIVE:
+        trace.record("dropout", dropped, f"p = {dropout_p}: zero weights at random, scale the rest by "
+                     f"1/(1-p)" if dropout_p > 0 else "p = 0: identity")
     return weights, dropped
+
+
+def _mask_note(mask: Tensor | None, user_mask: Tensor | None, is_causal: bool,
+               window: int | None) -> str:
+    """One line saying what the mask step did (for explain mode only)."""
+    if mask is None:
+        return "no mask: every key visible"
+    parts = []
+    if user_mask is not None:
+        how = "masked_fill(~mask, -inf)" if user_mask.dtype == torch.bool else "+ additive bias"
+        parts.append(f"{how}, mask {tuple(user_mask.shape)} broadcast to (B, H, S, Sk)")
+    if is_causal or window is not None:
+        parts.append("causal j <= i + Sk - S" + (f", window {window}" if window else ""))
+    return "; ".join(parts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import einops
 from torch import Tensor
 
+from headwise import tracing as trace
 from headwise.kernels.common import mask_softmax_dropout
 from headwise.kernels.registry import register
 
@@ -34,10 +35,18 @@ def einops_attention(
 ) -> tuple[Tensor, Tensor | None]:
     hkv = k.shape[1]
     qg = einops.rearrange(q, "b (hkv g) s d -> b hkv g s d", hkv=hkv)
-    scores = einops.einsum(qg, k, "b hkv g s d, b hkv k d -> b hkv g s k") * scale
+    scores = einops.einsum(qg, k, "b hkv g s d, b hkv k d -> b hkv g s k")
     scores = einops.rearrange(scores, "b hkv g s k -> b (hkv g) s k")  # (B, H, S, Sk)
+    if trace.ACTIVE:
+        trace.record("scores", scores, "einops.einsum 'b hkv g s d, b hkv k d -> b hkv g s k', "
+                     "rearranged 'b hkv g s k -> b (hkv g) s k'")
+    scores = scores * scale
+    if trace.ACTIVE:
+        trace.record("scaling", scores, f"x scale = {scale:.4g} (1 / sqrt(D))")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     dropped = einops.rearrange(dropped, "b (hkv g) s k -> b hkv g s k", hkv=hkv)
     out = einops.einsum(dropped, v, "b hkv g s k, b hkv k d -> b hkv g s d")
     out = einops.rearrange(out, "b hkv g s d -> b (hkv g) s d")  # (B, H, S, D)
+    if trace.ACTIVE:
+        trace.record("weighted sum", out, "einops.einsum 'b hkv g s k, b hkv k d -> b hkv g s d' -> (B, H, S, D)")
     return out, weights if need_weights else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from headwise import tracing as trace
 from headwise.kernels.common import mask_softmax_dropout
 from headwise.kernels.registry import register
 
@@ -35,9 +36,17 @@ def einsum_attention(
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     qg = q.reshape(B, Hkv, H // Hkv, S, D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
-    scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k) * scale  # -> (B, Hkv, G, S, Sk)
+    scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k)  # -> (B, Hkv, G, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B, Hkv, G, S, Sk) -> (B, H, S, Sk)
+    if trace.ACTIVE:
+        trace.record("scores", scores, "einsum('bhgsd,bhkd->bhgsk', q, k): query groups G = H // Hkv "
+                     "share a kv head, no copy")
+    scores = scores * scale
+    if trace.ACTIVE:
+        trace.record("scaling", scores, f"x scale = {scale:.4g} (1 / sqrt(D))")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     dropped = dropped.reshape(B, Hkv, H // Hkv, S, Sk)  # (B, H, S, Sk) -> (B, Hkv, G, S, Sk)
-    out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v)  # -> (B, Hkv, G, S, D)
-    return out.reshape(B, H, S, D), weights if need_weights else None  # -> (B, H, S, D)
+    out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v).reshape(B, H, S, D)  # -> (B, H, S, D)
+    if trace.ACTIVE:
+        trace.record("weighted sum", out, "einsum('bhgsk,bhkd->bhgsd', weights, v) -> (B, H, S, D)")
+    return out, weights if need_weights else None

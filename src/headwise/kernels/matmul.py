@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from headwise import tracing as trace
 from headwise.kernels.common import mask_softmax_dropout
 from headwise.kernels.registry import register
 
@@ -40,7 +41,18 @@ def matmul_attention(
         # Readable, but it copies k and v to H heads; einsum/sdpa/chunked do not.
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
+        if trace.ACTIVE:
+            trace.record("repeat kv heads", k, f"k, v.repeat_interleave({H // Hkv}, dim=1): "
+                         "(B, Hkv, Sk, D) -> (B, H, Sk, D), a copy")
+    scores = torch.matmul(q, k.transpose(-2, -1))  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
+    if trace.ACTIVE:
+        trace.record("scores", scores, "torch.matmul(q, k.transpose(-2, -1)): "
+                     "(B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)")
+    scores = scores * scale
+    if trace.ACTIVE:
+        trace.record("scaling", scores, f"x scale = {scale:.4g} (1 / sqrt(D))")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)
+    if trace.ACTIVE:
+        trace.record("weighted sum", out, "torch.matmul(weights, v): (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)")
     return out, weights if need_weights else None

@@ -21,8 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from headwise import tracing as trace
 from headwise.kernels.registry import register
 from headwise.masks import alibi_bias, combined_mask, row_is_dead
+
+_FUSED_NOTE = "scores, scaling, mask, softmax, dropout, weighted sum in F.scaled_dot_product_attention"
 
 # enable_gqa arrived in torch 2.5; before it, kv heads are repeated (a copy).
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -62,6 +65,8 @@ def sdpa_attention(
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )  # (B, H, S, D)
+        if trace.ACTIVE:
+            trace.record("sdpa", out, _FUSED_NOTE + (" (causal)" if is_causal else ""), fused=True)
         return out, None
     mask = combined_mask(attention_mask, is_causal, S, Sk, q.device, window)  # (B|1, H|1, S|1, Sk)
     if alibi_slopes is not None:
@@ -81,4 +86,9 @@ def sdpa_attention(
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra
     )  # (B, H, S, D)
-    return out.masked_fill(dead, 0.0), None
+    out = out.masked_fill(dead, 0.0)
+    if trace.ACTIVE:
+        kind = str(mask.dtype).removeprefix("torch.")
+        trace.record("sdpa", out, f"{_FUSED_NOTE} with a {tuple(mask.shape)} {kind} mask "
+                     "(causal, window, ALiBi folded in); rows with nothing to attend zeroed", fused=True)
+    return out, None

@@ -1,0 +1,163 @@
+"""Explain one attention configuration: run it under a trace and keep what teaching needs.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim, E embed dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from headwise.masks import causal_mask, key_padding_mask
+from headwise.module import MultiHeadAttention
+from headwise.tracing import Trace, trace
+
+__all__ = ["ExplainConfig", "Explained", "command", "explain", "markdown_page"]
+
+
+@dataclass(frozen=True)
+class ExplainConfig:
+    """One configuration to explain; the defaults are the second document's example.
+
+    Attributes:
+        batch, seq, dim, heads: B, S, E, H.
+        lengths: real lengths per batch row (a key padding mask), or None for no mask.
+        causal: causal masking.
+        kv_heads: Hkv for grouped-query attention (None: H).
+        backend: the kernel to trace ("matmul" shows every stage; fused ones show one).
+        seed: random seed for weights and inputs.
+    """
+
+    batch: int = 4
+    seq: int = 10
+    dim: int = 512
+    heads: int = 8
+    lengths: tuple[int, ...] | None = None
+    causal: bool = False
+    kv_heads: int | None = None
+    backend: str = "matmul"
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError with the values and the remedy for a configuration that cannot run."""
+        for name in ("batch", "seq", "dim", "heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.lengths is not None:
+            if len(self.lengths) != self.batch:
+                raise ValueError(
+                    f"--mask lengths gives {len(self.lengths)} lengths for --batch {self.batch}; "
+                    "give one length per batch row"
+                )
+            bad = [n for n in self.lengths if not 0 <= n <= self.seq]
+            if bad:
+                raise ValueError(f"mask lengths {bad} are outside [0, --seq {self.seq}]")
+
+
+@dataclass(frozen=True)
+class Explained:
+    """What :func:`explain` found.
+
+    Attributes:
+        config: the configuration.
+        trace: the recorded stages of the traced forward.
+        weights: (B, H, S, S) attention probabilities (from an untraced second pass).
+        allowed: (B, S, S) bool, True where a query may attend a key (padding and causal).
+        output: (B, S, E) the traced forward's output.
+    """
+
+    config: ExplainConfig
+    trace: Trace
+    weights: Tensor
+    allowed: Tensor
+    output: Tensor
+
+
+def explain(config: ExplainConfig) -> Explained:
+    """Run ``config`` once under :func:`headwise.trace` and once more for its weights.
+
+    Raises:
+        ValueError: the configuration cannot run (the message says why).
+
+    >>> e = explain(ExplainConfig(batch=2, seq=3, dim=16, heads=2, lengths=(3, 2)))
+    >>> e.weights.shape, e.trace.stages[-1].name
+    (torch.Size([2, 2, 3, 3]), 'output projection')
+    """
+    config.validate()
+    gen = torch.Generator().manual_seed(config.seed)
+    torch.manual_seed(config.seed)
+    mha = MultiHeadAttention(config.dim, config.heads, num_kv_heads=config.kv_heads,
+                             is_causal=config.causal, backend=config.backend).eval()
+    x = torch.randn(config.batch, config.seq, config.dim, generator=gen)  # (B, S, E)
+    mask = None if config.lengths is None else key_padding_mask(list(config.lengths), config.seq)
+    with torch.no_grad():
+        with trace() as t:
+            output = mha(x, mask)
+        weights_mha = MultiHeadAttention(config.dim, config.heads, num_kv_heads=config.kv_heads,
+                                         is_causal=config.causal, backend="matmul").eval()
+        weights_mha.load_state_dict(mha.state_dict())
+        _, weights = weights_mha(x, mask, need_weights=True)  # (B, H, S, S)
+    allowed = torch.ones(config.batch, config.seq, config.seq, dtype=torch.bool)  # (B, S, Sk)
+    if mask is not None:
+        allowed = allowed & mask[:, None, :]  # the documents' unsqueeze + expand
+    if config.causal:
+        allowed = allowed & causal_mask(config.seq, config.seq)
+    return Explained(config, t, weights, allowed, output)
+
+
+def command(config: ExplainConfig) -> str:
+    """The ``headwise explain`` command line that reproduces ``config``."""
+    default = ExplainConfig()
+    parts = ["headwise explain"]
+    for name in ("batch", "seq", "dim", "heads", "kv_heads", "backend", "seed"):
+        value = getattr(config, name)
+        if value != getattr(default, name):
+            parts.append(f"--{name.replace('_', '-')} {value}")
+    if config.lengths is not None:
+        parts.append("--mask lengths " + ",".join(map(str, config.lengths)))
+    if config.causal:
+        parts.append("--causal")
+    return " ".join(parts)
+
+
+def markdown_page(explained: Explained) -> str:
+    """The "How multi-head attention works" page, its table generated from the trace."""
+    c = explained.config
+    head_dim = c.dim // c.heads
+    rows = "\n".join(
+        f"| {s.name} | `{s.shape}` | {s.note.replace('|', '/')} |" for s in explained.trace.stages
+    )
+    return f"""# How multi-head attention works
+
+This page is generated from a traced run by
+`{command(c)} --markdown > docs/how-attention-works.md`
+(the test suite regenerates it and fails if this file differs), so the shapes below are
+the shapes the code really produces.
+
+The example is the second teaching document's: a batch of B = {c.batch} sequences of
+S = {c.seq} tokens, embed dim E = {c.dim}, H = {c.heads} heads of D = E / H = {head_dim}
+dimensions each, traced on the `{c.backend}` backend, which shows every stage.
+
+1. **Projections.** Three linear layers turn each token into a query, a key and a
+   value: `(B, S, E) -> (B, S, E)`.
+2. **Split into heads.** The last dimension is cut into H pieces of D and the head axis
+   moves forward: `(B, S, E) -> (B, S, H, D) -> (B, H, S, D)`.
+3. **Scores.** Every query meets every key: `q @ k^T` is
+   `(B, H, S, D) x (B, H, D, S) -> (B, H, S, S)`.
+4. **Scaling** by `1 / sqrt(D)` keeps the scores' spread independent of D.
+5. **Mask.** A `(B, S)` padding mask broadcasts to `(B, H, S, S)` (the documents'
+   `unsqueeze(1).unsqueeze(2).expand(...)`); masked scores become `-inf`.
+6. **Softmax** over the keys turns each row into probabilities; a row with nothing to
+   attend becomes zeros in headwise (the plain formula gives NaN there).
+7. **Dropout** zeroes probabilities at random while training.
+8. **Weighted sum** of the values: `(B, H, S, S) x (B, H, S, D) -> (B, H, S, D)`.
+9. **Merge heads**: `(B, H, S, D) -> (B, S, H, D) -> (B, S, E)`.
+10. **Output projection**: one more linear layer, `(B, S, E) -> (B, S, E)`.
+
+| stage | shape | what happens |
+|---|---|---|
+{rows}
+"""

@@ -1,0 +1,81 @@
+"""Pictures of a mask and of each head's attention weights (matplotlib heatmaps).
+
+Legend: B batch, H heads, S query length, Sk key length.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+__all__ = ["figure_size", "plot_attention", "DPI"]
+
+DPI = 100
+_PANEL_INCHES = 2.6
+_MAX_COLUMNS = 4
+
+
+def _grid(heads: int) -> tuple[int, int]:
+    panels = heads + 1  # the mask, then one panel per head
+    cols = min(_MAX_COLUMNS, panels)
+    return math.ceil(panels / cols), cols
+
+
+def figure_size(heads: int) -> tuple[int, int]:
+    """The PNG's (width, height) in pixels for ``heads`` heads."""
+    rows, cols = _grid(heads)
+    return round(cols * _PANEL_INCHES * DPI), round(rows * _PANEL_INCHES * DPI)
+
+
+def plot_attention(allowed: Tensor, weights: Tensor, path: str, *, title: str = "") -> tuple[int, int]:
+    """Draw the expanded mask and every head's weights for one batch row into a PNG.
+
+    Args:
+        allowed: (S, Sk) bool, True where a query may attend a key.
+        weights: (H, S, Sk) probabilities of that batch row.
+        path: where to write the PNG.
+        title: the figure's title.
+
+    Returns:
+        The image's (width, height) in pixels.
+
+    Raises:
+        ImportError: matplotlib is missing (``pip install headwise[plot]``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("plots need matplotlib: pip install 'headwise[plot]'") from exc
+
+    heads = weights.shape[0]
+    rows, cols = _grid(heads)
+    width, height = figure_size(heads)
+    fig, axes = plt.subplots(rows, cols, figsize=(width / DPI, height / DPI), dpi=DPI,
+                             squeeze=False)
+    blocked = ~allowed.cpu().numpy()
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")  # masked cells: grey
+    ax = axes[0][0]
+    ax.imshow(allowed.cpu().numpy(), cmap="Greys_r", vmin=0, vmax=1)
+    ax.set_title("mask (white = attend)", fontsize=9)
+    for h in range(heads):
+        ax = axes[(h + 1) // cols][(h + 1) % cols]
+        data = np.ma.masked_array(weights[h].detach().float().cpu().numpy(), mask=blocked)
+        ax.imshow(data, cmap=cmap, vmin=0.0, vmax=1.0)
+        ax.set_title(f"head {h}", fontsize=9)
+    for ax in axes.flat:
+        ax.set_xlabel("key", fontsize=7)
+        ax.set_ylabel("query", fontsize=7)
+        ax.tick_params(labelsize=6)
+    for extra in axes.flat[heads + 1:]:
+        extra.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return width, height

@@ -1,0 +1,51 @@
+"""explain(): one configuration traced, its weights and its mask picture data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from headwise.explain import ExplainConfig, command, explain, markdown_page
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "how-attention-works.md"
+
+
+def test_default_is_the_second_document_example():
+    e = explain(ExplainConfig())
+    assert e.output.shape == (4, 10, 512)
+    assert e.weights.shape == (4, 8, 10, 10)
+    assert [s.shape for s in e.trace.stages if s.name == "split heads q"] == [(4, 8, 10, 64)]
+
+
+def test_lengths_causal_and_groups():
+    e = explain(ExplainConfig(batch=2, seq=5, dim=32, heads=4, lengths=(5, 2), causal=True, kv_heads=2))
+    assert e.allowed[1].int().tolist()[4] == [1, 1, 0, 0, 0]  # padding after 2 tokens
+    assert e.allowed[0].int().tolist()[1] == [1, 1, 0, 0, 0]  # causal
+    assert torch.all(e.weights[~e.allowed[:, None].expand_as(e.weights)] == 0)
+    torch.testing.assert_close(e.weights.sum(-1), torch.ones(2, 4, 5))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"lengths": (3,)}, r"gives 1 lengths for --batch 4"),
+    ({"lengths": (3, 4, 11, 2)}, r"\[11\] are outside \[0, --seq 10\]"),
+    ({"heads": 0}, r"--heads must be positive"),
+    ({"heads": 7}, r"num_heads \(7\) must divide embed_dim \(512\)"),
+])
+def test_bad_configurations_raise(changes, message):
+    with pytest.raises(ValueError, match=message):
+        explain(ExplainConfig(**changes))
+
+
+def test_command_round_trip():
+    assert command(ExplainConfig()) == "headwise explain"
+    assert command(ExplainConfig(heads=4, lengths=(1, 2), causal=True)) == (
+        "headwise explain --heads 4 --mask lengths 1,2 --causal")
+
+
+def test_docs_page_is_current():
+    """The docs page is generated from the trace; regenerate it if this fails:
+    headwise explain --mask lengths 10,7,3,5 --markdown > docs/how-attention-works.md"""
+    page = markdown_page(explain(ExplainConfig(lengths=(10, 7, 3, 5))))
+    assert DOCS.read_text() == page

@@ -1,0 +1,113 @@
+"""Explain mode's trace: every stage, for every backend and configuration."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import headwise
+from headwise import tracing as trace_module
+
+BACKENDS = headwise.available_backends()
+MODULE_STAGES = ["input", "q projection", "k projection", "v projection", "split heads q",
+                 "split heads k, v"]
+TEXTBOOK_STAGES = ["scores", "scaling", "mask", "softmax", "dropout", "weighted sum"]
+TAIL = ["merge heads", "output projection"]
+
+
+def _run(backend, *, kv_heads=None, context=False, causal=False, mask=True, dropout=0.0):
+    B, S, Sk, E, H = 3, 4, 6, 32, 4
+    mha = headwise.MultiHeadAttention(E, H, dropout, num_kv_heads=kv_heads, backend=backend)
+    x = torch.randn(B, S, E)
+    ctx = torch.randn(B, Sk, E) if context else None
+    keys = Sk if context else S
+    m = headwise.masks.key_padding_mask([keys, 2, 1], keys) if mask else None
+    with headwise.trace() as t:
+        out = mha(x, m, context=ctx, is_causal=causal)
+    return t, out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv_heads", [None, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("context", [False, True], ids=["self", "cross"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_every_stage_is_recorded_in_order(backend, kv_heads, context, causal):
+    t, out = _run(backend, kv_heads=kv_heads, context=context, causal=causal)
+    names = t.names()
+    kernel = headwise.kernels.get_kernel(backend)
+    middle = [backend] if kernel.fused else TEXTBOOK_STAGES
+    copies = ["repeat kv heads"] if kv_heads and not kernel.native_gqa else []
+    assert names == MODULE_STAGES + ["mask layout", "kernel"] + copies + middle + TAIL
+    fused = [s for s in t.stages if s.fused]
+    assert [s.name for s in fused] == ([backend] if kernel.fused else [])
+    assert t.stages[-1].shape == tuple(out.shape)
+    assert all(isinstance(s.shape, tuple) and s.note for s in t.stages)
+
+
+def test_shapes_and_notes_follow_the_document():
+    t, _ = _run("matmul", context=True)
+    by_name = {s.name: s for s in t.stages}
+    assert by_name["input"].shape == (3, 4, 32)
+    assert by_name["k projection"].shape == (3, 6, 32)  # keys come from the context
+    assert by_name["split heads q"].shape == (3, 4, 4, 8)  # (B, H, S, D)
+    assert by_name["scores"].shape == (3, 4, 4, 6)  # (B, H, S, Sk)
+    assert "(B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)" in by_name["scores"].note
+    assert "0.3536" in by_name["scaling"].note  # 1 / sqrt(8)
+    assert by_name["mask layout"].shape == (3, 1, 1, 6)
+    assert by_name["weighted sum"].shape == (3, 4, 4, 8)
+    assert by_name["merge heads"].shape == (3, 4, 32)
+    assert all(s.dtype == torch.float32 for s in t.stages if s.name != "mask layout")
+
+
+def test_dropout_stage_names_its_probability():
+    t, _ = _run("matmul", dropout=0.25)
+    assert "p = 0.25" in next(s.note for s in t.stages if s.name == "dropout")
+
+
+def test_functional_calls_are_numbered_and_table_renders():
+    q = torch.randn(1, 2, 3, 4)
+    with headwise.trace() as t:
+        headwise.attention(q, q, q, backend="einsum")
+        headwise.attention(q, q, q, is_causal=True, backend="sdpa")
+    assert {s.call for s in t.stages} == {0, 1}
+    text = str(t)
+    assert "scores" in text and "sdpa (fused)" in text and "(1, 2, 3, 3)" in text
+
+
+def test_no_recording_outside_a_block_and_blocks_nest():
+    q = torch.randn(1, 2, 3, 4)
+    assert trace_module.ACTIVE == 0
+    headwise.attention(q, q, q)
+    with headwise.trace() as outer:
+        with headwise.trace() as inner:
+            headwise.attention(q, q, q, backend="matmul")
+        headwise.attention(q, q, q, backend="sdpa")
+    assert trace_module.ACTIVE == 0
+    assert "scores" in inner.names() and "scores" not in outer.names()
+    assert outer.names() == ["kernel", "sdpa"]
+
+
+def test_other_threads_do_not_write_into_this_trace():
+    q = torch.randn(1, 2, 3, 4)
+    seen = []
+
+    def elsewhere():
+        headwise.attention(q, q, q, backend="matmul")
+        seen.append(True)
+
+    with headwise.trace() as t:
+        worker = threading.Thread(target=elsewhere)
+        worker.start()
+        worker.join()
+    assert seen and t.stages == []
+
+
+def test_hooks_only_read_the_active_counter_when_idle(monkeypatch):
+    """Outside a block, no stage is built: record() is never called."""
+    calls = []
+    monkeypatch.setattr(trace_module, "record", lambda *a, **k: calls.append(a))
+    mha = headwise.MultiHeadAttention(16, 2, backend="matmul")
+    mha(torch.randn(2, 3, 16), torch.ones(2, 3, dtype=torch.bool))
+    assert calls == []
