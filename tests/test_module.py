@@ -479,3 +479,24 @@ def test_parity_with_mhsa(backend):
     ours.load_state_dict(to_headwise_state_dict(ref))
     x = torch.rand(4, 10, 512)
     close(ours(x), ref(x))
+
+
+# --- positions, ALiBi and windows on the module ----------------------------------------
+
+
+def test_module_window_and_alibi_reach_the_kernel():
+    mha = MultiHeadAttention(16, 2, alibi=True, window=2, backend="matmul").eval()
+    x = torch.randn(1, 4, 16)
+    _, w = mha(x, need_weights=True)
+    assert (w[0, :, 3, :2] == 0).all() and (w[0, :, 3, 2:] > 0).all()  # keys (3 - 2, 3]
+    assert mha.dispatch(x).request.window == 2 and mha.dispatch(x).request.alibi
+    assert not any("alibi" in key for key in mha.state_dict())
+    assert "alibi=True" in repr(mha) and "window=2" in repr(mha)
+
+
+def test_module_option_errors():
+    with pytest.raises(ValueError, match=r"window must be a positive int .* got 0"):
+        MultiHeadAttention(16, 2, window=0)
+    for kwargs, name in (({"rope": True}, "rope"), ({"alibi": True}, "alibi"), ({"window": 3}, "window")):
+        with pytest.raises(ValueError, match=rf"has no {name}"):
+            MultiHeadAttention(16, 2, **kwargs).to_torch()

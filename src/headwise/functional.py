@@ -87,6 +87,14 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: st
         get_kernel(backend)  # raises ValueError listing the known names
 
 
+def _effective_causal(is_causal: bool, window: int | None, q_len: int) -> bool:
+    """Whether the causal rule can block anything: a window implies it; a single query
+    sits at the last position, where bottom-right causality blocks no key."""
+    if window is not None:
+        return True
+    return bool(is_causal) and q_len > 1
+
+
 def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
              need_weights: bool, window: int | None, alibi: bool) -> Request:
     B, H, S, D = q.shape
@@ -101,7 +109,7 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         head_dim=D,
         mask_kind="none" if mask is None else ("bool" if mask.dtype == torch.bool else "float"),
         mask_shape=None if mask is None else tuple(mask.shape),
-        is_causal=bool(is_causal) or window is not None,
+        is_causal=_effective_causal(is_causal, window, S),
         window=window,
         alibi=alibi,
         dropout_p=float(dropout_p),
@@ -197,7 +205,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     out, weights = dispatch.kernel.fn(
         q, k, v,
         attention_mask=mask,
-        is_causal=bool(is_causal) or window is not None,
+        is_causal=dispatch.request.is_causal,
         dropout_p=float(dropout_p),
         scale=scale,
         need_weights=need_weights,

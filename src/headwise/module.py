@@ -22,9 +22,12 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from headwise import tracing as trace
+from headwise.cache import KVCache
 from headwise.dispatch import Dispatch
 from headwise.functional import attend, choose_backend
 from headwise.kernels.registry import get_kernel
+from headwise.masks import alibi_slopes
+from headwise.positions import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention"]
 
@@ -73,6 +76,10 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,  # None: num_heads (no grouping)
         is_causal: bool = False,
         backend: str = "auto",
+        rope: bool = False,
+        rope_base: float | None = None,  # None: 10000 when rope=True; a value turns rope on
+        alibi: bool = False,
+        window: int | None = None,  # None: unlimited; W: query i sees keys (i - W, i]
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -98,6 +105,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         if backend != "auto":
             get_kernel(backend)  # ValueError listing the known backends
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int (keys per query, its own included), got {window!r}")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -111,16 +120,54 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.window = window
+        self.rope = None
+        if rope or rope_base is not None:
+            self.rope = RotaryEmbedding(self.head_dim, 10000.0 if rope_base is None else rope_base)
+        self.alibi_slopes: Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None,
+                             persistent=False)
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        extras = "".join([
+            f", rope_base={self.rope.base:g}" if self.rope is not None else "",
+            ", alibi=True" if self.alibi_slopes is not None else "",
+            f", window={self.window}" if self.window is not None else "",
+        ])
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, "
             f"head_dim={self.head_dim}, dropout={self.dropout}, is_causal={self.is_causal}, "
-            f"backend={self.backend!r}"
+            f"backend={self.backend!r}{extras}"
         )
 
-    def _check(self, x: Tensor, context: Tensor | None) -> None:
+    def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
+        """A preallocated key/value cache for incremental decoding with this module.
+
+        Args:
+            batch_size: B of the batches that will be decoded.
+            max_seq_len: the most positions the cache will hold (prompt included).
+
+        Returns:
+            An empty :class:`~headwise.cache.KVCache` on this module's device and dtype.
+
+        Raises:
+            ValueError: non-positive sizes.
+        """
+        w = self.k_proj.weight
+        return KVCache(batch_size, max_seq_len, self.num_kv_heads, self.head_dim,
+                       device=w.device, dtype=w.dtype)
+
+    def _check(self, x: Tensor, context: Tensor | None, cache: KVCache | None = None) -> None:
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must come from mha.new_cache(...), got {type(cache).__name__}")
+            if context is not None:
+                raise ValueError("cache is for self-attention; cross-attention (context=...) takes no cache")
+            if isinstance(x, Tensor) and x.dim() == 3:
+                cache.check(x.shape[0], x.shape[1])
+        if self.rope is not None and context is not None:
+            raise ValueError("rotary embeddings (rope) are for self-attention; drop context= or rope")
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
@@ -160,6 +207,40 @@ class MultiHeadAttention(nn.Module):
             trace.record("split heads k, v", k, "rearrange 'b s (h d) -> b h s d' with h = Hkv")
         return q, k, v
 
+    def _rotate(self, q: Tensor, k: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Apply rotary embeddings for positions ``start, start + 1, ...`` (no-op without rope)."""
+        if self.rope is None:
+            return q, k
+        q, k = self.rope(q, start), self.rope(k, start)  # (B, H|Hkv, S, D)
+        if trace.ACTIVE:
+            trace.record("rotary positions", q, f"rotate q and k pairs (i, i + D/2) by position x "
+                         f"{self.rope.base:g}^(-2i/D), positions from {start}")
+        return q, k
+
+    @staticmethod
+    def _cache_mask(cache: KVCache, mask: Tensor | None, new: int, *, remember: bool = True) -> Tensor | None:
+        """The mask over every cached position for this step; remembers 2-D padding masks."""
+        start, total = len(cache), len(cache) + new
+        if mask is None:
+            return cache.key_mask[:, :total] if cache.padded else None  # (B, Sk)
+        if mask.dim() != 2 or mask.shape[-1] not in (new, total):
+            return mask  # 3-D / 4-D masks already cover (S, Sk); normalize_mask checks them
+        if mask.is_floating_point():
+            raise TypeError(
+                "with a cache, give the 2-D padding mask as bool or integer (True / 1 = token); "
+                "a floating (B, Sk) bias cannot be remembered across steps"
+            )
+        if mask.shape[0] != cache.batch_size:
+            raise ValueError(f"attention_mask batch ({mask.shape[0]}) differs from the cache's "
+                             f"batch_size ({cache.batch_size})")
+        mask = mask.to(cache.key_mask.device) != 0
+        if mask.shape[-1] == new:
+            mask = torch.cat([cache.key_mask[:, :start], mask], dim=1)  # (B, Sk)
+        if remember:
+            cache.key_mask[:, :total] = mask
+            cache.padded = True
+        return mask
+
     def forward(
         self,
         x: Tensor,
@@ -168,6 +249,7 @@ class MultiHeadAttention(nn.Module):
         context: Tensor | None = None,  # None: self-attention
         is_causal: bool | None = None,  # None: the constructor's value
         need_weights: bool = False,
+        cache: KVCache | None = None,  # None: no incremental decoding
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x`` to ``x`` (or to ``context``).
 
@@ -179,6 +261,11 @@ class MultiHeadAttention(nn.Module):
             is_causal: bottom-right causal masking, ANDed with the mask.
             need_weights: also return the (B, H, S, Sk) softmax probabilities (before
                 dropout, per head: not averaged as ``nn.MultiheadAttention`` does).
+            cache: from :meth:`new_cache`: ``x`` holds the next T positions; their keys
+                and values are appended and the queries attend to every cached position
+                (Sk = len(cache) after appending; causal alignment is bottom-right). A 2-D
+                bool/integer mask may cover the T new positions (it is remembered) or all
+                Sk positions. Decode under ``torch.no_grad()``.
 
         Returns:
             (B, S, E), or ``(output, weights)`` when ``need_weights``.
@@ -186,17 +273,25 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ValueError / TypeError: inputs or mask that do not fit; see the messages.
         """
-        self._check(x, context)
+        self._check(x, context, cache)
         if trace.ACTIVE:
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
         q, k, v = self._project(x, context)
+        q, k = self._rotate(q, k, 0 if cache is None else len(cache))
+        if cache is not None:
+            attention_mask = self._cache_mask(cache, attention_mask, x.shape[1])
+            k, v = cache.append(k, v)  # (B, Hkv, Sk, D): every cached position
+            if trace.ACTIVE:
+                trace.record("kv cache", k, f"append {x.shape[1]} positions; attend to all {len(cache)} cached")
         out = attend(
             q, k, v, attention_mask,
             is_causal=self.is_causal if is_causal is None else is_causal,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend,
             need_weights=need_weights,
+            window=self.window,
+            alibi_slopes=self.alibi_slopes,
         )
         out, weights = out if need_weights else (out, None)
         out = rearrange(out, "b h s d -> b s (h d)")  # (B, H, S, D) -> (B, S, E)
@@ -216,21 +311,29 @@ class MultiHeadAttention(nn.Module):
         context: Tensor | None = None,
         is_causal: bool | None = None,
         need_weights: bool = False,
+        cache: KVCache | None = None,
     ) -> Dispatch:
         """Which kernel :meth:`forward` would run on these inputs, and why (runs nothing).
 
         >>> print(MultiHeadAttention(64, 4).dispatch(torch.rand(1, 3, 64)).backend)
         sdpa
         """
-        self._check(x, context)
+        self._check(x, context, cache)
         with torch.no_grad():
             q, k, v = self._project(x, context)
+            if cache is not None:  # what forward would attend to, without appending
+                L = len(cache)
+                attention_mask = self._cache_mask(cache, attention_mask, x.shape[1], remember=False)
+                k = torch.cat([cache.k[:, :, :L], k], dim=2)  # (B, Hkv, L + T, D)
+                v = torch.cat([cache.v[:, :, :L], v], dim=2)
         return choose_backend(
             q, k, v, attention_mask,
             is_causal=self.is_causal if is_causal is None else is_causal,
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights,
             backend=self.backend,
+            window=self.window,
+            alibi_slopes=self.alibi_slopes,
         )
 
     @classmethod
@@ -287,6 +390,12 @@ class MultiHeadAttention(nn.Module):
                 f"torch.nn.MultiheadAttention has no grouped-query attention; this module has "
                 f"num_kv_heads={self.num_kv_heads} < num_heads={self.num_heads}"
             )
+        extras = [name for name, on in (("rope", self.rope is not None),
+                                        ("alibi", self.alibi_slopes is not None),
+                                        ("window", self.window is not None)) if on]
+        if extras:
+            raise ValueError(f"torch.nn.MultiheadAttention has no {', '.join(extras)}; "
+                             "build this module without them to convert it")
         w = self.q_proj.weight
         bias = self.q_proj.bias is not None
         m = nn.MultiheadAttention(self.embed_dim, self.num_heads, self.dropout, bias=bias,

@@ -1,0 +1,162 @@
+"""KV cache: decoding step by step equals one causal forward over the whole sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import headwise
+from headwise.cache import KVCache
+
+BACKENDS = headwise.available_backends()
+B, S, E, H = 3, 10, 32, 4
+FEATURES = {
+    "plain": {},
+    "gqa": {"num_kv_heads": 2},
+    "mqa": {"num_kv_heads": 1},
+    "rope": {"rope": True},
+    "rope_base": {"rope_base": 500.0, "num_kv_heads": 2},
+    "alibi": {"alibi": True},
+    "window": {"window": 3},
+    "all": {"num_kv_heads": 2, "rope": True, "window": 4},
+}
+
+
+def _padding(kind: str) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    mask = torch.ones(B, S, dtype=torch.bool)
+    if kind == "left":  # prompts of 10, 7 and 4 tokens, padded on the left
+        mask[1, :3] = False
+        mask[2, :6] = False
+    else:  # right: padding after the prompt, then generated tokens
+        mask[1, 4:6] = False
+        mask[2, 2:7] = False
+    return mask
+
+
+def _decode(mha, x, mask, splits):
+    cache = mha.new_cache(B, S + 2)
+    outs, start = [], 0
+    for n in splits:
+        step_mask = None if mask is None else mask[:, start:start + n]
+        outs.append(mha(x[:, start:start + n], step_mask, cache=cache, is_causal=True))
+        start += n
+    assert len(cache) == S
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("splits", [[1] * S, [4, 1, 1, 1, 1, 1, 1], [6, 4]], ids=["steps", "prefill+steps", "chunks"])
+def test_decoding_equals_one_causal_forward(backend, feature, padding, splits):
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, backend=backend, **FEATURES[feature]).eval()
+    x = torch.randn(B, S, E)
+    mask = _padding(padding)
+    with torch.no_grad():
+        full = mha(x, mask, is_causal=True)
+        stepped = _decode(mha, x, mask, splits)
+    torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+
+
+@given(splits=st.lists(st.integers(1, 4), min_size=1, max_size=10).filter(lambda s: sum(s) <= S),
+       feature=st.sampled_from(list(FEATURES)), padding=st.sampled_from(["none", "left", "right"]))
+def test_property_any_prefill_step_split(splits, feature, padding):
+    torch.manual_seed(1)
+    mha = headwise.MultiHeadAttention(E, H, **FEATURES[feature]).eval()
+    n = sum(splits)
+    x = torch.randn(B, n, E)
+    mask = _padding(padding)
+    mask = None if mask is None else mask[:, :n]
+    with torch.no_grad():
+        full = mha(x, mask, is_causal=True)
+        cache = mha.new_cache(B, n)
+        outs, start = [], 0
+        for k in splits:
+            outs.append(mha(x[:, start:start + k], None if mask is None else mask[:, start:start + k],
+                            cache=cache, is_causal=True))
+            start += k
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_full_length_masks_each_step_also_work():
+    torch.manual_seed(2)
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    x, mask = torch.randn(B, S, E), _padding("left")
+    with torch.no_grad():
+        full = mha(x, mask, is_causal=True)
+        cache = mha.new_cache(B, S)
+        outs = [mha(x[:, t:t + 1], mask[:, :t + 1], cache=cache, is_causal=True) for t in range(S)]
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_bookkeeping():
+    mha = headwise.MultiHeadAttention(E, H, num_kv_heads=2)
+    cache = mha.new_cache(2, 8)
+    assert isinstance(cache, KVCache) and len(cache) == 0
+    assert cache.k.shape == (2, 2, 8, 8) and cache.k.dtype == mha.k_proj.weight.dtype
+    with torch.no_grad():
+        mha(torch.randn(2, 5, E), cache=cache, is_causal=True)
+    assert len(cache) == 5 and "length=5" in repr(cache)
+    cache.reset()
+    assert len(cache) == 0 and not cache.padded
+    assert not any("cache" in key for key in mha.state_dict())
+
+
+def test_append_returns_views_of_the_buffers():
+    cache = KVCache(1, 4, 2, 3)
+    k = torch.randn(1, 2, 2, 3)
+    k_all, v_all = cache.append(k, k)
+    assert k_all.shape == (1, 2, 2, 3) and k_all.untyped_storage().data_ptr() == cache.k.untyped_storage().data_ptr()
+
+
+def test_overflow_and_batch_errors_name_the_numbers():
+    mha = headwise.MultiHeadAttention(E, H)
+    cache = mha.new_cache(2, 4)
+    with torch.no_grad():
+        mha(torch.randn(2, 3, E), cache=cache)
+        with pytest.raises(ValueError, match=r"holds 3 of max_seq_len 4 positions and cannot take 2 more"):
+            mha(torch.randn(2, 2, E), cache=cache)
+        with pytest.raises(ValueError, match=r"made for batch_size 2, got a batch of 5"):
+            mha(torch.randn(5, 1, E), cache=cache)
+    assert len(cache) == 3  # a refused step leaves the cache as it was
+    with pytest.raises(ValueError, match=r"max_seq_len must be a positive int, got 0"):
+        mha.new_cache(2, 0)
+
+
+def test_cache_argument_errors():
+    mha = headwise.MultiHeadAttention(E, H)
+    cache = mha.new_cache(2, 4)
+    x = torch.randn(2, 1, E)
+    with pytest.raises(ValueError, match=r"cache is for self-attention"):
+        mha(x, context=torch.randn(2, 3, E), cache=cache)
+    with pytest.raises(TypeError, match=r"cache must come from mha.new_cache"):
+        mha(x, cache={"k": None})
+    with pytest.raises(TypeError, match=r"as bool or integer"):
+        mha(x, torch.zeros(2, 1), cache=cache)
+    with pytest.raises(ValueError, match=r"attention_mask batch \(3\) differs from the cache's batch_size \(2\)"):
+        mha(x, torch.ones(3, 1, dtype=torch.bool), cache=cache)
+
+
+def test_dispatch_with_cache_sees_every_cached_key_and_changes_nothing():
+    mha = headwise.MultiHeadAttention(E, H)
+    cache = mha.new_cache(2, 8)
+    with torch.no_grad():
+        mha(torch.randn(2, 5, E), torch.ones(2, 5, dtype=torch.bool), cache=cache, is_causal=True)
+    d = mha.dispatch(torch.randn(2, 1, E), cache=cache, is_causal=True)
+    assert d.request.k_len == 6 and d.request.q_len == 1 and d.request.mask_shape == (2, 1, 1, 6)
+    assert len(cache) == 5
+
+
+def test_weights_with_cache_cover_every_cached_position():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    cache = mha.new_cache(1, 6)
+    with torch.no_grad():
+        mha(torch.randn(1, 4, E), cache=cache, is_causal=True)
+        _, w = mha(torch.randn(1, 1, E), cache=cache, is_causal=True, need_weights=True)
+    assert w.shape == (1, H, 1, 5)
+    torch.testing.assert_close(w.sum(-1), torch.ones(1, H, 1))
