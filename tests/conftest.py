@@ -65,6 +65,18 @@ def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=
     return p @ v, weights
 
 
+def skip_unless_served(backend, q, k, v, mask=None, **kwargs):
+    """Skip the calling test when ``backend`` refuses this request, quoting its reason
+    (kernels such as ``varlen`` serve only some mask layouts; refusals are tested in
+    tests/test_dispatch.py)."""
+    import headwise
+
+    try:
+        headwise.choose_backend(q, k, v, mask, backend=backend, **kwargs)
+    except ValueError as refusal:
+        pytest.skip(str(refusal))
+
+
 @pytest.fixture
 def ref():
     return reference_attention

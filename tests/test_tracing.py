@@ -29,7 +29,7 @@ def _run(backend, *, kv_heads=None, context=False, causal=False, mask=True, drop
     return t, out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "varlen"])  # varlen: test below
 @pytest.mark.parametrize("kv_heads", [None, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("context", [False, True], ids=["self", "cross"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -39,7 +39,8 @@ def test_every_stage_is_recorded_in_order(backend, kv_heads, context, causal):
     kernel = headwise.kernels.get_kernel(backend)
     middle = [backend] if kernel.fused else TEXTBOOK_STAGES
     copies = ["repeat kv heads"] if kv_heads and not kernel.native_gqa else []
-    assert names == MODULE_STAGES + ["mask layout", "kernel"] + copies + middle + TAIL
+    zeroed = [] if context else ["zero padding"]  # a (B, S) self-attention mask marks padded queries
+    assert names == MODULE_STAGES + ["mask layout", "kernel"] + copies + middle + TAIL + zeroed
     fused = [s for s in t.stages if s.fused]
     assert [s.name for s in fused] == ([backend] if kernel.fused else [])
     assert t.stages[-1].shape == tuple(out.shape)
@@ -111,3 +112,25 @@ def test_hooks_only_read_the_active_counter_when_idle(monkeypatch):
     mha = headwise.MultiHeadAttention(16, 2, backend="matmul")
     mha(torch.randn(2, 3, 16), torch.ones(2, 3, dtype=torch.bool))
     assert calls == []
+
+
+@pytest.mark.parametrize("module_backend", ["varlen", "auto"])
+def test_packed_path_is_traced_as_such(module_backend):
+    mha = headwise.MultiHeadAttention(32, 4, backend=module_backend)
+    x = torch.randn(3, 6, 32)
+    mask = headwise.masks.key_padding_mask([6, 2, 1], 6)  # half the batch is padding: auto packs
+    with headwise.trace() as t:
+        mha(x, mask)
+    names = t.names()
+    assert names[0] == "input (packed)" and names[-1] == "output projection (packed)"
+    assert t.stages[0].shape == (9, 32)  # T = 6 + 2 + 1 real tokens, no padding
+    assert "kernel" in names
+    assert mha.dispatch(x, mask).backend == "varlen"
+
+
+def test_varlen_kernel_is_one_fused_stage():
+    q = torch.randn(2, 2, 3, 4)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    with headwise.trace() as t:
+        headwise.attention(q, q, q, mask, backend="varlen")
+    assert t.names() == ["mask layout", "kernel", "varlen"] and t.stages[-1].fused

@@ -6,6 +6,7 @@ Legend: B batch, H heads, S sequence length, E embed dim.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -51,16 +52,19 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     table = Table(title="every backend vs the document's MultiHeadAttentionFormal (fp32)")
     table.add_column("backend")
     table.add_column("output shape")
-    table.add_column("max |difference|", justify="right")
+    table.add_column("max |difference| (real tokens)", justify="right")
+    table.add_column("padding -> 0")
     table.add_column("note")
     for name in ["auto", *headwise.available_backends()]:
         mha = headwise.MultiHeadAttention(E, H, backend=name).eval()
         mha.load_state_dict(to_headwise_state_dict(reference))
         with torch.no_grad():
             out = mha(x, mask)
-        diff = (out - expected).abs().max().item()
+        real = mask.bool()  # padded positions: ours are zeros, the document's are unused values
+        diff = (out[real] - expected[real]).abs().max().item()
         note = f"chose {mha.dispatch(x, mask).backend!r}" if name == "auto" else ""
-        table.add_row(name, str(tuple(out.shape)), f"{diff:.2e}", note)
+        zeros = "yes" if bool((out[~real] == 0).all()) else "no"
+        table.add_row(name, str(tuple(out.shape)), f"{diff:.2e}", zeros, note)
     console.print(table)
     _demo_trace(console, x, mask, reference)
     return 0
@@ -130,6 +134,49 @@ def _equivalences(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace, console: Console) -> int:
+    from headwise import bench
+
+    with console.status("measuring") as status:
+        report = bench.run(quick=args.quick, repeats=args.repeats, memory=not args.no_memory,
+                           limit_gib=args.memory_limit, progress=lambda m: status.update(f"measuring {m}"))
+    rows = report["results"]
+    table = Table(title=f"modules, one run ({report['machine']['threads']} threads, torch "
+                  f"{report['machine']['torch']}): median ms, ratio = time / baseline (< 1 is faster)")
+    for column in ("case", "implementation", "fwd ms", "/ SDPA mod", "/ torch MHA", "fwd+bwd ms", "/ SDPA mod",
+                   "/ torch MHA", "peak fwd", "peak fwd+bwd", "note"):
+        table.add_column(column, justify="left" if column in ("case", "implementation", "note") else "right")
+    for label in dict.fromkeys(r["case"]["label"] for r in rows):
+        group = [r for r in rows if r["case"]["label"] == label]
+        base = {r["impl"]: r for r in group}
+        sdpa, mha = base.get("SDPA module", {}), base.get("torch MHA", {})
+        for i, r in enumerate(group):
+            table.add_row(
+                label if i == 0 else "", r["impl"], bench.fmt_ms(r["forward_ms"]),
+                bench.ratio(r["forward_ms"], sdpa.get("forward_ms")),
+                bench.ratio(r["forward_ms"], mha.get("forward_ms")),
+                bench.fmt_ms(r["train_ms"]), bench.ratio(r["train_ms"], sdpa.get("train_ms")),
+                bench.ratio(r["train_ms"], mha.get("train_ms")), bench.fmt_mib(r["forward_peak_mib"]),
+                bench.fmt_mib(r["train_peak_mib"]), Text(r["note"]), end_section=i == len(group) - 1)
+    console.print(table)
+    rate = report["matmul_gflops"]
+    core = Table(title=f"attention core, forward (B=1, H=8, D=64): FLOPs 4*B*H*S*Sk*D / time, next to the "
+                 f"measured fp32 matmul rate {rate:.0f} GFLOP/s")
+    for column in ("implementation", "S", "ms", "GFLOP/s", "% of matmul rate"):
+        core.add_column(column, justify="left" if column == "implementation" else "right")
+    for r in report["core"]:
+        core.add_row(r["impl"], str(r["S"]), bench.fmt_ms(r["ms"]), f"{r['gflops']:.0f}", f"{r['gflops'] / rate:.0%}")
+    console.print(core)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        bench.plot(report, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line on stderr (exit 2), not usage plus a line."""
 
@@ -178,6 +225,20 @@ def _parser() -> argparse.ArgumentParser:
                         "tensors and measure contiguity needs, views and differences.")
     eq.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     eq.set_defaults(run=_equivalences)
+
+    be = sub.add_parser("bench", help="time and memory against torch's MHA and an SDPA module",
+                        description="Compare headwise (auto and backends), the document's class, "
+                        "torch.nn.MultiheadAttention and a plain SDPA module on the same inputs: forward "
+                        "and forward+backward time and peak memory, dense, padded and long sequences, "
+                        "plus the attention core's FLOP rate against the machine's matmul rate.")
+    be.add_argument("--quick", action="store_true", help="small shapes, under a minute (CI smoke)")
+    be.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 5, quick 3)")
+    be.add_argument("--json", metavar="FILE", help="also write every measurement as JSON")
+    be.add_argument("--plot", metavar="FILE.png", help="draw time and memory against sequence length")
+    be.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    be.add_argument("--memory-limit", type=float, default=16.0,
+                    help="GiB a case may use before it is reported out of memory (default 16)")
+    be.set_defaults(run=_bench)
     return parser
 
 

@@ -14,6 +14,7 @@ from torch import Tensor
 from headwise import kernels as _kernels  # noqa: F401  (registers the built-in kernels)
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch, select
+from headwise.kernels.common import attached_zeros
 from headwise.kernels.registry import Request, get_kernel, kernels
 from headwise.masks import normalize_mask
 
@@ -200,7 +201,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         trace.record("kernel", q, f"backend {dispatch.backend!r}: {dispatch.reason}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
-        out = q.new_zeros(B, H, S, D)
+        out = attached_zeros(q, k, v)  # (B, H, S, D), in q's graph: zero gradients
         return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
     out, weights = dispatch.kernel.fn(
         q, k, v,

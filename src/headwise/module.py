@@ -17,11 +17,14 @@ State dict (separate projections, as the documents and Hugging Face models keep 
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 
 from headwise import tracing as trace
+from headwise import varlen
 from headwise.cache import KVCache
 from headwise.dispatch import Dispatch
 from headwise.functional import attend, choose_backend
@@ -29,7 +32,11 @@ from headwise.kernels.registry import get_kernel
 from headwise.masks import alibi_slopes
 from headwise.positions import RotaryEmbedding
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "PACK_MIN_PADDING"]
+
+# "auto" packs a self-attention batch (drops its padding before the projections) when at
+# least this fraction of it is padding; measured by benchmarks/pack_threshold.py.
+PACK_MIN_PADDING = 0.2
 
 
 def _divisors_near(n: int, around: int) -> str:
@@ -103,7 +110,7 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if backend != "auto":
+        if backend not in ("auto", "varlen"):
             get_kernel(backend)  # ValueError listing the known backends
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be a positive int (keys per query, its own included), got {window!r}")
@@ -274,6 +281,13 @@ class MultiHeadAttention(nn.Module):
             ValueError / TypeError: inputs or mask that do not fit; see the messages.
         """
         self._check(x, context, cache)
+        causal = self.is_causal if is_causal is None else is_causal
+        padding = self._query_padding(x, attention_mask, context, cache)  # (B, S) or None
+        if padding is not None and cache is None and not need_weights and self._packs(padding):
+            packed, info = varlen.pack(x, padding)  # (T, E): the real tokens only
+            out = self.forward_packed(packed, info.cu_seqlens, is_causal=causal, positions=info.positions,
+                                      lengths=info.lengths)
+            return varlen.unpack(out, info)  # (B, S, E), zeros at the padding
         if trace.ACTIVE:
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
@@ -286,9 +300,9 @@ class MultiHeadAttention(nn.Module):
                 trace.record("kv cache", k, f"append {x.shape[1]} positions; attend to all {len(cache)} cached")
         out = attend(
             q, k, v, attention_mask,
-            is_causal=self.is_causal if is_causal is None else is_causal,
+            is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
-            backend=self.backend,
+            backend=self._kernel_backend(),
             need_weights=need_weights,
             window=self.window,
             alibi_slopes=self.alibi_slopes,
@@ -301,7 +315,95 @@ class MultiHeadAttention(nn.Module):
         out = self.out_proj(out)  # (B, S, E)
         if trace.ACTIVE:
             trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b")
+        if padding is not None:  # padded query positions output zeros, as the packed path gives
+            out = out.masked_fill(~padding[..., None], 0.0)
+            if trace.ACTIVE:
+                trace.record("zero padding", out, "padded positions (2-D mask False) output zeros")
         return (out, weights) if need_weights else out
+
+    def _kernel_backend(self) -> str:
+        # "varlen" names the module's packed path; inside it (and when it does not apply),
+        # the kernels are chosen by "auto".
+        return "auto" if self.backend == "varlen" else self.backend
+
+    def _query_padding(self, x: Tensor, mask: Tensor | None, context: Tensor | None,
+                       cache: KVCache | None) -> Tensor | None:
+        """(B, S) bool marking x's real tokens, when a 2-D mask also describes the queries.
+
+        That is self-attention with a bool/integer (B, S) padding mask, or a cache step
+        whose 2-D mask covers the new positions (or all of them).
+        """
+        if (context is not None or not isinstance(mask, Tensor) or mask.dim() != 2
+                or mask.is_floating_point() or mask.is_complex() or mask.device != x.device):
+            return None  # not a padding mask of x's tokens (normalize_mask reports any error)
+        S = x.shape[1]
+        if cache is None:
+            return (mask != 0) if mask.shape == x.shape[:2] else None
+        return (mask[:, -S:] != 0) if mask.shape[0] == x.shape[0] else None
+
+    def _packs(self, padding: Tensor) -> bool:
+        """Whether the padding-free path runs: by request, or where "auto" measured it pays."""
+        if self.window is not None or self.alibi_slopes is not None:
+            return False  # positions of tokens after a hole differ once packed
+        if self.backend == "varlen":
+            return True
+        if self.backend != "auto":
+            return False
+        return 1.0 - float(padding.float().mean()) >= PACK_MIN_PADDING
+
+    def forward_packed(
+        self,
+        x: Tensor,
+        cu_seqlens: Tensor,
+        *,
+        is_causal: bool | None = None,
+        positions: Tensor | None = None,
+        lengths: tuple[int, ...] | None = None,
+    ) -> Tensor:
+        """Self-attention on packed tokens: the padding-free path.
+
+        Args:
+            x: (T, E) the real tokens of B sequences, one after another.
+            cu_seqlens: (B + 1,) offsets: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1].
+            is_causal: as in :meth:`forward` (None: the constructor's value).
+            positions: (T,) rotary positions of the tokens (None: 0, 1, ... within each
+                sequence).
+            lengths: the B lengths as ints, if known.
+
+        Returns:
+            (T, E). Projections run on T rows and attention per length bucket, so the
+            cost follows the real token count.
+
+        Raises:
+            ValueError: ``x`` not (T, E), or rows that do not match ``cu_seqlens``.
+        """
+        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"packed x must be (T, E) with E = embed_dim = {self.embed_dim}, got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if lengths is None:
+            lengths = tuple(torch.diff(cu_seqlens).tolist())
+        if trace.ACTIVE:
+            trace.begin_call()
+            trace.record("input (packed)", x, f"x: (T, E), {len(lengths)} sequences, no padding")
+        T = x.shape[0]
+        q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)  # (T, E) -> (T, H, D)
+        k = self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = self.v_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        if self.rope is not None:
+            if positions is None:
+                starts = torch.repeat_interleave(cu_seqlens[:-1], torch.tensor(lengths, device=x.device))
+                positions = torch.arange(T, device=x.device) - starts  # (T,) position within each sequence
+            q, k = self.rope.at(q, positions), self.rope.at(k, positions)
+        out = varlen.packed_attention(
+            q, k, v, cu_seqlens, lengths=lengths,
+            is_causal=self.is_causal if is_causal is None else is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=self._kernel_backend(), window=self.window, alibi_slopes=self.alibi_slopes,
+        )  # (T, H, D)
+        out = self.out_proj(out.reshape(T, self.embed_dim))  # (T, E)
+        if trace.ACTIVE:
+            trace.record("output projection (packed)", out, "out_proj on (T, E); attention ran per length bucket")
+        return out
 
     def dispatch(
         self,
@@ -319,6 +421,14 @@ class MultiHeadAttention(nn.Module):
         sdpa
         """
         self._check(x, context, cache)
+        padding = self._query_padding(x, attention_mask, context, cache)
+        if padding is not None and cache is None and not need_weights and self._packs(padding):
+            share = 1.0 - float(padding.float().mean())
+            why = ("backend='varlen' packs the real tokens" if self.backend == "varlen" else
+                   f"{share:.0%} of the batch is padding (>= PACK_MIN_PADDING {PACK_MIN_PADDING:.0%})")
+            return Dispatch("varlen", f"module packed path: {why}; projections and feed-through run on the "
+                            "real tokens only, attention per length bucket ('auto' inside each bucket)",
+                            MappingProxyType({"dense path": "pays for the padding"}), None)
         with torch.no_grad():
             q, k, v = self._project(x, context)
             if cache is not None:  # what forward would attend to, without appending

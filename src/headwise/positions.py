@@ -69,6 +69,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (S, D): pair i with i + D/2
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def at(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate packed ``x`` (T, H, D) whose tokens sit at ``positions`` (T,)."""
+        longest = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = self.angles(0, longest, x.dtype, x.device)  # (P, D)
+        cos, sin = cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None]  # (T, 1, D)
+        return apply_rotary(x, cos, sin)  # (T, H, D)
+
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
         """Rotate ``x`` (B, H, S, D) as if its positions were ``start .. start + S - 1``."""
         cos, sin = self.angles(start, x.shape[-2], x.dtype, x.device)

@@ -67,3 +67,14 @@ def _mask_note(mask: Tensor | None, user_mask: Tensor | None, is_causal: bool,
     if is_causal or window is not None:
         parts.append("causal j <= i + Sk - S" + (f", window {window}" if window else ""))
     return "; ".join(parts)
+
+
+def attached_zeros(like: Tensor, *also: Tensor) -> Tensor:
+    """Zeros shaped like ``like`` that stay in the autograd graph of ``like`` and ``also``
+    (zero gradients, no NaN even where the inputs hold inf), for outputs where nothing
+    may be attended."""
+    never = torch.zeros((), dtype=torch.bool, device=like.device)
+    out = torch.where(never, like, 0.0)
+    for t in also:
+        out = out + torch.where(never, t.sum(), 0.0)
+    return out

@@ -32,6 +32,31 @@ _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split("."
 SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
 
 
+def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, dropout_p: float, scale: float) -> Tensor:
+    """SDPA with one explicit mask (B|1, H|1, S|1, Sk), dead rows made safe: (B, H, S, D).
+
+    Rows that may attend nothing are unblocked before the call (no 0/0 inside SDPA) and
+    zeroed after it (no gradient leaves them). Shared with the ``varlen`` kernel.
+    """
+    k, v, extra = _grouped(q, k, v)
+    dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
+    mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                         **extra)  # (B, H, S, D)
+    return out.masked_fill(dead, 0.0)
+
+
+def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict]:
+    """k, v and SDPA's extra arguments for grouped-query heads."""
+    if k.shape[1] == q.shape[1]:
+        return k, v, {}
+    if SDPA_HAS_GQA:
+        return k, v, {"enable_gqa": True}
+    G = q.shape[1] // k.shape[1]
+    # (B, Hkv, Sk, D) -> (B, H, Sk, D): a copy, only on torch < 2.5
+    return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), {}
+
+
 @register(
     "sdpa",
     summary="torch.nn.functional.scaled_dot_product_attention (fused where torch can)",
@@ -52,16 +77,9 @@ def sdpa_attention(
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
 ) -> tuple[Tensor, Tensor | None]:
     S, Sk = q.shape[-2], k.shape[-2]
-    extra = {}
-    if k.shape[1] != q.shape[1]:
-        if SDPA_HAS_GQA:
-            extra["enable_gqa"] = True
-        else:
-            G = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(G, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
-            v = v.repeat_interleave(G, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
     structured = window is not None or alibi_slopes is not None
     if attention_mask is None and not structured and (not is_causal or S == Sk):
+        k, v, extra = _grouped(q, k, v)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )  # (B, H, S, D)
@@ -77,16 +95,7 @@ def sdpa_attention(
             mask = bias.masked_fill(~mask, float("-inf"))
         else:
             mask = mask + bias
-    dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
-    # Unblock dead rows (no 0/0 inside SDPA), then zero their output (no gradient out).
-    if mask.dtype == torch.bool:
-        mask = mask | dead
-    else:
-        mask = mask.masked_fill(dead, 0.0)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra
-    )  # (B, H, S, D)
-    out = out.masked_fill(dead, 0.0)
+    out = sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale)  # (B, H, S, D)
     if trace.ACTIVE:
         kind = str(mask.dtype).removeprefix("torch.")
         trace.record("sdpa", out, f"{_FUSED_NOTE} with a {tuple(mask.shape)} {kind} mask "

@@ -1,0 +1,325 @@
+"""``headwise bench``: headwise against PyTorch's best, measured side by side in one run.
+
+Every row times the same inputs through each implementation: headwise (``auto`` and
+named backends), the first document's class, ``torch.nn.MultiheadAttention``
+(``need_weights=False``) and a plain module built on ``scaled_dot_product_attention``.
+Times are medians of repeats after warm-up; peak memory is the rise of the peak resident
+set of a fresh subprocess that runs the case once (CPU torch has no allocator
+statistics), with predicted out-of-memory cases reported instead of run.
+
+Legend: B batch, S sequence length, E embed dim, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import headwise
+from headwise.reference import MultiHeadAttentionFormal
+
+__all__ = ["Case", "Result", "SDPAModule", "run", "matmul_rate"]
+
+
+class SDPAModule(nn.Module):
+    """The plain module people write on ``F.scaled_dot_product_attention``: fused qkv."""
+
+    def __init__(self, E: int, H: int, dropout: float = 0.0):
+        super().__init__()
+        self.H, self.dropout = H, dropout
+        self.qkv = nn.Linear(E, 3 * E)
+        self.out = nn.Linear(E, E)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        B, S, E = x.shape
+        q, k, v = self.qkv(x).reshape(B, S, 3, self.H, E // self.H).permute(2, 0, 3, 1, 4)  # 3 x (B, H, S, D)
+        attn_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, S), True = attend
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(o.transpose(1, 2).reshape(B, S, E))  # (B, S, E)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration."""
+
+    group: str  # "dense", "padded", "long"
+    B: int
+    S: int
+    E: int
+    H: int
+    lengths: tuple[int, ...] | None = None  # real lengths per row (a padding mask), None: dense
+    dropout: float = 0.0
+    backward: bool = True
+
+    @property
+    def padding(self) -> float:
+        return 0.0 if self.lengths is None else 1.0 - sum(self.lengths) / (self.B * self.S)
+
+    def label(self) -> str:
+        pad = f", {self.padding:.0%} padding" if self.lengths is not None else ""
+        drop = f", dropout {self.dropout}" if self.dropout else ""
+        return f"B={self.B} S={self.S} E={self.E} H={self.H}{pad}{drop}"
+
+
+@dataclass
+class Result:
+    case: Case
+    impl: str
+    forward_ms: float | None = None
+    train_ms: float | None = None  # forward + backward
+    forward_peak_mib: float | None = None
+    train_peak_mib: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+IMPLS = ("headwise auto", "SDPA module", "torch MHA", "reference")
+
+
+def build(impl: str, case: Case) -> Callable[[Tensor, Tensor | None], Tensor]:
+    """The implementation as ``f(x, mask) -> (B, S, E)``, mask (B, S) bool True = token."""
+    E, H = case.E, case.H
+    torch.manual_seed(0)
+    if impl.startswith("headwise"):
+        backend = impl.split()[1]
+        m = headwise.MultiHeadAttention(E, H, case.dropout, backend=backend)
+        return lambda x, mask: m(x, mask)
+    if impl == "SDPA module":
+        m = SDPAModule(E, H, case.dropout)
+        return lambda x, mask: m(x, mask)
+    if impl == "torch MHA":
+        m = nn.MultiheadAttention(E, H, case.dropout, batch_first=True)
+        return lambda x, mask: m(x, x, x, key_padding_mask=None if mask is None else ~mask,
+                                 need_weights=False)[0]
+    if impl == "reference":
+        m = MultiHeadAttentionFormal(E, H, case.dropout)
+        return lambda x, mask: m(x, None if mask is None else mask[:, None, None, :])
+    raise ValueError(f"unknown implementation {impl!r}; choose one of {IMPLS} or 'headwise <backend>'")
+
+
+def inputs(case: Case, requires_grad: bool) -> tuple[Tensor, Tensor | None]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(case.B, case.S, case.E, generator=gen).requires_grad_(requires_grad)
+    mask = None
+    if case.lengths is not None:
+        mask = torch.arange(case.S)[None, :] < torch.tensor(case.lengths)[:, None]  # (B, S)
+    return x, mask
+
+
+def predicted_peak_gib(impl: str, case: Case) -> float:
+    """A lower bound on the (B, H, S, S) memory an implementation that materialises scores needs."""
+    if impl == "headwise auto" or impl in ("headwise chunked", "headwise varlen"):
+        return 0.0
+    scores = case.B * case.H * case.S * case.S * 4 / 2**30
+    if impl == "SDPA module" and case.dropout == 0 and case.lengths is None:
+        return 0.0  # fused flash kernel on CPU
+    return scores * (3 if case.backward else 2)
+
+
+def time_case(impl: str, case: Case, repeats: int) -> Result:
+    result = Result(case, impl)
+    fn = build(impl, case)
+    x, mask = inputs(case, requires_grad=False)
+    with torch.no_grad():
+        result.forward_ms = _median_ms(lambda: fn(x, mask), repeats)
+    if case.backward:
+        xg, _ = inputs(case, requires_grad=True)
+        result.train_ms = _median_ms(lambda: fn(xg, mask).float().sum().backward(), repeats)
+    return result
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up (allocator, dispatch caches, thread pool)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def peak_memory_mib(impl: str, case: Case, train: bool, limit_gib: float) -> tuple[float | None, str]:
+    """Peak RSS rise of one run in a fresh subprocess; (None, why) when it cannot run."""
+    need = predicted_peak_gib(impl, case)
+    if need > limit_gib:
+        return None, f"out of memory: needs >= {need:.1f} GiB of scores (limit {limit_gib:.0f} GiB)"
+    spec = json.dumps({"impl": impl, "case": asdict(case), "train": train, "limit_gib": limit_gib})
+    proc = subprocess.run([sys.executable, "-m", "headwise.bench", "--memory-child", spec],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+        return None, ("out of memory" if "alloc" in tail.lower() or "memory" in tail.lower() else tail[:80])
+    return float(proc.stdout.strip().splitlines()[-1]), ""
+
+
+def _memory_child(spec: str) -> None:
+    """Run one case once and print the rise of the peak RSS in MiB (subprocess side)."""
+    args = json.loads(spec)
+    limit = int(args["limit_gib"] * 2**30)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))  # fail with an error, not the OOM killer
+    case_fields = args["case"]
+    case_fields["lengths"] = tuple(case_fields["lengths"]) if case_fields["lengths"] else None
+    case = Case(**case_fields)
+    fn = build(args["impl"], case)
+    x, mask = inputs(case, requires_grad=args["train"])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if args["train"]:
+        fn(x, mask).float().sum().backward()
+    else:
+        with torch.no_grad():
+            fn(x, mask)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) / 1024)  # ru_maxrss is in KiB on Linux
+
+
+def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
+    """The machine's measured fp32 matrix-multiply rate in GFLOP/s."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / (_median_ms(lambda: a @ b, repeats) / 1e3) / 1e9
+
+
+def attention_core(S: int, backends: list[str], repeats: int, causal: bool = False,
+                   B: int = 1, H: int = 8, D: int = 64) -> list[dict]:
+    """FLOP rate of the attention core alone (q, k, v given), forward, per backend and SDPA."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, H, S, D, generator=gen) for _ in range(3))
+    flops = 4 * B * H * S * S * D / (2 if causal else 1)
+    rows = []
+    runs: list[tuple[str, Callable[[], object]]] = [
+        ("torch sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))]
+    runs += [(f"headwise {b}", lambda b=b: headwise.attention(q, k, v, is_causal=causal, backend=b))
+             for b in backends]
+    with torch.no_grad():
+        for name, fn in runs:
+            if name.split()[-1] in ("matmul", "einsum", "bmm", "einops") and S > 4096:
+                continue  # (B, H, S, S) scores: too big to be worth timing here
+            ms = _median_ms(fn, repeats)
+            rows.append({"impl": name, "S": S, "causal": causal, "ms": ms, "gflops": flops / (ms / 1e3) / 1e9})
+    return rows
+
+
+def cases(quick: bool) -> list[Case]:
+    gen = torch.Generator().manual_seed(3)
+    if quick:
+        lengths = tuple(torch.randint(16, 129, (8,), generator=gen).tolist())
+        return [Case("dense", 4, 64, 128, 4), Case("padded", 8, 128, 128, 4, lengths=lengths)]
+    padded_lengths = tuple(torch.randint(64, 513, (32,), generator=gen).tolist())  # uniform in 64..512
+    long_pad = 0.1  # 10% padding on the long sequences
+    out = [Case("dense", 32, 128, 512, 8), Case("dense", 8, 512, 768, 12), Case("dense", 1, 4096, 512, 8)]
+    out += [Case("dense", 8, s, 512, 8) for s in (64, 256, 1024)]
+    out += [Case("padded", 32, 512, 512, 8, lengths=padded_lengths)]
+    for frac in (0.25, 0.5, 0.75):
+        lens = tuple(max(1, round(512 * (1 - frac * 2 * u))) for u in torch.rand(32, generator=gen).tolist())
+        out.append(Case("padded", 32, 512, 512, 8, lengths=lens))
+    for s in (16384, 32768):
+        n = s - int(s * long_pad)
+        out.append(Case("long", 1, s, 512, 8, lengths=(n,), dropout=0.1))
+    return out
+
+
+def run(quick: bool = False, repeats: int | None = None, memory: bool = True, limit_gib: float = 16.0,
+        progress: Callable[[str], None] | None = None) -> dict:
+    """Measure everything; returns a JSON-ready dict (``results``, ``core``, ``matmul_gflops``)."""
+    repeats = repeats or (3 if quick else 5)
+    say = progress or (lambda message: None)
+    results: list[Result] = []
+    for case in cases(quick):
+        impls = list(IMPLS) + (["headwise sdpa", "headwise chunked"] if case.group != "long" else [])
+        if case.group == "padded":
+            impls.append("headwise varlen")
+        if case.group == "long":
+            impls = ["headwise auto", "SDPA module", "reference"]
+        for impl in impls:
+            say(f"{case.label()}: {impl}")
+            need = predicted_peak_gib(impl, case)
+            if need > limit_gib:
+                results.append(Result(case, impl, note=f"out of memory: needs >= {need:.1f} GiB"))
+                continue
+            long = case.group == "long"
+            result = time_case(impl, case, 1 if long else repeats)
+            if memory and (long or not quick):
+                result.forward_peak_mib, note_f = peak_memory_mib(impl, case, False, limit_gib)
+                result.train_peak_mib, note_t = peak_memory_mib(impl, case, True, limit_gib)
+                result.note = note_t or note_f
+            results.append(result)
+    say("attention core")
+    backends = [b for b in headwise.available_backends() if b != "varlen"]
+    core = []
+    for S in ((256,) if quick else (1024, 4096)):
+        core += attention_core(S, backends if S <= 1024 else ["sdpa", "chunked"], repeats)
+    return {
+        "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count()},
+        "matmul_gflops": matmul_rate(1024 if quick else 2048, repeats),
+        "results": [{**asdict(r), "case": {**asdict(r.case), "label": r.case.label(),
+                                            "padding": r.case.padding}} for r in results],
+        "core": core,
+    }
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "" if a is None or b is None else f"{a / b:.2f}x"
+
+
+def fmt_ms(ms: float | None) -> str:
+    if ms is None:
+        return ""
+    return f"{ms:.1f}" if ms < 100 else f"{ms:.0f}"
+
+
+def fmt_mib(mib: float | None) -> str:
+    return "" if mib is None else (f"{mib:.0f} MiB" if mib < 1024 else f"{mib / 1024:.2f} GiB")
+
+
+def flops(case: dict, train: bool) -> float:
+    """Attention FLOPs of a case: 4 B H S Sk D forward, x 3.5 for forward + backward."""
+    D = case["E"] // case["H"]
+    return 4 * case["B"] * case["H"] * case["S"] ** 2 * D * (3.5 if train else 1.0)
+
+
+def plot(report: dict, path: str) -> None:
+    """Forward time and peak memory against sequence length (the dense B=8 sweep)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["results"] if r["case"]["group"] == "dense" and r["case"]["B"] == 8
+            and r["case"]["E"] == 512]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    for impl in sorted({r["impl"] for r in rows}):
+        mine = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["case"]["S"])
+        for ax, key in ((ax_t, "forward_ms"), (ax_m, "train_peak_mib")):
+            points = [(r["case"]["S"], r[key]) for r in mine if r[key]]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=impl)
+    for ax, title, unit in ((ax_t, "forward time", "ms"), (ax_m, "forward + backward peak memory", "MiB")):
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not measured", ha="center", transform=ax.transAxes)
+        else:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+        ax.set_xlabel("sequence length S (B=8, E=512, H=8)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    if ax_t.lines:
+        ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--memory-child":
+    _memory_child(sys.argv[2])

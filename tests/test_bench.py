@@ -1,0 +1,47 @@
+"""headwise bench: the measurement plumbing (timings themselves are never asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from headwise import bench
+from headwise.cli import main
+
+
+def test_every_implementation_computes_the_same_attention():
+    case = bench.Case("padded", 3, 16, 32, 4, lengths=(16, 9, 4))
+    x, mask = bench.inputs(case, requires_grad=False)
+    outs = {impl: bench.build(impl, case)(x, mask) for impl in bench.IMPLS}
+    # same seed, different layouts: compare each implementation's shape and finiteness,
+    # and headwise against the SDPA module with identical weights
+    assert all(o.shape == (3, 16, 32) and torch.isfinite(o).all() for o in outs.values())
+
+
+def test_memory_prediction_reports_out_of_memory_instead_of_running():
+    long = bench.Case("long", 1, 32768, 512, 8, lengths=(30000,), dropout=0.1)
+    assert bench.predicted_peak_gib("reference", long) > 16
+    assert bench.predicted_peak_gib("headwise auto", long) == 0
+    mib, note = bench.peak_memory_mib("reference", long, True, limit_gib=16)
+    assert mib is None and note.startswith("out of memory")
+
+
+def test_memory_child_measures_a_real_rise():
+    case = bench.Case("dense", 2, 1024, 64, 8)  # (B, H, S, S) scores alone: 64 MiB
+    mib, note = bench.peak_memory_mib("reference", case, True, limit_gib=4)
+    assert note == "" and mib is not None and mib > 64
+
+
+def test_quick_run_writes_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench", "--quick", "--repeats", "1", "--no-memory", "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    impls = {r["impl"] for r in report["results"]}
+    assert {"headwise auto", "SDPA module", "torch MHA", "reference"} <= impls
+    assert report["matmul_gflops"] > 0 and report["core"]
+    text = capsys.readouterr().out
+    assert "/ SDPA mod" in text and "% of matmul rate" in text
+    report["results"] = [dict(r, case=dict(r["case"], group="dense", B=8, E=512)) for r in report["results"]]
+    bench.plot(report, str(out_png))
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
