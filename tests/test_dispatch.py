@@ -97,8 +97,8 @@ def test_need_weights_picks_a_weights_capable_backend():
     assert d.backend == "matmul"
     assert d.reason == "need_weights=True: it returns the probabilities and is the plainest"
     for name, kernel in kernels().items():
-        if not kernel.supports_weights:
-            assert d.passed_over[name] == "cannot return attention weights (need_weights=True)"
+        if not kernel.supports_weights:  # an unavailable kernel is passed over for that first
+            assert d.passed_over[name] == (kernel.available() or "cannot return attention weights (need_weights=True)")
     assert_covers_every_other_kernel(d)
 
 
@@ -166,7 +166,7 @@ def test_chosen_backend_is_the_one_that_runs(monkeypatch, tiny_budget):
 
 def test_explicit_backend_that_cannot_return_weights_names_able_backends():
     able = weight_backends()
-    for name in (n for n, k in kernels().items() if not k.supports_weights):
+    for name in (n for n, k in kernels().items() if not k.supports_weights and k.available() is None):
         with pytest.raises(
             ValueError,
             match=re.escape(
@@ -199,7 +199,7 @@ def test_unavailable_kernel_is_passed_over_with_its_reason(monkeypatch):
     assert d.reason.startswith("first able backend in the ranking (")
     assert d.passed_over["sdpa"] == "needs a newer torch"
     assert_covers_every_other_kernel(d)
-    able = [n for n in kernels() if n != "sdpa"]
+    able = [n for n, k in kernels().items() if n != "sdpa" and k.available() is None]
     with pytest.raises(
         ValueError,
         match=re.escape(f"backend 'sdpa' needs a newer torch; use backend='auto' or one of {able}"),
@@ -259,3 +259,16 @@ def test_no_log_above_debug(caplog):
     caplog.set_level(logging.INFO, logger="headwise.dispatch")
     attention(*qkv())
     assert not [r for r in caplog.records if r.name == "headwise.dispatch"]
+
+
+def test_heavy_key_padding_on_cpu_picks_varlen_and_says_why(monkeypatch):
+    q, k, v = qkv()
+    keys = torch.ones(q.shape[0], k.shape[2], dtype=torch.bool)
+    keys[:, k.shape[2] // 2:] = False  # about half the keys are padding
+    d = choose_backend(q, k, v, keys)
+    assert d.backend == "varlen" and "of the keys are padding" in d.reason
+    assert d.request.key_padding == pytest.approx(1 - keys.float().mean().item(), abs=0.05)
+    monkeypatch.setattr(headwise.dispatch, "VARLEN_MIN_PADDING", 0.99)
+    assert choose_backend(q, k, v, keys).backend == "sdpa"  # the threshold is read at each decision
+    assert choose_backend(q, k, v, keys, need_weights=True).backend == "matmul"
+    assert choose_backend(q, k, v, torch.ones_like(keys)).backend == "sdpa"

@@ -8,7 +8,10 @@ The rules, measured on a 2-core CPU with torch 2.13 (see ``headwise bench``):
 1. ``need_weights=True``: only kernels that materialise the probabilities can serve;
    ``matmul`` is the plainest of them and as fast as the other textbook forms.
 2. Otherwise ``sdpa``: PyTorch's fused kernel, the fastest dense path on CPU and GPU.
-3. Except when SDPA cannot use a fused kernel (dropout on CPU) and its fallback would
+3. With a key padding mask that pads at least ``VARLEN_MIN_PADDING`` of the keys (on the
+   CPU, where the share can be read without a device sync): ``varlen``, which drops the
+   padded keys per batch row.
+4. Except when SDPA cannot use a fused kernel (dropout on CPU) and its fallback would
    materialise a large (B, H, S, Sk) score matrix: then ``chunked``, whose memory grows
    as O(S), runs instead.
 """
@@ -32,7 +35,11 @@ SCORES_BUDGET_BYTES = 256 * 2**20
 _WEIGHT_ORDER = ("matmul", "einsum", "einops", "bmm")
 _DEFAULT_ORDER = ("sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _LOW_MEMORY_ORDER = ("chunked", "sdpa", "matmul", "einsum", "einops", "bmm")
+_VARLEN_ORDER = ("varlen", "sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
+# Padded-key share above which "varlen" beats SDPA with the mask (benchmarks/pack_threshold.py).
+VARLEN_MIN_PADDING = 0.3
 _COST = {
+    "varlen": "gathers the real keys per row: pays off only when many keys are padding",
     "sdpa": "PyTorch's fused kernel, unfused when it cannot fuse the request",
     "chunked": "a Python loop over tiles: slower than a fused kernel, its gain is O(S) memory",
     "matmul": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",
@@ -72,10 +79,15 @@ def _scores_bytes(r: Request) -> int:
     return r.batch * r.heads * r.q_len * r.k_len * r.dtype.itemsize
 
 
-def _ranking(r: Request, budget: int) -> tuple[tuple[str, ...], str]:
+def _ranking(r: Request, budget: int, varlen_min: float) -> tuple[tuple[str, ...], str]:
     """Preference order for a request, and the sentence that explains it."""
     if r.need_weights:
         return _WEIGHT_ORDER, "need_weights=True: it returns the probabilities and is the plainest"
+    if r.key_padding is not None and r.key_padding >= varlen_min and r.batch > 1:
+        return _VARLEN_ORDER, (
+            f"{r.key_padding:.0%} of the keys are padding (>= VARLEN_MIN_PADDING {varlen_min:.0%}): "
+            "varlen drops them per row, so the cost follows the real keys"
+        )
     size = _scores_bytes(r)
     if r.device.type == "cpu" and r.dropout_p > 0 and size > budget:
         return _LOW_MEMORY_ORDER, (
@@ -103,17 +115,18 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
         ValueError: unknown backend, or a named backend that cannot serve the request
             (the message says why and which backends can).
     """
-    dispatch = _select(request, backend, tuple(kernels().values()), SCORES_BUDGET_BYTES)
+    dispatch = _select(request, backend, tuple(kernels().values()), SCORES_BUDGET_BYTES, VARLEN_MIN_PADDING)
     if backend == "auto" and logger.isEnabledFor(logging.DEBUG):
         logger.debug("auto chose %s", dispatch)
     return dispatch
 
 
 @functools.lru_cache(maxsize=1024)
-def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budget: int) -> Dispatch:
+def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budget: int,
+            varlen_min: float) -> Dispatch:
     # The cache key holds everything the decision reads: the request, the registered
     # kernel objects (identity-hashed, so re-registering or replacing one invalidates
-    # earlier decisions) and the memory budget. A kernel's ``available()`` is taken to
+    # earlier decisions) and the thresholds. A kernel's ``available()`` is taken to
     # be fixed for the life of the process.
     registry = {kernel.name: kernel for kernel in registered}
     if backend != "auto":
@@ -126,7 +139,7 @@ def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budg
             )
         others = {n: f"backend={backend!r} was requested" for n in registry if n != backend}
         return Dispatch(backend, "requested explicitly", MappingProxyType(others), request)
-    order, because = _ranking(request, budget)
+    order, because = _ranking(request, budget, varlen_min)
     order = [n for n in order if n in registry] + [n for n in registry if n not in order]
     passed: dict[str, str] = {}
     chosen = None

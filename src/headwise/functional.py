@@ -96,6 +96,17 @@ def _effective_causal(is_causal: bool, window: int | None, q_len: int) -> bool:
     return bool(is_causal) and q_len > 1
 
 
+def _key_padding(mask: Tensor | None) -> float | None:
+    """Share of padded keys, rounded to 0.05, for a bool key padding mask on the CPU.
+
+    Reading it synchronises, so on accelerators it is left unknown (None).
+    """
+    if (mask is None or mask.dtype != torch.bool or mask.shape[1:3] != (1, 1) or mask.device.type != "cpu"
+            or mask.numel() == 0):
+        return None
+    return round(20 * (1.0 - float(mask.float().mean()))) / 20
+
+
 def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
              need_weights: bool, window: int | None, alibi: bool) -> Request:
     B, H, S, D = q.shape
@@ -116,6 +127,7 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         dropout_p=float(dropout_p),
         need_weights=need_weights,
         requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad),
+        key_padding=_key_padding(mask),
     )
 
 

@@ -52,6 +52,7 @@ class Request:
     requires_grad: bool
     window: int | None = None  # None: unlimited
     alibi: bool = False  # ALiBi slopes given
+    key_padding: float | None = None  # share of padded keys (to 0.05) for a key padding mask on CPU
 
     @property
     def is_gqa(self) -> bool:
