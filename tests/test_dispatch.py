@@ -272,3 +272,16 @@ def test_heavy_key_padding_on_cpu_picks_varlen_and_says_why(monkeypatch):
     assert choose_backend(q, k, v, keys).backend == "sdpa"  # the threshold is read at each decision
     assert choose_backend(q, k, v, keys, need_weights=True).backend == "matmul"
     assert choose_backend(q, k, v, torch.ones_like(keys)).backend == "sdpa"
+
+
+def test_cuda_structured_requests_rank_triton_first():
+    r = request(device=torch.device("cuda"), dtype=torch.float16, mask_kind="bool", mask_shape=(2, 1, 1, 5))
+    d = select(r)
+    triton = kernels()["triton"]
+    if triton.available() is None:  # a CUDA machine with triton
+        assert d.backend == "triton" and "flash kernel takes no mask" in d.reason
+    else:
+        assert d.passed_over["triton"] == triton.available()
+        assert d.reason.startswith("first able backend in the ranking (SDPA's flash kernel takes no mask")
+    plain = select(request(device=torch.device("cuda"), dtype=torch.float16))
+    assert plain.backend == "sdpa"  # no mask, no window: SDPA's flash kernel stays

@@ -8,10 +8,12 @@ The rules, measured on a 2-core CPU with torch 2.13 (see ``headwise bench``):
 1. ``need_weights=True``: only kernels that materialise the probabilities can serve;
    ``matmul`` is the plainest of them and as fast as the other textbook forms.
 2. Otherwise ``sdpa``: PyTorch's fused kernel, the fastest dense path on CPU and GPU.
-3. With a key padding mask that pads at least ``VARLEN_MIN_PADDING`` of the keys (on the
+3. On CUDA in fp16/bf16 with a mask, a window, ALiBi or causal with S != Sk (where SDPA's
+   flash kernel cannot run): ``triton``, which keeps them fused.
+4. With a key padding mask that pads at least ``VARLEN_MIN_PADDING`` of the keys (on the
    CPU, where the share can be read without a device sync): ``varlen``, which drops the
    padded keys per batch row.
-4. Except when SDPA cannot use a fused kernel (dropout on CPU) and its fallback would
+5. Except when SDPA cannot use a fused kernel (dropout on CPU) and its fallback would
    materialise a large (B, H, S, Sk) score matrix: then ``chunked``, whose memory grows
    as O(S), runs instead.
 """
@@ -24,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import torch
+
 from headwise.kernels.registry import Kernel, Request, get_kernel, kernels
 
 logger = logging.getLogger(__name__)
@@ -35,11 +39,13 @@ SCORES_BUDGET_BYTES = 256 * 2**20
 _WEIGHT_ORDER = ("matmul", "einsum", "einops", "bmm")
 _DEFAULT_ORDER = ("sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _LOW_MEMORY_ORDER = ("chunked", "sdpa", "matmul", "einsum", "einops", "bmm")
+_CUDA_STRUCTURED_ORDER = ("triton", "sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _VARLEN_ORDER = ("varlen", "sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 # Padded-key share above which "varlen" beats SDPA with the mask (benchmarks/pack_threshold.py).
 VARLEN_MIN_PADDING = 0.3
 _COST = {
     "varlen": "gathers the real keys per row: pays off only when many keys are padding",
+    "triton": "fused on CUDA for masks, windows and ALiBi; SDPA's flash kernel is kept for the plain cases",
     "sdpa": "PyTorch's fused kernel, unfused when it cannot fuse the request",
     "chunked": "a Python loop over tiles: slower than a fused kernel, its gain is O(S) memory",
     "matmul": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",
@@ -83,6 +89,12 @@ def _ranking(r: Request, budget: int, varlen_min: float) -> tuple[tuple[str, ...
     """Preference order for a request, and the sentence that explains it."""
     if r.need_weights:
         return _WEIGHT_ORDER, "need_weights=True: it returns the probabilities and is the plainest"
+    structured = r.mask_kind != "none" or r.window is not None or r.alibi or (r.is_causal and r.q_len != r.k_len)
+    if r.device.type == "cuda" and r.dtype in (torch.float16, torch.bfloat16) and structured:
+        return _CUDA_STRUCTURED_ORDER, (
+            "SDPA's flash kernel takes no mask, window, ALiBi or bottom-right causal with S != Sk and falls "
+            "back to slower kernels; triton keeps them fused and skips padded key tiles"
+        )
     if r.key_padding is not None and r.key_padding >= varlen_min and r.batch > 1:
         return _VARLEN_ORDER, (
             f"{r.key_padding:.0%} of the keys are padding (>= VARLEN_MIN_PADDING {varlen_min:.0%}): "

@@ -3,7 +3,7 @@
 Importing this package registers every built-in kernel.
 """
 
-from headwise.kernels import bmm, chunked, einops_kernel, einsum, matmul, sdpa, varlen  # noqa: F401
+from headwise.kernels import bmm, chunked, einops_kernel, einsum, matmul, sdpa, triton_flash, varlen  # noqa: F401
 from headwise.kernels.registry import Kernel, Request, get_kernel, kernels, register
 
 __all__ = ["Kernel", "Request", "get_kernel", "kernels", "register"]

@@ -1,0 +1,401 @@
+"""The Triton flash kernel against the float64 reference: outputs and dq, dk, dv.
+
+On a machine without a GPU the kernels run through Triton's interpreter
+(``TRITON_INTERPRET=1``, set per test by the ``interpreter`` fixture), which executes
+each tile as numpy arrays: slow, so shapes stay small (the interpreter's tiles are
+16 x 16, so S and Sk of 20-45 still span several tiles and end in a partial one). On a
+CUDA machine the same tests run the compiled kernels on the GPU. Everything that needs
+triton is skipped, with the reason, where it is not installed.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import re
+
+import pytest
+import torch
+
+import headwise
+from conftest import reference_attention
+from headwise.kernels import get_kernel, triton_flash
+from headwise.kernels.registry import Request
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _why_skip() -> str | None:
+    if not triton_flash._triton_installed():
+        return ("triton is not installed; pip install 'headwise[triton]' to run the Triton kernel tests "
+                "(on a CPU they use Triton's interpreter)")
+    version = importlib.metadata.version("triton")
+    if DEVICE == "cpu" and tuple(int(p) for p in version.split(".")[:2]) < (3, 7):
+        return (f"triton {version}'s interpreter cannot run loops with runtime bounds under recent numpy "
+                "(fixed in 3.7); pip install 'triton>=3.7' to run these tests on a CPU")
+    return None
+
+
+SKIP_REASON = _why_skip()
+needs_triton = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
+TILE = triton_flash.INTERPRET_CONFIG.block_n  # keys per tile in the interpreter
+SHAPES = [(37, 37), (21, 45), (45, 21)]  # (S, Sk): square, fewer queries (decode-like), more queries
+SHAPE_IDS = ["S=Sk", "S<Sk", "S>Sk"]
+HEADS = [(2, 2), (4, 2), (2, 1)]  # (H, Hkv): MHA, GQA, MQA
+MASKS = ["none", "right_pad", "left_pad", "hole", "float_pad", "broadcast"]
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Run on the GPU when there is one, else through Triton's interpreter."""
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def key_mask(kind: str, B: int, Sk: int, gen: torch.Generator, tile: int = TILE) -> torch.Tensor | None:
+    """A key padding mask (B, Sk), or (1, 1, 1, Sk) for 'broadcast'.
+
+    Every kind but 'none' and 'broadcast' pads the last batch row entirely (a row with
+    nothing to attend) and, when Sk > 2 * tile, leaves a whole tile of padding in row 0.
+    """
+    if kind == "none":
+        return None
+    j = torch.arange(Sk)[None, :]  # (1, Sk)
+    if kind == "broadcast":
+        return (j % 5 != 3)[:, None, None, :]  # (1, 1, 1, Sk)
+    if kind == "right_pad":  # variable lengths: row 0 keeps one tile and a bit
+        mask = j < torch.tensor([[tile + 3], [Sk]] + [[Sk - 4]] * (B - 2))
+    elif kind == "left_pad":  # generation-style: row 0's first tile and a bit are padding
+        mask = j >= torch.tensor([[tile + 2], [0]] + [[3]] * (B - 2))
+    elif kind == "hole":  # row 0: one whole tile of padding in the middle (or at the end)
+        mask = ((j < tile) | (j >= 2 * tile)).expand(B, Sk).clone()
+    elif kind == "float_pad":  # an additive float mask: random values, -inf on padding
+        keep = j < torch.tensor([[tile + 1], [Sk]] + [[Sk - 2]] * (B - 2))
+        mask = torch.randn(B, Sk, generator=gen).masked_fill(~keep, float("-inf"))
+    else:
+        raise AssertionError(kind)
+    mask[-1] = float("-inf") if mask.is_floating_point() else False  # a fully padded row
+    return mask
+
+
+def make_inputs(B, H, Hkv, S, Sk, D, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=gen)
+    k = torch.randn(B, Hkv, Sk, D, generator=gen)
+    v = torch.randn(B, Hkv, Sk, D, generator=gen)
+    q, k, v = (t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v))
+    return q, k, v, gen
+
+
+def expected(q, k, v, mask, grad_out, **kw):
+    """Output and (dq, dk, dv) of the float64 reference on the CPU."""
+    qd, kd, vd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    m = None if mask is None else mask.detach().cpu()
+    out, weights = reference_attention(qd, kd, vd, m, **kw)
+    grads = torch.autograd.grad(out, (qd, kd, vd), grad_out.detach().cpu().double())
+    return out, grads, weights
+
+
+def run_triton(q, k, v, mask, grad_out, **kw):
+    m = None if mask is None else mask.to(DEVICE)
+    out = headwise.attention(q, k, v, m, backend="triton", **kw)
+    return out, torch.autograd.grad(out, (q, k, v), grad_out)
+
+
+def assert_close(got, want, atol=1e-5, rtol=1e-5):
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.detach().cpu().double(), want, atol=atol, rtol=rtol)
+
+
+@needs_triton
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("form", MASKS)
+def test_matches_float64_reference(interpreter, form, shape, is_causal):
+    (S, Sk) = shape
+    H, Hkv = HEADS[(MASKS.index(form) + SHAPES.index(shape)) % 3]  # every mask meets every grouping
+    q, k, v, gen = make_inputs(2, H, Hkv, S, Sk, 16)
+    mask = key_mask(form, 2, Sk, gen)
+    grad_out = torch.randn(2, H, S, 16, generator=gen).to(DEVICE)
+    out, grads = run_triton(q, k, v, mask, grad_out, is_causal=is_causal)
+    want, want_grads, weights = expected(q, k, v, mask, grad_out, is_causal=is_causal)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, want)
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert_close(got, ref)
+    dead = (weights.sum(-1) == 0).to(DEVICE)  # (B, H, S) rows that may attend nothing
+    if form not in ("none", "broadcast"):
+        assert dead[-1].all()  # the fully padded batch row
+    assert (out.detach()[dead] == 0).all()
+    assert (grads[0][dead] == 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("shape", [(1, 40), (40, 40)], ids=["decode", "square"])
+def test_grouped_query_heads_read_their_kv_head(interpreter, heads, shape):
+    """Four query heads per kv head, a single query (decoding) or a square causal block,
+    a right-padded batch: each group must read its own kv head and sum into its dk, dv."""
+    (H, Hkv), (S, Sk) = heads, shape
+    q, k, v, gen = make_inputs(2, H, Hkv, S, Sk, 32, seed=1)
+    mask = torch.arange(Sk)[None, :] < torch.tensor([[Sk], [Sk - TILE - 5]])
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out, grads = run_triton(q, k, v, mask, grad_out, is_causal=True)
+    want, want_grads, _ = expected(q, k, v, mask, grad_out, is_causal=True)
+    assert_close(out, want)
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert_close(got, ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 40])
+def test_head_dims(interpreter, head_dim):
+    """The supported head dims, and one that is not a power of two (padded tiles)."""
+    q, k, v, gen = make_inputs(1, 2, 1, 20, 27, head_dim, seed=2)
+    mask = torch.arange(27)[None, :] < 19
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out, grads = run_triton(q, k, v, mask, grad_out, is_causal=True)
+    want, want_grads, _ = expected(q, k, v, mask, grad_out, is_causal=True)
+    assert_close(out, want)
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert_close(got, ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("window, alibi, padded", [(1, False, False), (5, True, True), (20, False, True),
+                                                   (20, True, False)],
+                         ids=["diagonal", "5-alibi-padded", "20-padded", "20-alibi"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_window_and_alibi(interpreter, shape, window, alibi, padded):
+    """Windows narrower than a tile, and wider (so some tiles need no position mask)."""
+    (S, Sk) = shape
+    q, k, v, gen = make_inputs(2, 4, 2, S, Sk, 16, seed=3)
+    mask = key_mask("left_pad", 2, Sk, gen) if padded else None
+    slopes = headwise.masks.alibi_slopes(4).to(DEVICE) if alibi else None
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out, grads = run_triton(q, k, v, mask, grad_out, window=window, alibi_slopes=slopes)
+    want, want_grads, _ = expected(q, k, v, mask, grad_out, window=window,
+                                   alibi_slopes=None if slopes is None else slopes.cpu())
+    assert_close(out, want)
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert_close(got, ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_alibi_is_a_symmetric_distance(interpreter, is_causal):
+    q, k, v, gen = make_inputs(1, 4, 4, 21, 35, 16, seed=4)
+    slopes = headwise.masks.alibi_slopes(4).to(DEVICE)
+    mask = key_mask("float_pad", 2, 35, gen)[:1]
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out, grads = run_triton(q, k, v, mask, grad_out, is_causal=is_causal, alibi_slopes=slopes)
+    want, want_grads, _ = expected(q, k, v, mask, grad_out, is_causal=is_causal, alibi_slopes=slopes.cpu())
+    assert_close(out, want)
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert_close(got, ref)
+
+
+LOW_PRECISION_CASES = {
+    "pad-causal-gqa": dict(heads=(4, 2), shape=(37, 37), form="right_pad", kw=dict(is_causal=True)),
+    "leftpad-decode-mqa": dict(heads=(4, 1), shape=(21, 45), form="left_pad", kw=dict(is_causal=True)),
+    "hole-full-mha": dict(heads=(2, 2), shape=(45, 21), form="hole", kw=dict()),
+    "window-alibi": dict(heads=(4, 2), shape=(37, 37), form="none", kw=dict(window=9, alibi=True)),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", LOW_PRECISION_CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_low_precision_within_twice_plain_torch_error(interpreter, dtype, case):
+    """flash-attn's rule, forward and backward: the error against float64 is at most about
+    twice the error of plain PyTorch (the matmul backend) in the same precision."""
+    c = LOW_PRECISION_CASES[case]
+    (H, Hkv), (S, Sk), kw = c["heads"], c["shape"], dict(c["kw"])
+    q, k, v, gen = make_inputs(2, H, Hkv, S, Sk, 32, dtype=dtype, seed=5)
+    mask = key_mask(c["form"], 2, Sk, gen)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = headwise.masks.alibi_slopes(H).to(DEVICE)
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
+    out, grads = run_triton(q, k, v, mask, grad_out, **kw)
+    m = None if mask is None else mask.to(DEVICE)
+    plain = headwise.attention(q, k, v, m, backend="matmul", **kw)
+    plain_grads = torch.autograd.grad(plain, (q, k, v), grad_out)
+    ref_kw = {**kw, "alibi_slopes": kw["alibi_slopes"].cpu()} if "alibi_slopes" in kw else kw
+    want, want_grads, _ = expected(q, k, v, mask, grad_out, **ref_kw)
+    assert out.dtype == dtype
+    for name, got, base, ref in zip(["out", "dq", "dk", "dv"], (out, *grads), (plain, *plain_grads),
+                                    (want, *want_grads), strict=True):
+        assert torch.isfinite(got).all(), name
+        err = (got.detach().cpu().double() - ref).abs().max().item()
+        base_err = (base.detach().cpu().double() - ref).abs().max().item()
+        assert err <= 2 * base_err + 1e-4, f"{name}: error {err:.3g} vs plain PyTorch {base_err:.3g}"
+
+
+@needs_triton
+@pytest.mark.parametrize("form", ["right_pad", "left_pad", "hole"])
+def test_fully_padded_key_tiles_are_never_read(interpreter, form):
+    """NaN in every fully padded key tile: a kernel that used one would spread it (the
+    key bias adds -inf to NaN scores, giving NaN), one that skips them stays exact."""
+    # The widest key tile of any kernel: a run of whole tiles of it is whole for all of them.
+    tile = max(c.block_n for kind in ("forward", "dkdv", "dq")
+               for c in triton_flash._configs(kind, 16, torch.float32, DEVICE == "cpu"))
+    S, Sk = 2 * tile - 2, 3 * tile - 3  # 30, 45 in the interpreter
+    q, k, v, gen = make_inputs(2, 2, 1, S, Sk, 16, seed=6)
+    mask = key_mask(form, 2, Sk, gen, tile)
+    tiles = torch.nn.functional.pad(mask, (0, -Sk % tile)).reshape(2, -1, tile)  # (B, T, tile)
+    dead = (~tiles.any(-1)).repeat_interleave(tile, dim=1)[:, :Sk]  # (B, Sk) keys in dead tiles
+    assert dead[0].any(), "the mask must leave a whole tile of padding in row 0"
+    with torch.no_grad():
+        for t in (k, v):
+            t.masked_fill_(dead[:, None, :, None].to(DEVICE), float("nan"))
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out, (dq, dk, dv) = run_triton(q, k, v, mask, grad_out, is_causal=True)
+    clean = [t.detach().masked_fill(dead[:, None, :, None].to(DEVICE), 0.0) for t in (k, v)]
+    want, (edq, edk, edv), _ = expected(q, *clean, mask, grad_out, is_causal=True)
+    assert_close(out, want)
+    assert_close(dq, edq)
+    assert_close(dk, edk)
+    assert_close(dv, edv)
+
+
+@needs_triton
+@pytest.mark.parametrize("batch_rows", [2, 1], ids=["per-row", "broadcast"])
+def test_float_key_mask_gets_its_gradient(interpreter, batch_rows):
+    """A learnable additive key bias (B|1, Sk) receives the sum of dL/dscores over heads
+    and queries (and batch rows, when it is broadcast)."""
+    q, k, v, gen = make_inputs(2, 4, 2, 21, 37, 16, seed=7)
+    bias = key_mask("float_pad", 2, 37, gen)[:batch_rows].clone().to(DEVICE).requires_grad_()
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out = headwise.attention(q, k, v, bias, is_causal=True, backend="triton")
+    got = torch.autograd.grad(out, (q, k, v, bias), grad_out)
+    qd, kd, vd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    bd = bias.detach().cpu().double().requires_grad_()
+    want_out, _ = reference_attention(qd, kd, vd, bd, is_causal=True)
+    want = torch.autograd.grad(want_out, (qd, kd, vd, bd), grad_out.cpu().double())
+    assert_close(out, want_out)
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
+
+
+@needs_triton
+def test_strided_inputs_and_expanded_grad(interpreter):
+    """q, k, v as transposed (B, S, H, D) projections and a stride-0 gradient from .sum()."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 33, 3 * 2 * 16, generator=gen).to(DEVICE).requires_grad_()  # (B, S, 3*H*D)
+    q, k, v = x.reshape(2, 33, 3, 2, 16).unbind(2)  # each (B, S, H, D), strided
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, S, H, D) -> (B, H, S, D), no copy
+    assert not q.is_contiguous()
+    mask = torch.arange(33)[None, :] < torch.tensor([[33], [20]])
+    out = headwise.attention(q, k, v, mask.to(DEVICE), is_causal=True, backend="triton")
+    (dx,) = torch.autograd.grad(out.sum(), x)
+    xd = x.detach().cpu().double().requires_grad_()
+    qd, kd, vd = (t.transpose(1, 2) for t in xd.reshape(2, 33, 3, 2, 16).unbind(2))
+    want, _ = reference_attention(qd, kd, vd, mask, is_causal=True)
+    (want_dx,) = torch.autograd.grad(want.sum(), xd)
+    assert_close(out, want)
+    assert_close(dx, want_dx)
+
+
+@needs_triton
+def test_torch_compile_traces_around_the_kernel(interpreter):
+    """The custom op's fake implementations let dynamo and AOTAutograd trace forward and
+    backward in one graph (aot_eager: the graph runs eagerly, no C++ compiler needed)."""
+    q, k, v, gen = make_inputs(2, 4, 2, 19, 23, 16, seed=9)
+    mask = key_mask("right_pad", 2, 23, gen).to(DEVICE)
+
+    def loss(q, k, v):
+        return headwise.attention(q, k, v, mask, is_causal=True, backend="triton").square().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = compiled(q, k, v)
+    got_grads = torch.autograd.grad(got, (q, k, v))
+    want = loss(q, k, v)
+    want_grads = torch.autograd.grad(want, (q, k, v))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@needs_triton
+def test_custom_op_registration_passes_opcheck(interpreter):
+    q, k, v, gen = make_inputs(1, 2, 1, 17, 18, 16, seed=10)
+    bias = torch.zeros(1, 18, device=DEVICE).masked_fill(torch.arange(18, device=DEVICE) > 12, float("-inf"))
+    args = (q, k, v, bias.requires_grad_(), None, 0.25, True, None)
+    torch.library.opcheck(triton_flash._flash_forward, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@needs_triton
+def test_empty_query_and_single_query(interpreter):
+    q, k, v, gen = make_inputs(1, 2, 2, 0, 9, 16)
+    assert headwise.attention(q, k, v, backend="triton").shape == (1, 2, 0, 16)
+    q, k, v, gen = make_inputs(1, 2, 2, 1, 9, 16)
+    out = headwise.attention(q, k, v, is_causal=True, backend="triton")
+    assert_close(out, reference_attention(q.cpu(), k.cpu(), v.cpu(), is_causal=True)[0])
+
+
+# ---------------------------------------------------------------- refusals: no triton needed
+
+
+def _request(**overrides) -> Request:
+    fields = dict(device=torch.device(DEVICE), dtype=torch.float16, batch=2, heads=8, kv_heads=2,
+                  q_len=128, k_len=128, head_dim=64, mask_kind="bool", mask_shape=(2, 1, 1, 128),
+                  is_causal=True, dropout_p=0.0, need_weights=False, requires_grad=True)
+    return Request(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(mask_shape=(2, 1, 128, 128)), r"key padding masks \(B\|1, 1, 1, Sk\) only, got a mask of shape "
+                                        r"\(2, 1, 128, 128\); use backend 'sdpa' or 'chunked'"),
+    (dict(mask_kind="float", mask_shape=(1, 8, 1, 128)), r"got a mask of shape \(1, 8, 1, 128\)"),
+    (dict(dropout_p=0.1), r"no dropout \(dropout_p=0.1\); use backend 'sdpa' or 'chunked'"),
+    (dict(head_dim=256), r"head_dim <= 128, got 256; use backend 'sdpa' or 'chunked'"),
+    (dict(dtype=torch.float64), r"float16, bfloat16 and float32, got torch.float64; cast q, k, v"),
+])
+def test_refusals_name_the_value_and_the_remedy(monkeypatch, overrides, reason):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so the device is not what gets refused on a CPU
+    assert get_kernel("triton").refuses(_request()) is None
+    why = get_kernel("triton").refuses(_request(**overrides))
+    assert why is not None and re.search(reason, why), why
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    why = get_kernel("triton").refuses(_request(device=torch.device("cpu")))
+    assert why is not None and "runs on CUDA tensors, got device 'cpu'" in why and "TRITON_INTERPRET=1" in why
+
+
+def test_unavailable_without_triton_or_a_gpu(monkeypatch):
+    monkeypatch.setattr(triton_flash, "_triton_installed", lambda: False)
+    assert get_kernel("triton").available() == "triton is not installed (pip install 'headwise[triton]')"
+    monkeypatch.setattr(triton_flash, "_triton_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "needs a CUDA GPU" in get_kernel("triton").available()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert get_kernel("triton").available() is None
+
+
+def test_direct_calls_reject_what_dispatch_refuses():
+    q = torch.zeros(1, 2, 3, 16)
+    common = dict(is_causal=False, scale=0.25, need_weights=False)
+    with pytest.raises(ValueError, match=r"key padding masks \(B\|1, 1, 1, Sk\) only, got shape \(1, 1, 3, 3\)"):
+        triton_flash.triton_attention(q, q, q, attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool),
+                                      dropout_p=0.0, **common)
+    with pytest.raises(ValueError, match=r"no dropout \(dropout_p=0.5\)"):
+        triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.5, **common)
+
+
+def test_live_key_tiles_lists_each_rows_real_tiles_in_order():
+    bias = torch.zeros(3, 10)
+    bias[0, 2:6] = float("-inf")  # tile 1 (keys 2, 3) and tile 2 (keys 4, 5) dead
+    bias[1] = float("-inf")  # nothing
+    tiles, cum = triton_flash._live_key_tiles(bias, block_n=2)  # 5 tiles per row
+    assert tiles[0, :3].tolist() == [0, 3, 4] and cum[0].tolist() == [0, 1, 1, 1, 2, 3]
+    assert cum[1].tolist() == [0] * 6
+    assert tiles[2].tolist() == [0, 1, 2, 3, 4] and cum[2].tolist() == list(range(6))
+    assert tiles.dtype == cum.dtype == torch.int32
+    assert math.prod(tiles.shape) == 15
