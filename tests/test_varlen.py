@@ -76,11 +76,12 @@ def test_auto_packs_only_when_the_padding_pays():
     light = _mask([10, 10, 10, 9], 10)  # 2.5% padding
     heavy = _mask([10, 3, 2, 5], 10)  # 50% padding
     assert 1 - light.float().mean() < PACK_MIN_PADDING <= 1 - heavy.float().mean()
-    assert mha.dispatch(x, light).backend != "varlen"
+    assert "module packed path" not in mha.dispatch(x, light).reason
     d = mha.dispatch(x, heavy)
-    assert d.backend == "varlen" and "50% of the batch is padding" in d.reason
-    assert mha.dispatch(x, heavy, need_weights=True).backend != "varlen"  # weights need the dense path
-    assert headwise.MultiHeadAttention(E, H, window=4).dispatch(x, heavy).backend != "varlen"
+    assert d.backend == "varlen" and "module packed path: 50% of the batch is padding" in d.reason
+    # weights need the dense path; a window needs positions that packing would move
+    assert "module packed path" not in mha.dispatch(x, heavy, need_weights=True).reason
+    assert "module packed path" not in headwise.MultiHeadAttention(E, H, window=4).dispatch(x, heavy).reason
 
 
 def test_forward_packed_directly():

@@ -3,9 +3,10 @@
 Every row times the same inputs through each implementation: headwise (``auto`` and
 named backends), the first document's class, ``torch.nn.MultiheadAttention``
 (``need_weights=False``) and a plain module built on ``scaled_dot_product_attention``.
-Times are medians of repeats after warm-up; peak memory is the rise of the peak resident
-set of a fresh subprocess that runs the case once (CPU torch has no allocator
-statistics), with predicted out-of-memory cases reported instead of run.
+Times are medians of repeats after warm-up; peak memory is how far the resident set of a
+fresh subprocess rises above its level before one run of the case (the kernel's peak
+mark is reset first; CPU torch has no allocator statistics), with predicted
+out-of-memory cases reported instead of run.
 
 Legend: B batch, S sequence length, E embed dim, H heads, D head dim.
 """
@@ -174,14 +175,42 @@ def _memory_child(spec: str) -> None:
     case = Case(**case_fields)
     fn = build(args["impl"], case)
     x, mask = inputs(case, requires_grad=args["train"])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _reset_peak_rss_kib()
     if args["train"]:
         fn(x, mask).float().sum().backward()
     else:
         with torch.no_grad():
             fn(x, mask)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((after - before) / 1024)  # ru_maxrss is in KiB on Linux
+    print((_peak_rss_kib() - before) / 1024)
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss_kib() -> int:
+    """Reset the kernel's peak-RSS mark to the current RSS and return it (KiB).
+
+    Without /proc (not Linux) the process-lifetime peak is the baseline instead, which
+    can hide a rise smaller than an earlier transient peak.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to VmRSS (Linux >= 4.0)
+        return _status_kib("VmRSS") or 0
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _peak_rss_kib() -> int:
+    return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
