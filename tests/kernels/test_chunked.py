@@ -23,7 +23,7 @@ def _keep_mask(seed, B, Hkv, G, S, Sk, block_q, block_k, p):
             j1 = min(j0 + block_k, Sk)
             tile = qi * len(k_blocks) + kj
             shape = (B, Hkv, G, i1 - i0, j1 - j0)
-            keep[..., i0:i1, j0:j1] = chunked._tile_keep(seed, tile, shape, p, torch.device("cpu"))
+            keep[..., i0:i1, j0:j1] = ~chunked._tile_drop(seed, tile, shape, p, torch.device("cpu"))
     return keep.reshape(B, Hkv * G, S, Sk)
 
 

@@ -32,12 +32,12 @@ BLOCK_Q = 256
 BLOCK_K = 512
 
 
-def _tile_keep(seed: int, tile: int, shape: tuple[int, ...], dropout_p: float,
+def _tile_drop(seed: int, tile: int, shape: tuple[int, ...], dropout_p: float,
                device: torch.device) -> Tensor:
-    """Dropout keep mask of one tile, reproducible from ``(seed, tile)``."""
+    """Dropout mask of one tile (True = dropped), reproducible from ``(seed, tile)``."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed + tile)
-    return torch.rand(shape, generator=gen, device=device) >= dropout_p
+    return torch.rand(shape, generator=gen, device=device) < dropout_p
 
 
 def _causal_tile(i0: int, i1: int, j0: int, j1: int, offset: int, window: int | None,
@@ -84,6 +84,8 @@ class _Plan:
             b, h, s, _ = mask.shape
             hk, g = (Hkv, self.G) if h == H else (1, 1)
             self.mask5 = mask.reshape(b, hk, g, s, Sk)  # (B|1, Hkv|1, G|1, S|1, Sk)
+            if self.mask5.dtype == torch.bool:
+                self.mask5 = ~self.mask5  # stored inverted: True = blocked, ready for masked_fill_
 
     def tiles(self):
         """Yield (tile index, (i0, i1), (j0, j1), causal tile) for tiles not fully blocked."""
@@ -105,44 +107,51 @@ class _Plan:
         return m[:, :, :, rows, j0:j1]  # (B|1, Hkv|1, G|1, bq|1, bk)
 
 
-def _scores(plan: _Plan, qt: Tensor, kt: Tensor, scale: float, i0: int, j0: int,
-            mask_t: Tensor | None, causal: Tensor | None) -> Tensor:
-    """Masked, scaled scores of one tile (B, Hkv, G, bq, bk)."""
+def _scores(plan: _Plan, qt: Tensor, kt: Tensor, i0: int, j0: int, mask_t: Tensor | None,
+            causal: Tensor | None) -> Tensor:
+    """Masked scores of one tile (B, Hkv, G, bq, bk); ``qt`` is already scaled.
+
+    Every step after the matmul works in place on the tile: the elementwise passes, not
+    the matmuls, dominate a blockwise kernel written in PyTorch.
+    """
     B, Hkv, G, bq, _ = qt.shape
-    s = torch.matmul(qt.reshape(B, Hkv, G * bq, -1), kt.transpose(-2, -1)) * scale
+    s = torch.matmul(qt.reshape(B, Hkv, G * bq, -1), kt.transpose(-2, -1))
     s = s.reshape(B, Hkv, G, bq, -1)  # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
-    if mask_t is not None:
-        s = s.masked_fill(~mask_t, float("-inf")) if mask_t.dtype == torch.bool else s + mask_t
+    if mask_t is not None:  # a bool mask is stored inverted (True = blocked)
+        s = s.masked_fill_(mask_t, float("-inf")) if mask_t.dtype == torch.bool else s.add_(mask_t)
     if plan.slopes5 is not None:
         i = torch.arange(i0, i0 + bq, device=s.device)[:, None] + plan.offset  # (bq, 1)
         j = torch.arange(j0, j0 + s.shape[-1], device=s.device)[None, :]  # (1, bk)
-        s = s - plan.slopes5 * (i - j).abs().to(s.dtype)  # ALiBi: (1, Hkv, G, 1, 1) x (bq, bk)
+        s = s.sub_(plan.slopes5 * (i - j).abs().to(s.dtype))  # ALiBi: (1, Hkv, G, 1, 1) x (bq, bk)
     if causal is not None:
-        s = s.masked_fill(~causal, float("-inf"))
+        s = s.masked_fill_(~causal, float("-inf"))
     return s
 
 
 def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float,
              seed: int) -> tuple[Tensor, Tensor]:
     B, Hkv, G, S, D = qg.shape
+    qs = qg * scale  # scale q once instead of every score tile
     out = torch.zeros_like(qg)  # (B, Hkv, G, S, D)
     lse = torch.zeros(B, Hkv, G, S, 1, dtype=qg.dtype, device=qg.device)
     running = {}
     for tile, (i0, i1), (j0, j1), causal in plan.tiles():
-        qt = qg[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
+        qt = qs[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
-        s = _scores(plan, qt, kt, scale, i0, j0, plan.mask_tile(i0, i1, j0, j1), causal)
+        s = _scores(plan, qt, kt, i0, j0, plan.mask_tile(i0, i1, j0, j1), causal)
         m_old, l_old, acc = running.get(i0, (None, None, None))
         m_tile = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G, bq, 1)
         m_new = m_tile if m_old is None else torch.maximum(m_old, m_tile)
         # -inf max = nothing attended yet: shift by 0 so exp(-inf - 0) = 0, never NaN.
         m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = torch.exp(s - m_safe)  # (B, Hkv, G, bq, bk)
+        p = s.sub_(m_safe).exp_()  # (B, Hkv, G, bq, bk), in the scores' memory
         l_tile = p.sum(dim=-1, keepdim=True)
         if dropout_p > 0:
-            p = p * _tile_keep(seed, tile, p.shape, dropout_p, p.device) / (1 - dropout_p)
+            p = p.masked_fill_(_tile_drop(seed, tile, p.shape, dropout_p, p.device), 0.0)
         pv = torch.matmul(p.reshape(B, Hkv, -1, j1 - j0), vt).reshape(B, Hkv, G, i1 - i0, D)
         # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
+        if dropout_p > 0:
+            pv = pv.mul_(1 / (1 - dropout_p))  # dropout's rescaling, on the small (bq, D) result
         if m_old is None:
             running[i0] = (m_new, l_tile, pv)
         else:
@@ -161,35 +170,42 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
 def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dout: Tensor, scale: float, dropout_p: float, seed: int, mask_grad: bool):
     B, Hkv, G, S, D = qg.shape
+    qs = qg * scale  # the scaled queries forward used
     dq = torch.zeros_like(qg)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    dmask5 = torch.zeros_like(plan.mask5) if mask_grad else None
-    delta = (dout * out).sum(dim=-1, keepdim=True)  # (B, Hkv, G, S, 1)
+    dmask5 = torch.zeros(plan.mask5.shape, dtype=qg.dtype, device=qg.device) if mask_grad else None
+    # With dropout (keep scale c = 1 / (1 - p)), ds = p * (c * dp_kept - delta)
+    #   = c * p * (dp_kept - delta / c): the factor c moves onto the small matmul results.
+    keep_scale = 1 / (1 - dropout_p)
+    delta = (dout * out).sum(dim=-1, keepdim=True) / keep_scale  # (B, Hkv, G, S, 1)
     for tile, (i0, i1), (j0, j1), causal in plan.tiles():
         bq, bk = i1 - i0, j1 - j0
-        qt, dot = qg[:, :, :, i0:i1], dout[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
+        qt, dot = qs[:, :, :, i0:i1], dout[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
         mask_t = plan.mask_tile(i0, i1, j0, j1)
-        s = _scores(plan, qt, kt, scale, i0, j0, mask_t, causal)
-        p = torch.exp(s - lse[:, :, :, i0:i1])  # (B, Hkv, G, bq, bk)
+        p = _scores(plan, qt, kt, i0, j0, mask_t, causal).sub_(lse[:, :, :, i0:i1]).exp_()  # (B, Hkv, G, bq, bk)
         dot3 = dot.reshape(B, Hkv, G * bq, D)
         dp = torch.matmul(dot3, vt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk)
         # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
         if dropout_p > 0:
-            keep = _tile_keep(seed, tile, p.shape, dropout_p, p.device) / (1 - dropout_p)
-            p_used, dp = p * keep, dp * keep
+            drop = _tile_drop(seed, tile, p.shape, dropout_p, p.device)
+            p_used = p.masked_fill(drop, 0.0)
+            dp = dp.masked_fill_(drop, 0.0)
         else:
             p_used = p
-        dv[:, :, j0:j1] += torch.matmul(p_used.reshape(B, Hkv, G * bq, bk).transpose(-2, -1), dot3)
+        dv_tile = torch.matmul(p_used.reshape(B, Hkv, G * bq, bk).transpose(-2, -1), dot3)
         # (B, Hkv, bk, G*bq) x (B, Hkv, G*bq, D) -> (B, Hkv, bk, D)
-        ds = p * (dp - delta[:, :, :, i0:i1])  # (B, Hkv, G, bq, bk)
+        dv[:, :, j0:j1] += dv_tile.mul_(keep_scale) if dropout_p > 0 else dv_tile
+        ds = dp.sub_(delta[:, :, :, i0:i1]).mul_(p)  # ds / c, (B, Hkv, G, bq, bk)
         ds3 = ds.reshape(B, Hkv, G * bq, bk)
-        dq[:, :, :, i0:i1] += torch.matmul(ds3, kt).reshape(B, Hkv, G, bq, D) * scale
+        dq[:, :, :, i0:i1] += torch.matmul(ds3, kt).reshape(B, Hkv, G, bq, D).mul_(scale * keep_scale)
         # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
-        dk[:, :, j0:j1] += torch.matmul(ds3.transpose(-2, -1), qt.reshape(B, Hkv, G * bq, D)) * scale
+        dk_tile = torch.matmul(ds3.transpose(-2, -1), qt.reshape(B, Hkv, G * bq, D))
         # (B, Hkv, bk, G*bq) x (B, Hkv, G*bq, D) -> (B, Hkv, bk, D)
+        dk[:, :, j0:j1] += dk_tile.mul_(keep_scale) if dropout_p > 0 else dk_tile
         if dmask5 is not None:
+            ds = ds * keep_scale if dropout_p > 0 else ds
             reduce_dims = [d for d in range(4) if dmask5.shape[d] == 1 and ds.shape[d] != 1]
             g = ds.sum(dim=reduce_dims, keepdim=True) if reduce_dims else ds
             rows = slice(i0, i1) if dmask5.shape[3] != 1 else slice(None)
