@@ -23,14 +23,15 @@ def test_memory_prediction_reports_out_of_memory_instead_of_running():
     long = bench.Case("long", 1, 32768, 512, 8, lengths=(30000,), dropout=0.1)
     assert bench.predicted_peak_gib("reference", long) > 16
     assert bench.predicted_peak_gib("headwise auto", long) == 0
-    mib, note = bench.peak_memory_mib("reference", long, True, limit_gib=16)
-    assert mib is None and note.startswith("out of memory")
+    measured = bench.measure_in_child("reference", long, limit_gib=16)
+    assert measured["train_peak_mib"] is None and measured["note"].startswith("out of memory")
 
 
 def test_memory_child_measures_a_real_rise():
     case = bench.Case("dense", 1, 2048, 64, 8)  # (B, H, S, S) scores: 128 MiB, kept twice for backward
-    mib, note = bench.peak_memory_mib("reference", case, True, limit_gib=4)
-    assert note == "" and mib is not None and mib > 128
+    measured = bench.measure_in_child("reference", case, limit_gib=4)
+    assert measured["note"] == "" and measured["train_peak_mib"] > 128 and measured["train_ms"] > 0
+    assert measured["forward_peak_mib"] < measured["train_peak_mib"]  # backward keeps the probabilities
 
 
 def test_quick_run_writes_json_and_plot(tmp_path, capsys):

@@ -3,7 +3,8 @@
 Every row times the same inputs through each implementation: headwise (``auto`` and
 named backends), the first document's class, ``torch.nn.MultiheadAttention``
 (``need_weights=False``) and a plain module built on ``scaled_dot_product_attention``.
-Times are medians of repeats after warm-up; peak memory is how far the resident set of a
+Times are medians of repeats after warm-up (the long-sequence cases: one run, timed in
+the memory subprocess); peak memory is how far the resident set of a
 fresh subprocess rises above its level before one run of the case (the kernel's peak
 mark is reset first; CPU torch has no allocator statistics), with predicted
 out-of-memory cases reported instead of run.
@@ -151,22 +152,29 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def peak_memory_mib(impl: str, case: Case, train: bool, limit_gib: float) -> tuple[float | None, str]:
-    """Peak RSS rise of one run in a fresh subprocess; (None, why) when it cannot run."""
+def measure_in_child(impl: str, case: Case, limit_gib: float) -> dict:
+    """One forward (no grad) and one forward + backward in a fresh subprocess.
+
+    Returns ``forward_ms``, ``train_ms``, ``forward_peak_mib``, ``train_peak_mib`` (peak
+    resident set rise of each run over the level before it) and ``note``; values are None
+    with the reason in ``note`` when the case cannot run in ``limit_gib``.
+    """
     need = predicted_peak_gib(impl, case)
+    empty = {"forward_ms": None, "train_ms": None, "forward_peak_mib": None, "train_peak_mib": None}
     if need > limit_gib:
-        return None, f"out of memory: needs >= {need:.1f} GiB of scores (limit {limit_gib:.0f} GiB)"
-    spec = json.dumps({"impl": impl, "case": asdict(case), "train": train, "limit_gib": limit_gib})
+        return {**empty, "note": f"out of memory: needs >= {need:.1f} GiB of scores (limit {limit_gib:.0f} GiB)"}
+    spec = json.dumps({"impl": impl, "case": asdict(case), "limit_gib": limit_gib})
     proc = subprocess.run([sys.executable, "-m", "headwise.bench", "--memory-child", spec],
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["failed"])[-1]
-        return None, ("out of memory" if "alloc" in tail.lower() or "memory" in tail.lower() else tail[:80])
-    return float(proc.stdout.strip().splitlines()[-1]), ""
+        oom = "alloc" in tail.lower() or "memory" in tail.lower()
+        return {**empty, "note": "out of memory" if oom else tail[:80]}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "note": ""}
 
 
 def _memory_child(spec: str) -> None:
-    """Run one case once and print the rise of the peak RSS in MiB (subprocess side)."""
+    """Subprocess side of :func:`measure_in_child`: prints one JSON line."""
     args = json.loads(spec)
     limit = int(args["limit_gib"] * 2**30)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))  # fail with an error, not the OOM killer
@@ -174,14 +182,21 @@ def _memory_child(spec: str) -> None:
     case_fields["lengths"] = tuple(case_fields["lengths"]) if case_fields["lengths"] else None
     case = Case(**case_fields)
     fn = build(args["impl"], case)
-    x, mask = inputs(case, requires_grad=args["train"])
+    report = {}
+    x, mask = inputs(case, requires_grad=False)
     before = _reset_peak_rss_kib()
-    if args["train"]:
-        fn(x, mask).float().sum().backward()
-    else:
-        with torch.no_grad():
-            fn(x, mask)
-    print((_peak_rss_kib() - before) / 1024)
+    start = time.perf_counter()
+    with torch.no_grad():
+        fn(x, mask)
+    report["forward_ms"] = (time.perf_counter() - start) * 1e3
+    report["forward_peak_mib"] = (_peak_rss_kib() - before) / 1024
+    x, mask = inputs(case, requires_grad=True)
+    before = _reset_peak_rss_kib()
+    start = time.perf_counter()
+    fn(x, mask).float().sum().backward()
+    report["train_ms"] = (time.perf_counter() - start) * 1e3
+    report["train_peak_mib"] = (_peak_rss_kib() - before) / 1024
+    print(json.dumps(report))
 
 
 def _status_kib(field: str) -> int | None:
@@ -276,12 +291,16 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
             if need > limit_gib:
                 results.append(Result(case, impl, note=f"out of memory: needs >= {need:.1f} GiB"))
                 continue
-            long = case.group == "long"
-            result = time_case(impl, case, 1 if long else repeats)
-            if memory and (long or not quick):
-                result.forward_peak_mib, note_f = peak_memory_mib(impl, case, False, limit_gib)
-                result.train_peak_mib, note_t = peak_memory_mib(impl, case, True, limit_gib)
-                result.note = note_t or note_f
+            if case.group == "long":  # one run of each, in the child: minutes per run at these lengths
+                measured = measure_in_child(impl, case, limit_gib)
+                results.append(Result(case, impl, **measured))
+                continue
+            result = time_case(impl, case, repeats)
+            if memory and not quick:
+                measured = measure_in_child(impl, case, limit_gib)
+                result.forward_peak_mib = measured["forward_peak_mib"]
+                result.train_peak_mib = measured["train_peak_mib"]
+                result.note = measured["note"]
             results.append(result)
     say("attention core")
     backends = [b for b in headwise.available_backends() if b != "varlen"]
