@@ -101,7 +101,7 @@ def test_forward_packed_directly():
 
 def test_buckets_bound_the_padding():
     lengths = [512, 500, 480, 300, 290, 64, 10, 0]
-    buckets = varlen._buckets(lengths)
+    buckets = varlen.length_buckets(lengths)
     assert sorted(i for b in buckets for i in b) == [i for i, n in enumerate(lengths) if n]
     for bucket in buckets:
         longest = lengths[bucket[0]]

@@ -19,12 +19,9 @@ import torch
 from torch import Tensor
 
 from headwise.functional import attend
+from headwise.kernels.common import BUCKET_SLACK, length_buckets
 
 __all__ = ["Packed", "pack", "unpack", "packed_attention", "BUCKET_SLACK"]
-
-# A bucket takes sequences down to (1 - BUCKET_SLACK) of its longest one.
-BUCKET_SLACK = 0.15
-
 
 @dataclass(frozen=True)
 class Packed:
@@ -79,18 +76,6 @@ def unpack(packed: Tensor, info: Packed) -> Tensor:
     return out.reshape(info.batch, info.seq, *packed.shape[1:])
 
 
-def _buckets(lengths: list[int]) -> list[list[int]]:
-    """Group sequence ids, longest first, so each bucket wastes at most BUCKET_SLACK."""
-    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
-    buckets: list[list[int]] = []
-    for i in order:
-        if buckets and lengths[i] >= (1 - BUCKET_SLACK) * lengths[buckets[-1][0]]:
-            buckets[-1].append(i)
-        else:
-            buckets.append([i])
-    return buckets
-
-
 def packed_attention(
     q: Tensor,
     k: Tensor,
@@ -131,7 +116,7 @@ def packed_attention(
         )
     starts = cu_seqlens.tolist()
     targets, results = [], []
-    for bucket in _buckets(list(lengths)):
+    for bucket in length_buckets(list(lengths)):
         L = lengths[bucket[0]]
         span = torch.arange(L, device=q.device)  # (L,)
         first = torch.tensor([starts[i] for i in bucket], device=q.device)  # (n,)

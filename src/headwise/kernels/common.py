@@ -78,3 +78,20 @@ def attached_zeros(like: Tensor, *also: Tensor) -> Tensor:
     for t in also:
         out = out + torch.where(never, t.sum(), 0.0)
     return out
+
+
+# A length bucket takes sequences down to (1 - BUCKET_SLACK) of its longest one.
+BUCKET_SLACK = 0.15
+
+
+def length_buckets(lengths: list[int], slack: float = BUCKET_SLACK) -> list[list[int]]:
+    """Group indices of non-empty ``lengths``, longest first, so that in each group every
+    length is at least ``(1 - slack)`` of the group's longest (padding waste <= slack)."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets and lengths[i] >= (1 - slack) * lengths[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets

@@ -18,28 +18,15 @@ import torch
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.common import attached_zeros
+from headwise.kernels.common import attached_zeros, length_buckets
 from headwise.kernels.registry import register
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked
-
-BUCKET_SLACK = 0.15  # a bucket takes rows down to (1 - BUCKET_SLACK) of its longest
 
 
 def _refuses(request) -> str | None:
     if request.mask_kind == "float" or (request.mask_kind == "bool" and not request.key_padding_only):
         return "needs a bool/integer key padding mask (B, Sk); other masks have no padding to drop"
     return None
-
-
-def _bucket_rows(lengths: list[int]) -> list[list[int]]:
-    order = sorted((b for b, n in enumerate(lengths) if n > 0), key=lambda b: -lengths[b])
-    buckets: list[list[int]] = []
-    for b in order:
-        if buckets and lengths[b] >= (1 - BUCKET_SLACK) * lengths[buckets[-1][0]]:
-            buckets[-1].append(b)
-        else:
-            buckets.append([b])
-    return buckets
 
 
 @register(
@@ -73,7 +60,7 @@ def varlen_attention(
     out = attached_zeros(q, k, v)  # (B, H, S, D); rows with no real key stay zero
     i = torch.arange(S, device=q.device)[:, None] + (Sk - S)  # (S, 1) aligned query positions
     rows_all, outs = [], []
-    for rows in _bucket_rows(lengths):
+    for rows in length_buckets(lengths):
         L = lengths[rows[0]]
         idx = torch.tensor(rows, device=q.device)
         pos = order.index_select(0, idx)[:, :L]  # (n, L) original positions of the kept keys
