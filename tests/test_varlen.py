@@ -106,3 +106,17 @@ def test_buckets_bound_the_padding():
     for bucket in buckets:
         longest = lengths[bucket[0]]
         assert all(lengths[i] >= (1 - varlen.BUCKET_SLACK) * longest for i in bucket)
+
+
+@pytest.mark.parametrize("direct", [1, 10_000], ids=["every-sequence-direct", "every-sequence-bucketed"])
+def test_direct_and_bucketed_sequences_agree(monkeypatch, direct):
+    monkeypatch.setattr(varlen, "DIRECT_MIN_LENGTH", direct)
+    torch.manual_seed(3)
+    dense = headwise.MultiHeadAttention(E, H, backend="sdpa", num_kv_heads=2)
+    packed = headwise.MultiHeadAttention(E, H, backend="varlen", num_kv_heads=2)
+    packed.load_state_dict(dense.state_dict())
+    mask = _mask([7, 3, 6, 0, 1], 7)
+    x = torch.randn(5, 7, E, requires_grad=True)
+    got, want = packed(x, mask, is_causal=True), dense(x, mask, is_causal=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(*(torch.autograd.grad(y.sum(), x)[0] for y in (got, want)), atol=1e-5, rtol=1e-5)

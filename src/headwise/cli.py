@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 import headwise
+from headwise.embed import add_embed_parser
 from headwise.equivalences import measure
 from headwise.explain import ExplainConfig, explain, markdown_page
 from headwise.plot import plot_attention
@@ -225,6 +226,7 @@ def _parser() -> argparse.ArgumentParser:
                         "tensors and measure contiguity needs, views and differences.")
     eq.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     eq.set_defaults(run=_equivalences)
+    add_embed_parser(sub)
 
     be = sub.add_parser("bench", help="time and memory against torch's MHA and an SDPA module",
                         description="Compare headwise (auto and backends), the document's class, "

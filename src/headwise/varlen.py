@@ -4,8 +4,9 @@ A padded batch costs dense attention as much as a full one. Here the valid token
 (B, S) batch are packed into (T, ...) with T = the real token count, so projections and
 feed-forward layers run on T rows, and attention runs per *length bucket*: sequences of
 similar length are gathered into a small padded batch (at most ``BUCKET_SLACK`` of it
-padding) and handed to :func:`headwise.functional.attend`, so every mask rule, causal,
-dropout and GQA work as everywhere else.
+padding), or a long one attends on its own, and handed to
+:func:`headwise.functional.attend`, so every mask rule, causal, dropout and GQA work as
+everywhere else.
 
 Legend: B batch, S padded length, T real tokens, H query heads, Hkv key/value heads,
 D head dim, E embed dim, n sequences in a bucket, L a bucket's length.
@@ -21,7 +22,11 @@ from torch import Tensor
 from headwise.functional import attend
 from headwise.kernels.common import BUCKET_SLACK, length_buckets
 
-__all__ = ["Packed", "pack", "unpack", "packed_attention", "BUCKET_SLACK"]
+__all__ = ["Packed", "pack", "unpack", "packed_attention", "BUCKET_SLACK", "DIRECT_MIN_LENGTH"]
+
+# From this length on a sequence attends on its own (views of the packed rows, no gather
+# and no mask): the gather and scatter of a bucket cost about what its padding saves.
+DIRECT_MIN_LENGTH = 128
 
 @dataclass(frozen=True)
 class Packed:
@@ -118,6 +123,15 @@ def packed_attention(
     targets, results = [], []
     for bucket in length_buckets(list(lengths)):
         L = lengths[bucket[0]]
+        if L >= DIRECT_MIN_LENGTH:  # long sequences: attend on strided views, no gather, no mask
+            for i in bucket:
+                span = slice(starts[i], starts[i] + lengths[i])
+                qi, ki, vi = (t[span].transpose(0, 1)[None] for t in (q, k, v))  # (1, H|Hkv, L_i, D)
+                oi = attend(qi, ki, vi, is_causal=is_causal, dropout_p=dropout_p, scale=scale, backend=backend,
+                            window=window, alibi_slopes=alibi_slopes)  # (1, H, L_i, D)
+                targets.append(torch.arange(span.start, span.stop, device=q.device))
+                results.append(oi[0].transpose(0, 1))  # (L_i, H, D)
+            continue
         span = torch.arange(L, device=q.device)  # (L,)
         first = torch.tensor([starts[i] for i in bucket], device=q.device)  # (n,)
         size = torch.tensor([lengths[i] for i in bucket], device=q.device)  # (n,)

@@ -1,0 +1,227 @@
+"""Run Hugging Face transformers models' attention through headwise.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim.
+
+``register()`` adds ``"headwise"`` to transformers' attention-function registry
+(``AttentionInterface``) and to its mask-function registry (``AttentionMaskInterface``),
+so any model built on that registry (BERT and Llama families among them) runs with::
+
+    from headwise.integrations.transformers import register
+    register()
+    model = AutoModel.from_pretrained(path, attn_implementation="headwise")
+
+How transformers' call contract (transformers 5.x, the one ``sdpa_attention_forward``
+follows) maps onto :func:`headwise.attention`:
+
+* ``query`` (B, H, S, D), ``key``/``value`` (B, Hkv, Sk, D): passed as they are;
+  grouped-query attention (Hkv < H) runs natively, without repeating k/v heads.
+* The mask: the registered mask function is transformers' own ``sdpa_mask``, so a model
+  hands over ``None`` or a (B, 1, S, Sk) bool mask, True = attend: headwise's contract
+  exactly. A floating 4-D mask (a custom one, or a model that builds its own) is
+  additive in both libraries, but transformers blocks with ``torch.finfo(dtype).min``
+  where headwise blocks with ``-inf``: every value at or below ``finfo.min / 2`` is read
+  as a block (no real bias comes within 1e38 of it, and a bias added to ``finfo.min``
+  stays below the threshold). So a row with nothing to attend outputs zeros, as
+  everywhere in headwise, instead of eager attention's uniform average over blocked
+  keys; rows with something to attend are unchanged (``exp(finfo.min - max)`` is 0).
+* Causality: as in ``sdpa_attention_forward``, the ``is_causal`` flag (from the call,
+  else ``module.is_causal``) applies only when no mask is given and S > 1; transformers
+  builds a mask whenever causality needs more than that. When S < Sk in that case (an
+  empty static cache being prefilled), keys past S are unfilled slots and are dropped,
+  as SDPA does.
+* ``dropout`` (transformers passes 0.0 in eval mode) becomes ``dropout_p``.
+* ``output_attentions``: the call's flag, else ``module.config.output_attentions``; the
+  returned (B, H, S, Sk) weights are the probabilities *before* dropout (eager returns
+  them after dropout; the two agree in eval mode).
+* ``position_bias`` (B|1, H, S, Sk), for models with learned relative positions, is
+  folded into a floating mask.
+* Returns ``(attn_output (B, S, H, D), attn_weights or None)``.
+
+Not supported, with a ``ValueError`` naming the alternative: ``softcap`` and attention
+sinks (``s_aux``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor, nn
+
+from headwise.functional import attention
+from headwise.kernels.registry import get_kernel
+
+__all__ = ["register", "headwise_attention_forward", "hf_mask_to_headwise", "MIN_TRANSFORMERS"]
+
+logger = logging.getLogger(__name__)
+
+MIN_TRANSFORMERS = (5, 0)
+_INSTALL = 'pip install "headwise[hf]"'
+
+
+def _transformers():
+    """The transformers module, or an ImportError that says how to get a usable one."""
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            f"headwise's Hugging Face integration needs transformers>=5, which is not installed; "
+            f"install the hf extra: {_INSTALL}"
+        ) from None
+    version = transformers.__version__
+    major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if major_minor < MIN_TRANSFORMERS:
+        raise ImportError(
+            f"transformers {version} is installed, but headwise's integration needs transformers>=5 "
+            f"(its AttentionInterface call contract); upgrade with {_INSTALL} --upgrade"
+        )
+    return transformers
+
+
+def hf_mask_to_headwise(attention_mask: Tensor | None) -> Tensor | None:
+    """Translate a transformers attention mask into headwise's mask contract.
+
+    Bool masks mean the same in both (True = attend) and pass through. Floating masks are
+    additive in both; values at or below ``torch.finfo(dtype).min / 2`` (transformers'
+    "blocked") become ``-inf`` (headwise's).
+
+    Args:
+        attention_mask: ``None``, bool, or floating, any shape.
+
+    Returns:
+        The mask in headwise's contract, same shape.
+
+    >>> m = torch.tensor([0.0, torch.finfo(torch.float32).min, -2.0])
+    >>> hf_mask_to_headwise(m).tolist()
+    [0.0, -inf, -2.0]
+    """
+    if attention_mask is None or not attention_mask.is_floating_point():
+        return attention_mask
+    floor = torch.finfo(attention_mask.dtype).min / 2
+    return attention_mask.masked_fill(attention_mask <= floor, float("-inf"))
+
+
+def _fold_position_bias(position_bias: Tensor, mask: Tensor | None) -> Tensor:
+    """One additive mask from a (B|1, H, S, Sk) position bias and a headwise mask."""
+    if mask is None:
+        return position_bias
+    if mask.dtype == torch.bool:
+        return position_bias.masked_fill(~mask, float("-inf"))
+    return position_bias + mask.to(position_bias.dtype)
+
+
+def headwise_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,  # None: 1 / sqrt(D)
+    is_causal: bool | None = None,  # None: module.is_causal (True if the module has none)
+    position_bias: Tensor | None = None,  # None: no learned relative-position bias
+    *,
+    backend: str = "auto",
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention-function signature, computed by :func:`headwise.attention`.
+
+    Args:
+        module: the calling attention layer (read for ``is_causal`` and ``config``).
+        query: (B, H, S, D).
+        key: (B, Hkv, Sk, D).
+        value: (B, Hkv, Sk, D).
+        attention_mask: None, (B|1, 1|H, S, Sk) bool (True = attend) or floating
+            (additive; ``finfo.min`` blocks).
+        dropout: dropout probability on the attention weights.
+        scaling: multiplier of ``q k^T``.
+        is_causal: causal flag, honoured when no mask is given and S > 1.
+        position_bias: (B|1, H, S, Sk) additive bias.
+        backend: headwise backend (``register(backend=...)`` fixes it).
+        **kwargs: transformers' extra keyword arguments; ``output_attentions`` is read,
+            ``softcap`` and ``s_aux`` are refused, the rest are already in the mask.
+
+    Returns:
+        ``(attn_output (B, S, H, D), attn_weights (B, H, S, Sk) or None)``.
+
+    Raises:
+        ValueError: ``softcap`` or ``s_aux`` given; anything :func:`headwise.attention`
+            refuses.
+    """
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            f"headwise attention has no logit softcapping (softcap={kwargs['softcap']}); "
+            'load this model with attn_implementation="eager"'
+        )
+    if kwargs.get("s_aux") is not None:
+        raise ValueError('headwise attention has no attention sinks (s_aux); load this model with '
+                         'attn_implementation="eager"')
+    S, Sk = query.shape[2], key.shape[2]
+    output_attentions = kwargs.get("output_attentions")
+    if output_attentions is None:
+        output_attentions = getattr(getattr(module, "config", None), "output_attentions", False)
+
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = bool(causal) and attention_mask is None and S > 1  # a mask already holds causality
+    if causal and Sk > S:  # an empty static cache being prefilled: slots past S are unfilled
+        key, value = key[:, :, :S], value[:, :, :S]  # (B, Hkv, S, D)
+        if position_bias is not None:
+            position_bias = position_bias[..., :S]  # (B|1, H, S, S)
+
+    mask = hf_mask_to_headwise(attention_mask)
+    if position_bias is not None:
+        mask = _fold_position_bias(hf_mask_to_headwise(position_bias), mask)
+    out = attention(
+        query, key, value, mask,
+        is_causal=causal,
+        dropout_p=float(dropout),
+        scale=scaling,
+        backend=backend,
+        need_weights=bool(output_attentions),
+    )
+    out, weights = out if output_attentions else (out, None)  # (B, H, S, D), (B, H, S, Sk)
+    return out.transpose(1, 2).contiguous(), weights  # (B, H, S, D) -> (B, S, H, D)
+
+
+def register(name: str = "headwise", *, backend: str = "auto") -> str:
+    """Make ``attn_implementation=name`` run attention through headwise.
+
+    Registers an attention function in transformers' ``AttentionInterface`` and
+    transformers' ``sdpa_mask`` (bool masks, True = attend) under the same name in its
+    ``AttentionMaskInterface``; without a mask function transformers would build no
+    padding or causal mask at all. Calling it again is harmless.
+
+    Args:
+        name: the ``attn_implementation`` name to register.
+        backend: the headwise backend the registered function runs (``"auto"`` or a name
+            from :func:`headwise.available_backends`), e.g. ``register("headwise_chunked",
+            backend="chunked")`` for O(S) attention memory.
+
+    Returns:
+        ``name``, to pass as ``attn_implementation``.
+
+    Raises:
+        ImportError: transformers>=5 is not installed (the ``hf`` extra).
+        ValueError: an empty name, or an unknown backend.
+
+    >>> from transformers import AutoModel  # doctest: +SKIP
+    >>> AutoModel.from_pretrained(path, attn_implementation=register())  # doctest: +SKIP
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if backend != "auto":
+        get_kernel(backend)  # ValueError listing the known backends
+    _transformers()
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def forward(module, query, key, value, attention_mask, *args, **kwargs):
+        return headwise_attention_forward(module, query, key, value, attention_mask, *args,
+                                          backend=backend, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = f"headwise_attention_forward_{backend}"
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    logger.debug("registered attn_implementation=%r (headwise backend %r)", name, backend)
+    return name
