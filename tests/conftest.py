@@ -6,11 +6,28 @@ D head dim.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
 from hypothesis import settings
+
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    # Triton decides at import time whether its own library functions (tl.maximum, ...) run
+    # in the CPU interpreter. Other tests (transformers, torch.compile) import triton early,
+    # so import it here, once, in interpreter mode; the env var is then restored, so only
+    # tests/kernels/test_triton.py (which sets it per test) runs the slow interpreter.
+    _before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton  # noqa: F401
+    import triton.language  # noqa: F401
+
+    if _before is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _before
 
 settings.register_profile("headwise", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("headwise")
