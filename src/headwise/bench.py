@@ -173,8 +173,8 @@ def measure_in_child(impl: str, case: Case, limit_gib: float) -> dict:
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "note": ""}
 
 
-def _memory_child(spec: str) -> None:
-    """Subprocess side of :func:`measure_in_child`: prints one JSON line."""
+def _memory_child(spec: str) -> dict:
+    """Subprocess side of :func:`measure_in_child`: the measurements of one case."""
     args = json.loads(spec)
     limit = int(args["limit_gib"] * 2**30)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))  # fail with an error, not the OOM killer
@@ -196,7 +196,7 @@ def _memory_child(spec: str) -> None:
     fn(x, mask).float().sum().backward()
     report["train_ms"] = (time.perf_counter() - start) * 1e3
     report["train_peak_mib"] = (_peak_rss_kib() - before) / 1024
-    print(json.dumps(report))
+    return report
 
 
 def _status_kib(field: str) -> int | None:
@@ -370,4 +370,5 @@ def plot(report: dict, path: str) -> None:
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--memory-child":
-    _memory_child(sys.argv[2])
+    # The child's one line of JSON on stdout is how measure_in_child hears back.
+    sys.stdout.write(json.dumps(_memory_child(sys.argv[2])) + "\n")
