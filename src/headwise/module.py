@@ -283,7 +283,7 @@ class MultiHeadAttention(nn.Module):
         self._check(x, context, cache)
         causal = self.is_causal if is_causal is None else is_causal
         padding = self._query_padding(x, attention_mask, context, cache)  # (B, S) or None
-        if padding is not None and cache is None and not need_weights and self._packs(padding):
+        if self._packs(padding, cache, need_weights):
             packed, info = varlen.pack(x, padding)  # (T, E): the real tokens only
             out = self.forward_packed(packed, info.cu_seqlens, is_causal=causal, positions=info.positions,
                                       lengths=info.lengths)
@@ -341,8 +341,10 @@ class MultiHeadAttention(nn.Module):
             return (mask != 0) if mask.shape == x.shape[:2] else None
         return (mask[:, -S:] != 0) if mask.shape[0] == x.shape[0] else None
 
-    def _packs(self, padding: Tensor) -> bool:
+    def _packs(self, padding: Tensor | None, cache: KVCache | None, need_weights: bool) -> bool:
         """Whether the padding-free path runs: by request, or where "auto" measured it pays."""
+        if padding is None or cache is not None or need_weights:
+            return False  # nothing to pack, decoding, or weights over the padded layout
         if self.window is not None or self.alibi_slopes is not None:
             return False  # positions of tokens after a hole differ once packed
         if self.backend == "varlen":
@@ -422,7 +424,7 @@ class MultiHeadAttention(nn.Module):
         """
         self._check(x, context, cache)
         padding = self._query_padding(x, attention_mask, context, cache)
-        if padding is not None and cache is None and not need_weights and self._packs(padding):
+        if self._packs(padding, cache, need_weights):
             share = 1.0 - float(padding.float().mean())
             why = ("backend='varlen' packs the real tokens" if self.backend == "varlen" else
                    f"{share:.0%} of the batch is padding (>= PACK_MIN_PADDING {PACK_MIN_PADDING:.0%})")
