@@ -152,18 +152,20 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure_in_child(impl: str, case: Case, limit_gib: float) -> dict:
+def measure_in_child(impl: str, case: Case, limit_gib: float, train_only: bool = False) -> dict:
     """One forward (no grad) and one forward + backward in a fresh subprocess.
 
     Returns ``forward_ms``, ``train_ms``, ``forward_peak_mib``, ``train_peak_mib`` (peak
     resident set rise of each run over the level before it) and ``note``; values are None
-    with the reason in ``note`` when the case cannot run in ``limit_gib``.
+    with the reason in ``note`` when the case cannot run in ``limit_gib``. The training
+    run may reuse memory the forward run freed, which can only lower its figure:
+    ``train_only`` skips the forward run for a training peak from a fresh process.
     """
     need = predicted_peak_gib(impl, case)
     empty = {"forward_ms": None, "train_ms": None, "forward_peak_mib": None, "train_peak_mib": None}
     if need > limit_gib:
         return {**empty, "note": f"out of memory: needs >= {need:.1f} GiB of scores (limit {limit_gib:.0f} GiB)"}
-    spec = json.dumps({"impl": impl, "case": asdict(case), "limit_gib": limit_gib})
+    spec = json.dumps({"impl": impl, "case": asdict(case), "limit_gib": limit_gib, "train_only": train_only})
     proc = subprocess.run([sys.executable, "-m", "headwise.bench", "--memory-child", spec],
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -183,13 +185,17 @@ def _memory_child(spec: str) -> dict:
     case = Case(**case_fields)
     fn = build(args["impl"], case)
     report = {}
-    x, mask = inputs(case, requires_grad=False)
-    before = _reset_peak_rss_kib()
-    start = time.perf_counter()
-    with torch.no_grad():
-        fn(x, mask)
-    report["forward_ms"] = (time.perf_counter() - start) * 1e3
-    report["forward_peak_mib"] = (_peak_rss_kib() - before) / 1024
+    if args.get("train_only"):
+        report["forward_ms"] = report["forward_peak_mib"] = None
+    else:
+        x, mask = inputs(case, requires_grad=False)
+        before = _reset_peak_rss_kib()
+        start = time.perf_counter()
+        with torch.no_grad():
+            fn(x, mask)
+        report["forward_ms"] = (time.perf_counter() - start) * 1e3
+        report["forward_peak_mib"] = (_peak_rss_kib() - before) / 1024
+        del x, mask
     x, mask = inputs(case, requires_grad=True)
     before = _reset_peak_rss_kib()
     start = time.perf_counter()
