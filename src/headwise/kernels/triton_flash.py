@@ -185,6 +185,28 @@ def _query_tile_bounds(n0, S, Sk, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
     return t_lo, t_full_lo, t_full_hi, t_hi
 
 
+def _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, offset, window, qk_scale,
+                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASK_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+    """The key tile at ``pos`` of the loop (of the live-tile list with a mask): its key
+    offsets, keys (BN, BD) and masked, scaled scores (BM, BN). Shared by forward and dq."""
+    if HAS_BIAS:
+        tile = tl.load(Tiles + pos)
+    else:
+        tile = pos
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = _load_tile(K, offs_n, offs_d, s_ks, s_kd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
+    s = _dot(q, tl.trans(k), None, PRECISION) * qk_scale
+    # (BM, BD) x (BD, BN) -> (BM, BN)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(Bias + offs_n, mask=offs_n < Sk, other=float("-inf"))[None, :]
+    s = _mask_scores(s, offs_m[:, None], offs_n[None, :], bias, slope, Sk, offset, window,
+                     MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI)
+    return offs_n, k, s
+
+
 def _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
                s_ks, s_kd, s_vs, s_vd, start, end, Sk, offset, window, qk_scale,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -192,19 +214,9 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax over key tiles ``start..end`` (positions in the live-tile list with a mask)."""
     for pos in range(start, end):
-        if HAS_BIAS:
-            tile = tl.load(Tiles + pos)
-        else:
-            tile = pos
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, offs_n, offs_d, s_ks, s_kd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
-        s = _dot(q, tl.trans(k), None, PRECISION) * qk_scale
-        # (BM, BD) x (BD, BN) -> (BM, BN)
-        bias = 0.0
-        if HAS_BIAS:
-            bias = tl.load(Bias + offs_n, mask=offs_n < Sk, other=float("-inf"))[None, :]
-        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], bias, slope, Sk, offset, window,
-                         MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI)
+        offs_n, k, s = _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, offset,
+                                    window, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, MASK_POS, IS_CAUSAL,
+                                    HAS_WINDOW, HAS_BIAS, HAS_ALIBI, PRECISION)  # s: (BM, BN)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # -inf max = nothing attended yet: shift by 0 so exp2(-inf - 0) = 0, never NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -391,20 +403,10 @@ def _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d,
               MASK_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
     for pos in range(start, end):
-        if HAS_BIAS:
-            tile = tl.load(Tiles + pos)
-        else:
-            tile = pos
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_tile(K, offs_n, offs_d, s_ks, s_kd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
+        offs_n, k, s = _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, offset,
+                                    window, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, MASK_POS, IS_CAUSAL,
+                                    HAS_WINDOW, HAS_BIAS, HAS_ALIBI, PRECISION)  # s: (BM, BN)
         v = _load_tile(V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
-        s = _dot(q, tl.trans(k), None, PRECISION) * qk_scale
-        # (BM, BD) x (BD, BN) -> (BM, BN)
-        bias = 0.0
-        if HAS_BIAS:
-            bias = tl.load(Bias + offs_n, mask=offs_n < Sk, other=float("-inf"))[None, :]
-        s = _mask_scores(s, offs_m[:, None], offs_n[None, :], bias, slope, Sk, offset, window,
-                         MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI)
         p = tl.math.exp2(s - lse[:, None])  # (BM, BN)
         dp = _dot(do, tl.trans(v), None, PRECISION)
         # (BM, BD) x (BD, BN) -> (BM, BN)
@@ -463,6 +465,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ, Bias, Tiles, Cum, Slopes,
 
 
 _DEVICE_CODE = (_load_tile, _store_tile, _dot, _lowp, _mask_scores, _key_tile_bounds, _query_tile_bounds,
+                _tile_scores,
                 _fwd_inner, _fwd_kernel, _bwd_delta_kernel, _dkdv_inner, _bwd_dkdv_kernel,
                 _dq_inner, _bwd_dq_kernel)
 
