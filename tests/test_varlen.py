@@ -120,3 +120,12 @@ def test_direct_and_bucketed_sequences_agree(monkeypatch, direct):
     got, want = packed(x, mask, is_causal=True), dense(x, mask, is_causal=True)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(*(torch.autograd.grad(y.sum(), x)[0] for y in (got, want)), atol=1e-5, rtol=1e-5)
+
+
+def test_a_batch_of_padding_only_keeps_x_in_the_graph():
+    mha = headwise.MultiHeadAttention(E, H, backend="varlen")
+    x = torch.randn(2, 4, E, requires_grad=True)
+    out = mha(x, torch.zeros(2, 4, dtype=torch.bool))
+    out.sum().backward()
+    assert out.abs().max() == 0
+    assert x.grad is not None and x.grad.abs().max() == 0

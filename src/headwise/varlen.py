@@ -119,36 +119,44 @@ def packed_attention(
             f"packed q ({T}), k ({k.shape[0]}) and v ({v.shape[0]}) rows must all equal the "
             f"sum of the sequence lengths ({sum(lengths)})"
         )
-    starts = cu_seqlens.tolist()
-    targets, results = [], []
+    # split() views are cheap in both directions: its backward is one concatenation, where
+    # slicing each sequence out of the packed rows would cost a (T, H, D) zero fill apiece.
+    qs, ks, vs = (t.split(list(lengths)) for t in (q, k, v))  # B x (L_i, H|Hkv, D)
+    pieces: list[Tensor | None] = [None] * len(lengths)  # each sequence's (L_i, H, D) output
     for bucket in length_buckets(list(lengths)):
         L = lengths[bucket[0]]
-        if L >= DIRECT_MIN_LENGTH:  # long sequences: attend on strided views, no gather, no mask
+        if L >= DIRECT_MIN_LENGTH:  # long sequences attend on their own: no padding and no mask
             for i in bucket:
-                span = slice(starts[i], starts[i] + lengths[i])
-                qi, ki, vi = (t[span].transpose(0, 1)[None] for t in (q, k, v))  # (1, H|Hkv, L_i, D)
+                qi, ki, vi = (t[i].transpose(0, 1)[None] for t in (qs, ks, vs))  # (1, H|Hkv, L_i, D)
                 oi = attend(qi, ki, vi, is_causal=is_causal, dropout_p=dropout_p, scale=scale, backend=backend,
                             window=window, alibi_slopes=alibi_slopes)  # (1, H, L_i, D)
-                targets.append(torch.arange(span.start, span.stop, device=q.device))
-                results.append(oi[0].transpose(0, 1))  # (L_i, H, D)
+                pieces[i] = oi[0].transpose(0, 1)  # (L_i, H, D)
             continue
-        span = torch.arange(L, device=q.device)  # (L,)
-        first = torch.tensor([starts[i] for i in bucket], device=q.device)  # (n,)
+        n = len(bucket)
+        qb, kb, vb = (_pad_bucket([t[i] for i in bucket], L).transpose(1, 2) for t in (qs, ks, vs))  # (n, H|Hkv, L, D)
         size = torch.tensor([lengths[i] for i in bucket], device=q.device)  # (n,)
-        valid = span[None, :] < size[:, None]  # (n, L)
-        rows = torch.where(valid, first[:, None] + span[None, :], 0)  # (n, L) rows of q/k/v
-        flat = rows.reshape(-1)
-        qb = q.index_select(0, flat).reshape(len(bucket), L, *q.shape[1:]).transpose(1, 2)  # (n, H, L, D)
-        kb = k.index_select(0, flat).reshape(len(bucket), L, *k.shape[1:]).transpose(1, 2)  # (n, Hkv, L, D)
-        vb = v.index_select(0, flat).reshape(len(bucket), L, *v.shape[1:]).transpose(1, 2)
+        valid = torch.arange(L, device=q.device)[None, :] < size[:, None]  # (n, L) True = token
         mask = None if bool(valid.all()) else valid  # equal lengths: no mask, the fastest path
         ob = attend(qb, kb, vb, mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
                     backend=backend, window=window, alibi_slopes=alibi_slopes)  # (n, H, L, D)
-        ob = ob.transpose(1, 2).reshape(len(bucket) * L, *ob.shape[1:2], ob.shape[-1])  # (n * L, H, D)
-        keep = valid.reshape(-1)
-        targets.append(flat[keep])
-        results.append(ob[keep])
-    out = q.new_zeros(T, q.shape[1], v.shape[-1])  # (T, H, D)
-    if targets:  # one scatter for all buckets
-        out = out.index_copy(0, torch.cat(targets), torch.cat(results))
-    return out
+        ob = ob.transpose(1, 2).reshape(n * L, ob.shape[1], ob.shape[-1])  # (n * L, H, D)
+        parts = ob.split([m for i in bucket for m in (lengths[i], L - lengths[i])])  # token, padding, ...
+        for j, i in enumerate(bucket):
+            pieces[i] = parts[2 * j]  # (L_i, H, D)
+    kept = [p for p in pieces if p is not None]  # empty sequences have no rows
+    if not kept:  # no tokens at all: (0, H, D), still in the graph so backward reaches x
+        return q.new_zeros(T, q.shape[1], v.shape[-1]) + (q.sum() + k.sum() + v.sum())
+    return torch.cat(kept)  # (T, H, D), in the packed order
+
+
+def _pad_bucket(seqs: list[Tensor], L: int) -> Tensor:
+    """Stack sequences (L_i, ...) into (n, L, ...), zero rows after each one.
+
+    A single concatenation, so the backward hands each sequence a view of its gradient.
+    """
+    rows = []
+    for t in seqs:
+        rows.append(t)
+        if t.shape[0] < L:
+            rows.append(t.new_zeros(L - t.shape[0], *t.shape[1:]))
+    return torch.cat(rows).reshape(len(seqs), L, *seqs[0].shape[1:])  # (n, L, ...)
