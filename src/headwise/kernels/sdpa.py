@@ -40,10 +40,13 @@ def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, dropout_p: flo
     """
     k, v, extra = _grouped(q, k, v)
     dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
-    mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
+    if dead.device.type == "cpu" and not bool(dead.any()):
+        dead = None  # known live (reading it is free on the CPU): skip two passes over mask and output
+    else:
+        mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                          **extra)  # (B, H, S, D)
-    return out.masked_fill(dead, 0.0)
+    return out if dead is None else out.masked_fill(dead, 0.0)
 
 
 def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict]:
