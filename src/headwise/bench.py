@@ -3,11 +3,12 @@
 Every row times the same inputs through each implementation: headwise (``auto`` and
 named backends), the first document's class, ``torch.nn.MultiheadAttention``
 (``need_weights=False``) and a plain module built on ``scaled_dot_product_attention``.
-Times are medians of repeats after warm-up (the long-sequence cases: one run, timed in
-the memory subprocess); peak memory is how far the resident set of a
-fresh subprocess rises above its level before one run of the case (the kernel's peak
-mark is reset first; CPU torch has no allocator statistics), with predicted
-out-of-memory cases reported instead of run.
+Times are medians of repeats after warm-up, the implementations of a case taking turns
+in every repeat (the long-sequence cases: one run, timed in the memory subprocess); the
+attention core's FLOP rate is compared with an fp32 matmul timed in the same rounds.
+Peak memory is how far the resident set of a fresh subprocess rises above its level
+before one run of the case (the kernel's peak mark is reset first; CPU torch has no
+allocator statistics), with predicted out-of-memory cases reported instead of run.
 
 Legend: B batch, S sequence length, E embed dim, H heads, D head dim.
 """
@@ -130,26 +131,48 @@ def predicted_peak_gib(impl: str, case: Case) -> float:
     return scores * (3 if case.backward else 2)
 
 
-def time_case(impl: str, case: Case, repeats: int) -> Result:
-    result = Result(case, impl)
-    fn = build(impl, case)
+def time_cases(impls: list[str], case: Case, repeats: int) -> list[Result]:
+    """Median forward and forward + backward times of each implementation on one case.
+
+    The implementations take turns within every repeat (round robin), so a machine that
+    slows down or speeds up during the run affects them all alike.
+    """
+    fns = {impl: build(impl, case) for impl in impls}
     x, mask = inputs(case, requires_grad=False)
-    with torch.no_grad():
-        result.forward_ms = _median_ms(lambda: fn(x, mask), repeats)
+    xg, _ = inputs(case, requires_grad=True)
+
+    def forward(fn):
+        with torch.no_grad():
+            fn(x, mask)
+
+    def train(fn):
+        fn(xg, mask).float().sum().backward()
+
+    runs = [(impl, "forward", lambda fn=fn: forward(fn)) for impl, fn in fns.items()]
     if case.backward:
-        xg, _ = inputs(case, requires_grad=True)
-        result.train_ms = _median_ms(lambda: fn(xg, mask).float().sum().backward(), repeats)
-    return result
+        runs += [(impl, "train", lambda fn=fn: train(fn)) for impl, fn in fns.items()]
+    times = _round_robin_ms([run for _, _, run in runs], repeats)
+    results = {impl: Result(case, impl) for impl in impls}
+    for (impl, kind, _), ms in zip(runs, times, strict=True):
+        setattr(results[impl], "forward_ms" if kind == "forward" else "train_ms", ms)
+    return list(results.values())
+
+
+def _round_robin_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median milliseconds of each function, timed in turns after one warm-up call each."""
+    for fn in fns:
+        fn()  # warm-up (allocator, dispatch caches, thread pool)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, mine in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            mine.append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (allocator, dispatch caches, thread pool)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return _round_robin_ms([fn], repeats)[0]
 
 
 def measure_in_child(impl: str, case: Case, limit_gib: float, train_only: bool = False) -> dict:
@@ -241,22 +264,29 @@ def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
 
 
 def attention_core(S: int, backends: list[str], repeats: int, causal: bool = False,
-                   B: int = 1, H: int = 8, D: int = 64) -> list[dict]:
-    """FLOP rate of the attention core alone (q, k, v given), forward, per backend and SDPA."""
+                   B: int = 1, H: int = 8, D: int = 64, matmul_n: int = 2048) -> list[dict]:
+    """FLOP rate of the attention core alone (q, k, v given), forward, per backend and SDPA.
+
+    A (matmul_n x matmul_n) fp32 matmul takes its turn in the same rounds, so each row's
+    ``of_matmul`` compares rates measured under the same load.
+    """
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(B, H, S, D, generator=gen) for _ in range(3))
+    a, b = torch.randn(matmul_n, matmul_n, generator=gen), torch.randn(matmul_n, matmul_n, generator=gen)
     flops = 4 * B * H * S * S * D / (2 if causal else 1)
-    rows = []
     runs: list[tuple[str, Callable[[], object]]] = [
         ("torch sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))]
     runs += [(f"headwise {b}", lambda b=b: headwise.attention(q, k, v, is_causal=causal, backend=b))
-             for b in backends]
+             for b in backends
+             if not (b in ("matmul", "einsum", "bmm", "einops") and S > 4096)]  # (B, H, S, S) scores: too big
     with torch.no_grad():
-        for name, fn in runs:
-            if name.split()[-1] in ("matmul", "einsum", "bmm", "einops") and S > 4096:
-                continue  # (B, H, S, S) scores: too big to be worth timing here
-            ms = _median_ms(fn, repeats)
-            rows.append({"impl": name, "S": S, "causal": causal, "ms": ms, "gflops": flops / (ms / 1e3) / 1e9})
+        ms = _round_robin_ms([lambda: a @ b] + [fn for _, fn in runs], repeats)
+    rate = 2 * matmul_n**3 / (ms[0] / 1e3) / 1e9
+    rows = []
+    for (name, _), t in zip(runs, ms[1:], strict=True):
+        gflops = flops / (t / 1e3) / 1e9
+        rows.append({"impl": name, "S": S, "causal": causal, "ms": t, "gflops": gflops,
+                     "matmul_gflops": rate, "of_matmul": gflops / rate})
     return rows
 
 
@@ -291,31 +321,35 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
             impls.append("headwise varlen")
         if case.group == "long":
             impls = ["headwise auto", "SDPA module", "reference"]
+        done: dict[str, Result] = {}
         for impl in impls:
-            say(f"{case.label()}: {impl}")
             need = predicted_peak_gib(impl, case)
             if need > limit_gib:
-                results.append(Result(case, impl, note=f"out of memory: needs >= {need:.1f} GiB"))
-                continue
-            if case.group == "long":  # one run of each, in the child: minutes per run at these lengths
-                measured = measure_in_child(impl, case, limit_gib)
-                results.append(Result(case, impl, **measured))
-                continue
-            result = time_case(impl, case, repeats)
-            if memory and not quick:
-                measured = measure_in_child(impl, case, limit_gib)
-                result.forward_peak_mib = measured["forward_peak_mib"]
-                result.train_peak_mib = measured["train_peak_mib"]
-                result.note = measured["note"]
-            results.append(result)
+                done[impl] = Result(case, impl, note=f"out of memory: needs >= {need:.1f} GiB")
+            elif case.group == "long":  # one run of each, in the child: minutes per run at these lengths
+                say(f"{case.label()}: {impl}")
+                done[impl] = Result(case, impl, **measure_in_child(impl, case, limit_gib))
+        timed = [impl for impl in impls if impl not in done]  # side by side, in turns
+        if timed:
+            say(f"{case.label()}: timing {len(timed)} implementations in turns")
+            for result in time_cases(timed, case, repeats):
+                if memory and not quick:
+                    say(f"{case.label()}: {result.impl}, peak memory")
+                    measured = measure_in_child(result.impl, case, limit_gib)
+                    result.forward_peak_mib = measured["forward_peak_mib"]
+                    result.train_peak_mib = measured["train_peak_mib"]
+                    result.note = measured["note"]
+                done[result.impl] = result
+        results += [done[impl] for impl in impls]
     say("attention core")
     backends = [b for b in headwise.available_backends() if b != "varlen"]
     core = []
     for S in ((256,) if quick else (1024, 4096)):
-        core += attention_core(S, backends if S <= 1024 else ["sdpa", "chunked"], repeats)
+        core += attention_core(S, backends if S <= 1024 else ["sdpa", "chunked"], repeats,
+                               matmul_n=1024 if quick else 2048)
     return {
         "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count()},
-        "matmul_gflops": matmul_rate(1024 if quick else 2048, repeats),
+        "matmul_gflops": statistics.median(r["matmul_gflops"] for r in core),
         "results": [{**asdict(r), "case": {**asdict(r.case), "label": r.case.label(),
                                             "padding": r.case.padding}} for r in results],
         "core": core,
