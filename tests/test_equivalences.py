@@ -25,6 +25,14 @@ def test_measured_contiguity_and_views():
     assert bmm.needs_contiguous  # bmm's .view needs the layout split heads does not give
 
 
+def test_splitting_heads_is_a_view_even_of_a_fused_projection():
+    forms = [f for f in ROWS if ROWS[f].group.startswith("split heads")]
+    assert len(forms) == 4
+    for form in forms:  # the module's unflatten + transpose among them: no copy on either layout
+        assert ROWS[form].view_of_contiguous and ROWS[form].view_of_noncontiguous, form
+        assert ROWS[form].max_diff is not None and ROWS[form].max_diff == 0
+
+
 def test_document_unsqueeze_form_is_reported_as_failing():
     doc = next(r for f, r in ROWS.items() if "(the document's)" in f)
     assert doc.max_diff is None and doc.view_of_contiguous is None and doc.error

@@ -118,6 +118,17 @@ def measure(seed: int = 0, B: int = 3, H: int = 8, S: int = 5, D: int = 16) -> l
          lambda w, v: (w.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)),
     ], mats, tuple(noncontig(t) for t in mats))
 
+    flat = rand(B, S, E)  # (B, S, E), a projection's output
+    fused = rand(B, S, 3 * E)  # (B, S, 3E), a fused qkv projection
+    fused[..., :E] = flat  # its q part holds the same values, but rows are 3E apart: not contiguous
+    rows += _group("split heads (B, S, E) -> (B, H, S, D)", [
+        ("x.view(B, S, H, D).transpose(1, 2)", lambda t: t.view(B, S, H, D).transpose(1, 2)),
+        ("x.unflatten(-1, (H, D)).transpose(1, 2)", lambda t: t.unflatten(-1, (H, D)).transpose(1, 2)),
+        ("x.reshape(B, S, H, D).permute(0, 2, 1, 3)", lambda t: t.reshape(B, S, H, D).permute(0, 2, 1, 3)),
+        ("einops.rearrange(x, 'b s (h d) -> b h s d', h=H)",
+         lambda t: einops.rearrange(t, "b s (h d) -> b h s d", h=H)),
+    ], (flat,), (fused[..., :E],))
+
     x = rand(B, H, S, D)  # (B, H, S, D)
     rows += _group("swap heads and sequence", [
         ("x.transpose(1, 2)", lambda t: t.transpose(1, 2)),

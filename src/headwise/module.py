@@ -20,7 +20,6 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from headwise import tracing as trace
@@ -205,13 +204,15 @@ class MultiHeadAttention(nn.Module):
             trace.record("q projection", q, "q_proj(x): (B, S, E) x (E, E)^T + b")
             trace.record("k projection", k, f"k_proj({src}): (B, Sk, E) x (Hkv*D, E)^T + b")
             trace.record("v projection", v, f"v_proj({src}): (B, Sk, E) x (Hkv*D, E)^T + b")
-        q = rearrange(q, "b s (h d) -> b h s d", h=self.num_heads)  # (B, S, E) -> (B, H, S, D)
-        k = rearrange(k, "b s (h d) -> b h s d", h=self.num_kv_heads)  # -> (B, Hkv, Sk, D)
-        v = rearrange(v, "b s (h d) -> b h s d", h=self.num_kv_heads)  # -> (B, Hkv, Sk, D)
+        # Plain views, not einops.rearrange: its recipe lookup costs ~20 us a call, a quarter of
+        # a small forward (measured at B=1, S=8, E=64); `headwise equivalences` checks they agree.
+        q = q.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, S, E) -> (B, S, H, D) -> (B, H, S, D)
+        k = k.unflatten(-1, (self.num_kv_heads, -1)).transpose(1, 2)  # -> (B, Hkv, Sk, D)
+        v = v.unflatten(-1, (self.num_kv_heads, -1)).transpose(1, 2)  # -> (B, Hkv, Sk, D)
         if trace.ACTIVE:
-            trace.record("split heads q", q, "rearrange 'b s (h d) -> b h s d' = "
-                         "view(B, S, H, D).transpose(1, 2)")
-            trace.record("split heads k, v", k, "rearrange 'b s (h d) -> b h s d' with h = Hkv")
+            trace.record("split heads q", q, "unflatten(-1, (H, D)).transpose(1, 2) = "
+                         "rearrange 'b s (h d) -> b h s d'")
+            trace.record("split heads k, v", k, "the same with H = Hkv")
         return q, k, v
 
     def _rotate(self, q: Tensor, k: Tensor, start: int) -> tuple[Tensor, Tensor]:
@@ -308,10 +309,10 @@ class MultiHeadAttention(nn.Module):
             alibi_slopes=self.alibi_slopes,
         )
         out, weights = out if need_weights else (out, None)
-        out = rearrange(out, "b h s d -> b s (h d)")  # (B, H, S, D) -> (B, S, E)
+        out = out.transpose(1, 2).flatten(2)  # (B, H, S, D) -> (B, S, H, D) -> (B, S, E), one copy
         if trace.ACTIVE:
-            trace.record("merge heads", out, "rearrange 'b h s d -> b s (h d)' = "
-                         "transpose(1, 2).contiguous().view(B, S, E)")
+            trace.record("merge heads", out, "transpose(1, 2).flatten(2) = rearrange 'b h s d -> b s (h d)' "
+                         "= transpose(1, 2).contiguous().view(B, S, E)")
         out = self.out_proj(out)  # (B, S, E)
         if trace.ACTIVE:
             trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b")
