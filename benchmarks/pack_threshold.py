@@ -13,24 +13,13 @@ Two decisions are measured on the same inputs, side by side, over padding shares
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 import headwise
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+from headwise.bench import round_robin_ms
 
 
 def main(argv=None) -> None:
@@ -43,29 +32,41 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     B, S, E, H = args.batch, args.seq, args.dim, args.heads
     gen = torch.Generator().manual_seed(0)
-    dense = headwise.MultiHeadAttention(E, H, backend="sdpa").eval()
-    packed = headwise.MultiHeadAttention(E, H, backend="varlen").eval()
+    dense = headwise.MultiHeadAttention(E, H, backend="sdpa")
+    packed = headwise.MultiHeadAttention(E, H, backend="varlen")
     packed.load_state_dict(dense.state_dict())
-    x = torch.randn(B, S, E, generator=gen)
-    q, k, v = (torch.randn(B, H, S, E // H, generator=gen) for _ in range(3))
-    table = Table(title=f"dense vs padding-free, B={B} S={S} E={E} H={H}, forward, median of {args.repeats} "
-                  "(ratio > 1: dropping padding is faster)")
-    for column in ("padding", "module dense ms", "module packed ms", "ratio", "kernel sdpa ms",
-                   "kernel varlen ms", "ratio"):
+    x = torch.randn(B, S, E, generator=gen, requires_grad=True)
+    q, k, v = (torch.randn(B, H, S, E // H, generator=gen, requires_grad=True) for _ in range(3))
+    table = Table(title=f"dense vs padding-free, B={B} S={S} E={E} H={H}, median of {args.repeats}, each pair "
+                  "timed in turns (ratio > 1: dropping padding is faster)")
+    for column in ("padding", "module fwd dense / packed ms", "ratio", "fwd+bwd dense / packed ms", "ratio",
+                   "kernel fwd sdpa / varlen ms", "ratio", "fwd+bwd sdpa / varlen ms", "ratio"):
         table.add_column(column, justify="right")
-    with torch.inference_mode():
-        for share in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7):
-            # lengths uniform in [S (1 - 2 share), S]: on average `share` of the batch is padding
-            lengths = (S * (1 - 2 * share * torch.rand(B, generator=gen))).round().clamp(1, S).long()
-            mask = torch.arange(S)[None, :] < lengths[:, None]  # (B, S)
-            real = 1 - mask.float().mean().item()
-            md = median_ms(lambda m=mask: dense(x, m), args.repeats)
-            mp = median_ms(lambda m=mask: packed(x, m), args.repeats)
-            kd = median_ms(lambda m=mask: headwise.attention(q, k, v, m, backend="sdpa"), args.repeats)
-            kv = median_ms(lambda m=mask: headwise.attention(q, k, v, m, backend="varlen"), args.repeats)
-            table.add_row(f"{real:.0%}", f"{md:.0f}", f"{mp:.0f}", f"{md / mp:.2f}x", f"{kd:.0f}", f"{kv:.0f}",
-                          f"{kd / kv:.2f}x")
-    Console(width=140).print(table)
+
+    def forward(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
+    def train(fn):
+        return lambda: fn().sum().backward()
+
+    for share in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7):
+        # lengths uniform in [S (1 - 2 share), S]: on average `share` of the batch is padding
+        lengths = (S * (1 - 2 * share * torch.rand(B, generator=gen))).round().clamp(1, S).long()
+        mask = torch.arange(S)[None, :] < lengths[:, None]  # (B, S)
+        real = 1 - mask.float().mean().item()
+        pairs = [(lambda m=mask: dense(x, m), lambda m=mask: packed(x, m)),
+                 (lambda m=mask: headwise.attention(q, k, v, m, backend="sdpa"),
+                  lambda m=mask: headwise.attention(q, k, v, m, backend="varlen"))]
+        cells = [f"{real:.0%}"]
+        for slow, fast in pairs:
+            for wrap in (forward, train):
+                a, b = round_robin_ms([wrap(slow), wrap(fast)], args.repeats)
+                cells += [f"{a:.0f} / {b:.0f}", f"{a / b:.2f}x"]
+        table.add_row(*cells)
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":

@@ -262,16 +262,26 @@ def test_no_log_above_debug(caplog):
 
 
 def test_heavy_key_padding_on_cpu_picks_varlen_and_says_why(monkeypatch):
-    q, k, v = qkv()
-    keys = torch.ones(q.shape[0], k.shape[2], dtype=torch.bool)
-    keys[:, k.shape[2] // 2:] = False  # about half the keys are padding
+    q, k, v = torch.randn(2, 2, 8, 4), torch.randn(2, 2, 512, 4), torch.randn(2, 2, 512, 4)
+    keys = torch.ones(2, 512, dtype=torch.bool)
+    keys[:, 256:] = False  # half the keys are padding
     d = choose_backend(q, k, v, keys)
-    assert d.backend == "varlen" and "of the keys are padding" in d.reason
-    assert d.request.key_padding == pytest.approx(1 - keys.float().mean().item(), abs=0.05)
+    assert d.backend == "varlen" and "of the keys are padding (>= VARLEN_MIN_PADDING 30%)" in d.reason
+    assert d.request.key_padding == pytest.approx(0.5)
     monkeypatch.setattr(headwise.dispatch, "VARLEN_MIN_PADDING", 0.99)
     assert choose_backend(q, k, v, keys).backend == "sdpa"  # the threshold is read at each decision
     assert choose_backend(q, k, v, keys, need_weights=True).backend == "matmul"
     assert choose_backend(q, k, v, torch.ones_like(keys)).backend == "sdpa"
+
+
+def test_short_keys_need_more_padding_before_varlen_pays():
+    q, k, v = torch.randn(2, 2, 8, 4), torch.randn(2, 2, 100, 4), torch.randn(2, 2, 100, 4)
+    keys = torch.ones(2, 100, dtype=torch.bool)
+    keys[:, 50:] = False  # half padding: not enough below VARLEN_SHORT_KEYS keys
+    assert choose_backend(q, k, v, keys).backend == "sdpa"
+    keys[:, 20:] = False  # 80%
+    d = choose_backend(q, k, v, keys)
+    assert d.backend == "varlen" and "(>= VARLEN_MIN_PADDING_SHORT, Sk < 256 70%)" in d.reason
 
 
 def test_cuda_structured_requests_rank_triton_first():

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 import headwise
 from headwise.reference import MultiHeadAttentionFormal
 
-__all__ = ["Case", "Result", "SDPAModule", "run", "matmul_rate"]
+__all__ = ["Case", "Result", "SDPAModule", "run", "matmul_rate", "round_robin_ms"]
 
 
 class SDPAModule(nn.Module):
@@ -151,14 +151,14 @@ def time_cases(impls: list[str], case: Case, repeats: int) -> list[Result]:
     runs = [(impl, "forward", lambda fn=fn: forward(fn)) for impl, fn in fns.items()]
     if case.backward:
         runs += [(impl, "train", lambda fn=fn: train(fn)) for impl, fn in fns.items()]
-    times = _round_robin_ms([run for _, _, run in runs], repeats)
+    times = round_robin_ms([run for _, _, run in runs], repeats)
     results = {impl: Result(case, impl) for impl in impls}
     for (impl, kind, _), ms in zip(runs, times, strict=True):
         setattr(results[impl], "forward_ms" if kind == "forward" else "train_ms", ms)
     return list(results.values())
 
 
-def _round_robin_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+def round_robin_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
     """Median milliseconds of each function, timed in turns after one warm-up call each."""
     for fn in fns:
         fn()  # warm-up (allocator, dispatch caches, thread pool)
@@ -172,7 +172,7 @@ def _round_robin_ms(fns: list[Callable[[], object]], repeats: int) -> list[float
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    return _round_robin_ms([fn], repeats)[0]
+    return round_robin_ms([fn], repeats)[0]
 
 
 def measure_in_child(impl: str, case: Case, limit_gib: float, train_only: bool = False) -> dict:
@@ -280,7 +280,7 @@ def attention_core(S: int, backends: list[str], repeats: int, causal: bool = Fal
              for b in backends
              if not (b in ("matmul", "einsum", "bmm", "einops") and S > 4096)]  # (B, H, S, S) scores: too big
     with torch.no_grad():
-        ms = _round_robin_ms([lambda: a @ b] + [fn for _, fn in runs], repeats)
+        ms = round_robin_ms([lambda: a @ b] + [fn for _, fn in runs], repeats)
     rate = 2 * matmul_n**3 / (ms[0] / 1e3) / 1e9
     rows = []
     for (name, _), t in zip(runs, ms[1:], strict=True):

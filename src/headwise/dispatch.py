@@ -10,9 +10,10 @@ The rules, measured on a 2-core CPU with torch 2.13 (see ``headwise bench``):
 2. Otherwise ``sdpa``: PyTorch's fused kernel, the fastest dense path on CPU and GPU.
 3. On CUDA in fp16/bf16 with a mask, a window, ALiBi or causal with S != Sk (where SDPA's
    flash kernel cannot run): ``triton``, which keeps them fused.
-4. With a key padding mask that pads at least ``VARLEN_MIN_PADDING`` of the keys (on the
-   CPU, where the share can be read without a device sync): ``varlen``, which drops the
-   padded keys per batch row.
+4. With a key padding mask that pads at least ``VARLEN_MIN_PADDING`` of the keys
+   (``VARLEN_MIN_PADDING_SHORT`` below ``VARLEN_SHORT_KEYS`` keys; on the CPU, where the
+   share can be read without a device sync): ``varlen``, which drops the padded keys per
+   batch row.
 5. Except when SDPA cannot use a fused kernel (dropout on CPU) and its fallback would
    materialise a large (B, H, S, Sk) score matrix: then ``chunked``, whose memory grows
    as O(S), runs instead.
@@ -41,8 +42,13 @@ _DEFAULT_ORDER = ("sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _LOW_MEMORY_ORDER = ("chunked", "sdpa", "matmul", "einsum", "einops", "bmm")
 _CUDA_STRUCTURED_ORDER = ("triton", "sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _VARLEN_ORDER = ("varlen", "sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
-# Padded-key share above which "varlen" beats SDPA with the mask (benchmarks/pack_threshold.py).
+# Padded-key share from which "varlen" beats SDPA with the mask, measured by
+# benchmarks/pack_threshold.py (B=32, H=8, D=64, forward and forward + backward). Where
+# rows are short its per-bucket work weighs more: the crossover was about 10% at
+# Sk=2048, 20% at 512, 25% at 256, but 55-70% at 128.
 VARLEN_MIN_PADDING = 0.3
+VARLEN_SHORT_KEYS = 256  # below this many keys, VARLEN_MIN_PADDING_SHORT applies
+VARLEN_MIN_PADDING_SHORT = 0.7
 _COST = {
     "varlen": "gathers the real keys per row: pays off only when many keys are padding",
     "triton": "fused on CUDA for masks, windows and ALiBi; SDPA's flash kernel is kept for the plain cases",
@@ -85,7 +91,7 @@ def _scores_bytes(r: Request) -> int:
     return r.batch * r.heads * r.q_len * r.k_len * r.dtype.itemsize
 
 
-def _ranking(r: Request, budget: int, varlen_min: float) -> tuple[tuple[str, ...], str]:
+def _ranking(r: Request, budget: int, varlen: tuple[float, int, float]) -> tuple[tuple[str, ...], str]:
     """Preference order for a request, and the sentence that explains it."""
     if r.need_weights:
         return _WEIGHT_ORDER, "need_weights=True: it returns the probabilities and is the plainest"
@@ -95,9 +101,12 @@ def _ranking(r: Request, budget: int, varlen_min: float) -> tuple[tuple[str, ...
             "SDPA's flash kernel takes no mask, window, ALiBi or bottom-right causal with S != Sk and falls "
             "back to slower kernels; triton keeps them fused and skips padded key tiles"
         )
+    min_padding, short_keys, min_padding_short = varlen
+    name, varlen_min = (("VARLEN_MIN_PADDING", min_padding) if r.k_len >= short_keys
+                        else (f"VARLEN_MIN_PADDING_SHORT, Sk < {short_keys}", min_padding_short))
     if r.key_padding is not None and r.key_padding >= varlen_min and r.batch > 1:
         return _VARLEN_ORDER, (
-            f"{r.key_padding:.0%} of the keys are padding (>= VARLEN_MIN_PADDING {varlen_min:.0%}): "
+            f"{r.key_padding:.0%} of the keys are padding (>= {name} {varlen_min:.0%}): "
             "varlen drops them per row, so the cost follows the real keys"
         )
     size = _scores_bytes(r)
@@ -127,7 +136,8 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
         ValueError: unknown backend, or a named backend that cannot serve the request
             (the message says why and which backends can).
     """
-    dispatch = _select(request, backend, tuple(kernels().values()), SCORES_BUDGET_BYTES, VARLEN_MIN_PADDING)
+    dispatch = _select(request, backend, tuple(kernels().values()), SCORES_BUDGET_BYTES,
+                       (VARLEN_MIN_PADDING, VARLEN_SHORT_KEYS, VARLEN_MIN_PADDING_SHORT))
     if backend == "auto" and logger.isEnabledFor(logging.DEBUG):
         logger.debug("auto chose %s", dispatch)
     return dispatch
@@ -135,7 +145,7 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
 
 @functools.lru_cache(maxsize=1024)
 def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budget: int,
-            varlen_min: float) -> Dispatch:
+            varlen: tuple[float, int, float]) -> Dispatch:
     # The cache key holds everything the decision reads: the request, the registered
     # kernel objects (identity-hashed, so re-registering or replacing one invalidates
     # earlier decisions) and the thresholds. A kernel's ``available()`` is taken to
@@ -151,7 +161,7 @@ def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budg
             )
         others = {n: f"backend={backend!r} was requested" for n in registry if n != backend}
         return Dispatch(backend, "requested explicitly", MappingProxyType(others), request)
-    order, because = _ranking(request, budget, varlen_min)
+    order, because = _ranking(request, budget, varlen)
     order = [n for n in order if n in registry] + [n for n in registry if n not in order]
     passed: dict[str, str] = {}
     chosen = None

@@ -30,3 +30,19 @@ def test_trims_keys_but_keeps_every_query(ref):
         expected, _ = ref(q, k, v, mask, **kwargs)
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
         assert (out[3] == 0).all()
+
+
+@pytest.mark.parametrize("lengths", [[10, 10, 9], [10, 6, 3, 1, 0]], ids=["one-bucket", "buckets"])
+def test_right_padding_reads_key_prefixes(ref, lengths):
+    gen = torch.Generator().manual_seed(1)
+    B = len(lengths)
+    q = torch.randn(B, 4, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, 2, 10, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = headwise.masks.key_padding_mask(lengths, 10)  # real keys first: no gather
+    for kwargs in ({}, {"is_causal": True}, {"window": 3}, {"alibi_slopes": headwise.masks.alibi_slopes(4)}):
+        out = headwise.attention(q, k, v, mask, backend="varlen", **kwargs)
+        expected, _ = ref(q, k, v, mask, **kwargs)
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)

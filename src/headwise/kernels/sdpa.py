@@ -32,13 +32,16 @@ _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split("."
 SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
 
 
-def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, dropout_p: float, scale: float) -> Tensor:
+def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float, scale: float) -> Tensor:
     """SDPA with one explicit mask (B|1, H|1, S|1, Sk), dead rows made safe: (B, H, S, D).
 
     Rows that may attend nothing are unblocked before the call (no 0/0 inside SDPA) and
-    zeroed after it (no gradient leaves them). Shared with the ``varlen`` kernel.
+    zeroed after it (no gradient leaves them). ``mask=None``: every key visible. Shared
+    with the ``varlen`` kernel.
     """
     k, v, extra = _grouped(q, k, v)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **extra)  # (B, H, S, D)
     dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
     if dead.device.type == "cpu" and not bool(dead.any()):
         dead = None  # known live (reading it is free on the CPU): skip two passes over mask and output
