@@ -20,13 +20,10 @@ import torch
 from torch import Tensor
 
 from headwise.functional import attend
-from headwise.kernels.common import BUCKET_SLACK, length_buckets
+from headwise.kernels.common import BUCKET_SLACK, DIRECT_MIN_LENGTH, length_buckets
 
 __all__ = ["Packed", "pack", "unpack", "packed_attention", "BUCKET_SLACK", "DIRECT_MIN_LENGTH"]
 
-# From this length on a sequence attends on its own (views of the packed rows, no gather
-# and no mask): the gather and scatter of a bucket cost about what its padding saves.
-DIRECT_MIN_LENGTH = 128
 
 @dataclass(frozen=True)
 class Packed:

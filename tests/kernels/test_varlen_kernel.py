@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import headwise
+from headwise.kernels import varlen as varlen_kernel
 
 
 def test_refuses_masks_with_no_key_padding_to_drop():
@@ -16,7 +17,14 @@ def test_refuses_masks_with_no_key_padding_to_drop():
         headwise.attention(q, q, q, torch.zeros(2, 3), backend="varlen")
 
 
-def test_trims_keys_but_keeps_every_query(ref):
+@pytest.fixture(params=[10_000, 1], ids=["bucketed", "every-row-alone"])
+def direct(request, monkeypatch):
+    """Run a test with short rows stacked in buckets, and again with every row alone on views."""
+    monkeypatch.setattr(varlen_kernel, "DIRECT_MIN_LENGTH", request.param)
+    return request.param
+
+
+def test_trims_keys_but_keeps_every_query(ref, direct):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(4, 4, 6, 8, generator=gen)
     k, v = torch.randn(2, 4, 2, 10, 8, generator=gen)
@@ -33,7 +41,7 @@ def test_trims_keys_but_keeps_every_query(ref):
 
 
 @pytest.mark.parametrize("lengths", [[10, 10, 9], [10, 6, 3, 1, 0]], ids=["one-bucket", "buckets"])
-def test_right_padding_reads_key_prefixes(ref, lengths):
+def test_right_padding_reads_key_prefixes(ref, lengths, direct):
     gen = torch.Generator().manual_seed(1)
     B = len(lengths)
     q = torch.randn(B, 4, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)

@@ -83,6 +83,11 @@ def attached_zeros(like: Tensor, *also: Tensor) -> Tensor:
 # A length bucket takes sequences down to (1 - BUCKET_SLACK) of its longest one.
 BUCKET_SLACK = 0.15
 
+# From this length on a sequence (or a batch row's real keys) attends on its own, on views
+# of its rows: no gather and no mask. Stacking it into a bucket would cost about what
+# the bucket's padding saves.
+DIRECT_MIN_LENGTH = 128
+
 
 def length_buckets(lengths: list[int], slack: float = BUCKET_SLACK) -> list[list[int]]:
     """Group indices of non-empty ``lengths``, longest first, so that in each group every

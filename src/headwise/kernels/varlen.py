@@ -1,7 +1,7 @@
 """Key-padding-free attention for dense (B, H, S, D) inputs.
 
 With a key padding mask, each batch row only needs its real keys. A row with many
-(``DIRECT_MIN_KEYS``) attends on its own, reading a view of its first keys when the
+(``DIRECT_MIN_LENGTH``) attends on its own, reading a view of its first keys when the
 padding is on the right (the usual layout) or gathering them otherwise; shorter rows are
 stacked into buckets of similar key counts, each run with only as many key columns as
 its longest row has real keys. Causality, windows and ALiBi are rebuilt from the keys'
@@ -19,13 +19,9 @@ import torch
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.common import attached_zeros, length_buckets
+from headwise.kernels.common import DIRECT_MIN_LENGTH, attached_zeros, length_buckets
 from headwise.kernels.registry import register
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked
-
-# Rows with at least this many real keys attend on their own, on views (no gather, no
-# mask); shorter rows are stacked into buckets of similar length.
-DIRECT_MIN_KEYS = 128
 
 
 def _refuses(request) -> str | None:
@@ -77,8 +73,8 @@ def varlen_attention(
     # would cost a (B, H, S, D) zero fill per index.
     q_rows, k_rows, v_rows = q.unbind(0), k.unbind(0), v.unbind(0)  # B x (H|Hkv, S|Sk, D)
     out_rows: list[Tensor] = [q.new_zeros(H, S, v.shape[-1])] * B  # rows with no real key stay zero
-    groups = [[r] for rows in buckets for r in rows if lengths[r] >= DIRECT_MIN_KEYS]  # long rows: alone
-    groups += [[r for r in rows if lengths[r] < DIRECT_MIN_KEYS] for rows in buckets]
+    groups = [[r] for rows in buckets for r in rows if lengths[r] >= DIRECT_MIN_LENGTH]  # long rows: alone
+    groups += [[r for r in rows if lengths[r] < DIRECT_MIN_LENGTH] for rows in buckets]
     for rows in filter(None, groups):
         L = max(lengths[r] for r in rows)
         idx = torch.tensor(rows, device=q.device)  # (n,)
