@@ -50,7 +50,7 @@ VARLEN_MIN_PADDING = 0.3
 VARLEN_SHORT_KEYS = 256  # below this many keys, VARLEN_MIN_PADDING_SHORT applies
 VARLEN_MIN_PADDING_SHORT = 0.7
 _COST = {
-    "varlen": "gathers the real keys per row: pays off only when many keys are padding",
+    "varlen": "attends per row or per length bucket: pays off only when many keys are padding",
     "triton": "fused on CUDA for masks, windows and ALiBi; SDPA's flash kernel is kept for the plain cases",
     "sdpa": "PyTorch's fused kernel, unfused when it cannot fuse the request",
     "chunked": "a Python loop over tiles: slower than a fused kernel, its gain is O(S) memory",

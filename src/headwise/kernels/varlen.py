@@ -72,7 +72,7 @@ def varlen_attention(
     # Per-row views: unbind's backward is one stack, where indexing rows out of the batch
     # would cost a (B, H, S, D) zero fill per index.
     q_rows, k_rows, v_rows = q.unbind(0), k.unbind(0), v.unbind(0)  # B x (H|Hkv, S|Sk, D)
-    out_rows: list[Tensor] = [q.new_zeros(H, S, v.shape[-1])] * B  # rows with no real key stay zero
+    out_rows: list[Tensor | None] = [None] * B  # None: a row with no real key
     groups = [[r] for rows in buckets for r in rows if lengths[r] >= DIRECT_MIN_LENGTH]  # long rows: alone
     groups += [[r for r in rows if lengths[r] < DIRECT_MIN_LENGTH] for rows in buckets]
     for rows in filter(None, groups):
@@ -100,6 +100,9 @@ def varlen_attention(
         ob = sdpa_masked(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale)  # (n, H, S, D)
         for r, o in zip(rows, ob.unbind(0), strict=True):
             out_rows[r] = o
+    if any(o is None for o in out_rows):  # rows with no real key output zeros (zero gradients reach q through unbind)
+        zeros = q.new_zeros(H, S, v.shape[-1])
+        out_rows = [zeros if o is None else o for o in out_rows]
     out = torch.stack(out_rows)  # (B, H, S, D)
     if trace.ACTIVE:
         trace.record("varlen", out, f"scores, mask, softmax, dropout, weighted sum per bucket of rows with "
