@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from headwise import bench
@@ -41,6 +42,10 @@ def test_quick_run_writes_json_and_plot(tmp_path, capsys):
     impls = {r["impl"] for r in report["results"]}
     assert {"headwise auto", "SDPA module", "torch MHA", "reference"} <= impls
     assert report["matmul_gflops"] > 0 and report["core"]
+    for row in report["core"]:  # each rate sits next to the matmul timed in the same rounds
+        assert row["of_matmul"] == pytest.approx(row["gflops"] / row["matmul_gflops"])
+    for label in {r["case"]["label"] for r in report["results"]}:  # every implementation of a case was timed
+        assert all(r["forward_ms"] and r["train_ms"] for r in report["results"] if r["case"]["label"] == label)
     text = capsys.readouterr().out
     assert "/ SDPA mod" in text and "% of matmul rate" in text
     report["results"] = [dict(r, case=dict(r["case"], group="dense", B=8, E=512)) for r in report["results"]]

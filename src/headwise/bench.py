@@ -32,7 +32,7 @@ from torch import Tensor, nn
 import headwise
 from headwise.reference import MultiHeadAttentionFormal
 
-__all__ = ["Case", "Result", "SDPAModule", "run", "matmul_rate", "round_robin_ms"]
+__all__ = ["Case", "Result", "SDPAModule", "run", "attention_core", "round_robin_ms"]
 
 
 class SDPAModule(nn.Module):
@@ -171,10 +171,6 @@ def round_robin_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]
     return [statistics.median(t) * 1e3 for t in times]
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    return round_robin_ms([fn], repeats)[0]
-
-
 def measure_in_child(impl: str, case: Case, limit_gib: float, train_only: bool = False) -> dict:
     """One forward (no grad) and one forward + backward in a fresh subprocess.
 
@@ -257,12 +253,6 @@ def _peak_rss_kib() -> int:
     return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
-    """The machine's measured fp32 matrix-multiply rate in GFLOP/s."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / (_median_ms(lambda: a @ b, repeats) / 1e3) / 1e9
-
-
 def attention_core(S: int, backends: list[str], repeats: int, causal: bool = False,
                    B: int = 1, H: int = 8, D: int = 64, matmul_n: int = 2048) -> list[dict]:
     """FLOP rate of the attention core alone (q, k, v given), forward, per backend and SDPA.
@@ -272,15 +262,15 @@ def attention_core(S: int, backends: list[str], repeats: int, causal: bool = Fal
     """
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(B, H, S, D, generator=gen) for _ in range(3))
-    a, b = torch.randn(matmul_n, matmul_n, generator=gen), torch.randn(matmul_n, matmul_n, generator=gen)
+    m1, m2 = (torch.randn(matmul_n, matmul_n, generator=gen) for _ in range(2))  # the matmul's operands
     flops = 4 * B * H * S * S * D / (2 if causal else 1)
     runs: list[tuple[str, Callable[[], object]]] = [
         ("torch sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))]
-    runs += [(f"headwise {b}", lambda b=b: headwise.attention(q, k, v, is_causal=causal, backend=b))
-             for b in backends
-             if not (b in ("matmul", "einsum", "bmm", "einops") and S > 4096)]  # (B, H, S, S) scores: too big
+    runs += [(f"headwise {name}", lambda name=name: headwise.attention(q, k, v, is_causal=causal, backend=name))
+             for name in backends
+             if not (name in ("matmul", "einsum", "bmm", "einops") and S > 4096)]  # (B, H, S, S) scores: too big
     with torch.no_grad():
-        ms = round_robin_ms([lambda: a @ b] + [fn for _, fn in runs], repeats)
+        ms = round_robin_ms([lambda: m1 @ m2] + [fn for _, fn in runs], repeats)
     rate = 2 * matmul_n**3 / (ms[0] / 1e3) / 1e9
     rows = []
     for (name, _), t in zip(runs, ms[1:], strict=True):
