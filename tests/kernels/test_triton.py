@@ -110,6 +110,21 @@ def assert_close(got, want, atol=1e-5, rtol=1e-5):
     torch.testing.assert_close(got.detach().cpu().double(), want, atol=atol, rtol=rtol)
 
 
+def check_against_reference(q, k, v, mask, grad_out, **kw):
+    """Triton's output and (dq, dk, dv) each within 1e-5 of the float64 reference.
+
+    Returns the Triton output and grads and the reference weights, for further checks.
+    """
+    out, grads = run_triton(q, k, v, mask, grad_out, **kw)
+    if kw.get("alibi_slopes") is not None:
+        kw["alibi_slopes"] = kw["alibi_slopes"].cpu()
+    want, want_grads, weights = expected(q, k, v, mask, grad_out, **kw)
+    assert_close(out, want)
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert_close(got, ref)
+    return out, grads, weights
+
+
 @needs_triton
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
@@ -120,12 +135,8 @@ def test_matches_float64_reference(interpreter, form, shape, is_causal):
     q, k, v, gen = make_inputs(2, H, Hkv, S, Sk, 16)
     mask = key_mask(form, 2, Sk, gen)
     grad_out = torch.randn(2, H, S, 16, generator=gen).to(DEVICE)
-    out, grads = run_triton(q, k, v, mask, grad_out, is_causal=is_causal)
-    want, want_grads, weights = expected(q, k, v, mask, grad_out, is_causal=is_causal)
+    out, grads, weights = check_against_reference(q, k, v, mask, grad_out, is_causal=is_causal)
     assert out.dtype == q.dtype and out.shape == q.shape
-    assert_close(out, want)
-    for got, ref in zip(grads, want_grads, strict=True):
-        assert_close(got, ref)
     dead = (weights.sum(-1) == 0).to(DEVICE)  # (B, H, S) rows that may attend nothing
     if form not in ("none", "broadcast"):
         assert dead[-1].all()  # the fully padded batch row
@@ -143,11 +154,7 @@ def test_grouped_query_heads_read_their_kv_head(interpreter, heads, shape):
     q, k, v, gen = make_inputs(2, H, Hkv, S, Sk, 32, seed=1)
     mask = torch.arange(Sk)[None, :] < torch.tensor([[Sk], [Sk - TILE - 5]])
     grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
-    out, grads = run_triton(q, k, v, mask, grad_out, is_causal=True)
-    want, want_grads, _ = expected(q, k, v, mask, grad_out, is_causal=True)
-    assert_close(out, want)
-    for got, ref in zip(grads, want_grads, strict=True):
-        assert_close(got, ref)
+    check_against_reference(q, k, v, mask, grad_out, is_causal=True)
 
 
 @needs_triton
@@ -157,11 +164,7 @@ def test_head_dims(interpreter, head_dim):
     q, k, v, gen = make_inputs(1, 2, 1, 20, 27, head_dim, seed=2)
     mask = torch.arange(27)[None, :] < 19
     grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
-    out, grads = run_triton(q, k, v, mask, grad_out, is_causal=True)
-    want, want_grads, _ = expected(q, k, v, mask, grad_out, is_causal=True)
-    assert_close(out, want)
-    for got, ref in zip(grads, want_grads, strict=True):
-        assert_close(got, ref)
+    check_against_reference(q, k, v, mask, grad_out, is_causal=True)
 
 
 @needs_triton
@@ -176,12 +179,7 @@ def test_window_and_alibi(interpreter, shape, window, alibi, padded):
     mask = key_mask("left_pad", 2, Sk, gen) if padded else None
     slopes = headwise.masks.alibi_slopes(4).to(DEVICE) if alibi else None
     grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
-    out, grads = run_triton(q, k, v, mask, grad_out, window=window, alibi_slopes=slopes)
-    want, want_grads, _ = expected(q, k, v, mask, grad_out, window=window,
-                                   alibi_slopes=None if slopes is None else slopes.cpu())
-    assert_close(out, want)
-    for got, ref in zip(grads, want_grads, strict=True):
-        assert_close(got, ref)
+    check_against_reference(q, k, v, mask, grad_out, window=window, alibi_slopes=slopes)
 
 
 @needs_triton
@@ -191,11 +189,7 @@ def test_alibi_is_a_symmetric_distance(interpreter, is_causal):
     slopes = headwise.masks.alibi_slopes(4).to(DEVICE)
     mask = key_mask("float_pad", 2, 35, gen)[:1]
     grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
-    out, grads = run_triton(q, k, v, mask, grad_out, is_causal=is_causal, alibi_slopes=slopes)
-    want, want_grads, _ = expected(q, k, v, mask, grad_out, is_causal=is_causal, alibi_slopes=slopes.cpu())
-    assert_close(out, want)
-    for got, ref in zip(grads, want_grads, strict=True):
-        assert_close(got, ref)
+    check_against_reference(q, k, v, mask, grad_out, is_causal=is_causal, alibi_slopes=slopes)
 
 
 LOW_PRECISION_CASES = {
