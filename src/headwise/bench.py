@@ -32,7 +32,7 @@ from torch import Tensor, nn
 import headwise
 from headwise.reference import MultiHeadAttentionFormal
 
-__all__ = ["Case", "Result", "SDPAModule", "run", "attention_core", "round_robin_ms"]
+__all__ = ["Case", "Result", "SDPAModule", "build", "headwise_module", "run", "attention_core", "round_robin_ms"]
 
 
 class SDPAModule(nn.Module):
@@ -91,23 +91,38 @@ class Result:
 IMPLS = ("headwise auto", "SDPA module", "torch MHA", "reference")
 
 
-def build(impl: str, case: Case) -> Callable[[Tensor, Tensor | None], Tensor]:
-    """The implementation as ``f(x, mask) -> (B, S, E)``, mask (B, S) bool True = token."""
-    E, H = case.E, case.H
+def headwise_module(case: Case, backend: str = "auto") -> headwise.MultiHeadAttention:
+    """The case's headwise module; its weights, seeded, are the ones every implementation uses."""
     torch.manual_seed(0)
+    return headwise.MultiHeadAttention(case.E, case.H, case.dropout, backend=backend)
+
+
+def build(impl: str, case: Case) -> Callable[[Tensor, Tensor | None], Tensor]:
+    """The implementation as ``f(x, mask) -> (B, S, E)``, mask (B, S) bool True = token.
+
+    Every implementation carries the same weights (those of :func:`headwise_module`), so
+    they compute the same function: the tests check that, and the timings compare like
+    with like.
+    """
+    E, H = case.E, case.H
     if impl.startswith("headwise"):
-        backend = impl.split()[1]
-        m = headwise.MultiHeadAttention(E, H, case.dropout, backend=backend)
+        m = headwise_module(case, impl.split()[1])
         return lambda x, mask: m(x, mask)
+    ours = headwise_module(case)
     if impl == "SDPA module":
         m = SDPAModule(E, H, case.dropout)
+        with torch.no_grad():
+            m.qkv.weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+            m.qkv.bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+            m.out.load_state_dict(ours.out_proj.state_dict())
         return lambda x, mask: m(x, mask)
     if impl == "torch MHA":
-        m = nn.MultiheadAttention(E, H, case.dropout, batch_first=True)
+        m = ours.to_torch(batch_first=True)
         return lambda x, mask: m(x, x, x, key_padding_mask=None if mask is None else ~mask,
                                  need_weights=False)[0]
     if impl == "reference":
         m = MultiHeadAttentionFormal(E, H, case.dropout)
+        m.load_state_dict({key.replace("out_proj", "output"): value for key, value in ours.state_dict().items()})
         return lambda x, mask: m(x, None if mask is None else mask[:, None, None, :])
     raise ValueError(f"unknown implementation {impl!r}; choose one of {IMPLS} or 'headwise <backend>'")
 

@@ -1,0 +1,259 @@
+"""The module against formulas written here, in float64: every feature, by value.
+
+Other module tests compare one headwise path with another (decoding with a full forward,
+GQA with repeated heads), so a bug shared by both passes them. Here each expectation is
+computed from the module's weights with a formula written out in this file: the
+projections, the head split, rotary positions, the paper's ALiBi slopes, the window, the
+masks and the zero rows. Nothing the checks depend on comes from a headwise helper.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
+D head dim, E embed dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import headwise
+
+E, H = 48, 8
+BACKENDS = ["auto", "matmul", "sdpa", "chunked"]
+
+# The ALiBi paper's slopes, written out: 8 heads take 2^-1 ... 2^-8; 12 heads (not a power
+# of two) take those 8, then every other slope of 16 heads (2^-0.5, 2^-1.5, ...).
+PAPER_SLOPES = {
+    8: [2.0 ** -i for i in range(1, 9)],
+    12: [2.0 ** -i for i in range(1, 9)] + [2.0 ** -0.5, 2.0 ** -1.5, 2.0 ** -2.5, 2.0 ** -3.5],
+}
+
+
+def rotate(x, positions, base):
+    """Rotary embedding of x (B, h, L, D) at integer positions (L,), "rotate half" pairs (i, i + D/2)."""
+    D = x.shape[-1]
+    half = D // 2
+    inv_freq = torch.tensor([base ** (-2.0 * i / D) for i in range(half)], dtype=torch.float64)  # (D/2,)
+    angle = positions.double()[:, None] * inv_freq[None, :]  # (L, D/2)
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def oracle(mha, x, mask=None, *, context=None, is_causal=False, window=None, slopes=None, rope_base=None,
+           zero_padded_queries=True, start=0):
+    """The module's forward in float64 from its weights: (out (B, S, E), weights (B, H, S, Sk)).
+
+    ``mask`` follows the contract: 2-D (B, Sk) key padding, 3-D (B, S, Sk), 4-D (B|1, H|1, S, Sk);
+    bool/int True = attend, float additive. ``start`` is the position of x's first token
+    (with a cache: the keys are then the whole sequence, x its last S rows).
+    """
+    w = {name: p.detach().double() for name, p in mha.named_parameters()}
+    x = x.double()
+    src = x if context is None else context.double()
+    B, S, E = x.shape
+    H, Hkv, D = mha.num_heads, mha.num_kv_heads, mha.head_dim
+    Sk = src.shape[1]
+    q = (x @ w["q_proj.weight"].T + w["q_proj.bias"]).reshape(B, S, H, D).permute(0, 2, 1, 3)
+    k = (src @ w["k_proj.weight"].T + w["k_proj.bias"]).reshape(B, Sk, Hkv, D).permute(0, 2, 1, 3)
+    v = (src @ w["v_proj.weight"].T + w["v_proj.bias"]).reshape(B, Sk, Hkv, D).permute(0, 2, 1, 3)
+    if rope_base is not None:
+        q = rotate(q, torch.arange(start, start + S), rope_base)
+        k = rotate(k, torch.arange(Sk), rope_base)
+    kv_head = [h * Hkv // H for h in range(H)]  # query head h reads kv head h // (H / Hkv)
+    k, v = k[:, kv_head], v[:, kv_head]  # (B, H, Sk, D)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (B, H, S, Sk)
+    allowed = torch.ones(B, H, S, Sk, dtype=torch.bool)
+    if mask is not None:
+        m = {2: lambda t: t[:, None, None, :], 3: lambda t: t[:, None], 4: lambda t: t}[mask.dim()](mask)
+        m = m.expand(B, H, S, Sk)
+        if m.is_floating_point():
+            allowed &= m != -math.inf
+            scores = scores + torch.where(allowed, m.double(), 0.0)
+        else:
+            allowed &= m != 0
+    i = torch.arange(S)[:, None] + (Sk - S)  # each query's position among the keys (bottom-right)
+    j = torch.arange(Sk)[None, :]
+    if is_causal or window is not None:
+        allowed &= j <= i
+    if window is not None:
+        allowed &= j > i - window
+    if slopes is not None:
+        scores = scores - torch.tensor(slopes, dtype=torch.float64)[None, :, None, None] * (i - j).abs()
+    scores = scores.masked_fill(~allowed, -math.inf)
+    live = allowed.any(-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~live, 0.0), dim=-1) * live  # dead rows: zeros
+    out = (weights @ v).permute(0, 2, 1, 3).reshape(B, S, E)  # (B, S, H, D) -> (B, S, E)
+    out = out @ w["out_proj.weight"].T + w["out_proj.bias"]
+    if zero_padded_queries and mask is not None and mask.dim() == 2 and context is None:
+        out = out * (mask[:, -S:] != 0)[..., None]  # padded tokens output zeros (the module's contract)
+    return out, weights
+
+
+def _x(B, S, seed):
+    return torch.randn(B, S, E, generator=torch.Generator().manual_seed(seed))
+
+
+def _module(seed, **kwargs):
+    torch.manual_seed(seed)
+    return headwise.MultiHeadAttention(E, H, **kwargs).eval()
+
+
+def _close(got, want, atol=2e-5):
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=1e-4)
+
+
+# --- ALiBi --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads", [8, 12])
+def test_alibi_slopes_are_the_papers(heads):
+    assert headwise.masks.alibi_slopes(heads).double().tolist() == pytest.approx(PAPER_SLOPES[heads], rel=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads", [8, 12])
+def test_module_alibi_matches_the_formula(backend, heads):
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(heads * 4, heads, alibi=True, backend=backend).eval()
+    x = torch.randn(2, 7, heads * 4, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    for causal in (False, True):
+        want, _ = oracle(mha, x, mask, is_causal=causal, slopes=PAPER_SLOPES[heads])
+        with torch.no_grad():
+            _close(mha(x, mask, is_causal=causal), want)
+
+
+# --- window, rope, GQA in self-attention ------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_module_window_matches_the_formula(backend, window, padded):
+    mha = _module(2, window=window, num_kv_heads=2, backend=backend)
+    x = _x(3, 9, seed=3)
+    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3, [0] * 2 + [1] * 7]) if padded else None
+    want, _ = oracle(mha, x, mask, window=window)
+    with torch.no_grad():
+        _close(mha(x, mask), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv_heads", [8, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_module_self_attention_with_rope_matches_the_formula(backend, kv_heads):
+    mha = _module(4, num_kv_heads=kv_heads, rope_base=500.0, backend=backend)
+    x = _x(3, 6, seed=5)
+    mask = torch.tensor([[1] * 6, [1] * 2 + [0] * 4, [0] * 6])  # the last row is all padding
+    for causal in (False, True):
+        want, _ = oracle(mha, x, mask, is_causal=causal, rope_base=500.0)
+        with torch.no_grad():
+            _close(mha(x, mask, is_causal=causal), want)
+
+
+# --- cross-attention -----------------------------------------------------------------------
+
+def _cross_mask(form, B, S, Sk, gen):
+    if form == "none":
+        return None
+    if form == "keys2d":  # padding of the context; must never be read as a query mask
+        return torch.arange(Sk)[None, :] < torch.tensor([Sk, Sk - 2, 1])[:, None]
+    if form == "int3d":
+        m = (torch.rand(B, S, Sk, generator=gen) > 0.3).int()
+        m[1, 0] = 0  # a query with nothing to attend
+        return m
+    if form == "float4d":
+        return torch.randn(B, 1, S, Sk, generator=gen).masked_fill(torch.rand(B, 1, S, Sk, generator=gen) > 0.7,
+                                                                   -math.inf)
+    raise AssertionError(form)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", ["none", "keys2d", "int3d", "float4d"])
+@pytest.mark.parametrize("Sk", [5, 8], ids=["S=Sk", "S!=Sk"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cross_attention_matches_the_formula(backend, form, Sk, causal):
+    mha = _module(6, num_kv_heads=4, backend=backend)
+    gen = torch.Generator().manual_seed(7)
+    x, context = _x(3, 5, seed=8), _x(3, Sk, seed=9)
+    mask = _cross_mask(form, 3, 5, Sk, gen)
+    want, weights = oracle(mha, x, mask, context=context, is_causal=causal)
+    with torch.no_grad():
+        _close(mha(x, mask, context=context, is_causal=causal), want)
+        if backend in ("auto", "matmul"):
+            _, got_weights = mha(x, mask, context=context, is_causal=causal, need_weights=True)
+            _close(got_weights, weights, atol=1e-6)
+
+
+def test_cross_attention_gradients_match_the_formula():
+    mha = _module(10, num_kv_heads=2)
+    x, context = _x(3, 4, seed=11).requires_grad_(), _x(3, 4, seed=12).requires_grad_()
+    mask = _cross_mask("keys2d", 3, 4, 4, None)
+    out = mha(x, mask, context=context)
+    want, _ = oracle(mha, x, mask, context=context)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(13))
+    got = torch.autograd.grad(out, (x, context, mha.q_proj.weight, mha.k_proj.weight), g)
+    expected = torch.autograd.grad(want, (x, context), g.double())
+    for a, b in zip(got[:2], expected, strict=True):
+        _close(a, b.double())
+    assert got[2].abs().sum() > 0 and got[3].abs().sum() > 0
+
+
+# --- decoding with a cache (the README pattern) ----------------------------------------------
+
+PROMPTS = {  # (B, T) prompt masks: rows of 6, 4 and 2 real tokens
+    "left": torch.tensor([[1] * 6, [0] * 2 + [1] * 4, [0] * 4 + [1] * 2]),
+    "right": torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4]),
+}
+FEATURES = {
+    "plain": {},
+    "gqa+rope": {"num_kv_heads": 2, "rope": True},
+    "alibi": {"alibi": True},
+    "window": {"window": 3, "num_kv_heads": 4},
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("padding", list(PROMPTS))
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_decoding_after_a_padded_prompt_matches_the_formula(backend, padding, feature):
+    """Prefill a padded prompt with its mask, then decode steps with no mask: the cache must
+    keep applying the prompt's padding, at every step and for need_weights."""
+    kwargs = FEATURES[feature]
+    mha = _module(14, backend=backend, **kwargs)
+    prompt_mask = PROMPTS[padding]
+    T, steps = prompt_mask.shape[1], 4
+    x = _x(3, T + steps, seed=15)
+    full_mask = torch.cat([prompt_mask, torch.ones(3, steps, dtype=prompt_mask.dtype)], dim=1)  # (B, T + steps)
+    rope_base = 10000.0 if kwargs.get("rope") else None
+    slopes = PAPER_SLOPES[8] if kwargs.get("alibi") else None
+    window = kwargs.get("window")
+    cache = mha.new_cache(batch_size=3, max_seq_len=T + steps)
+    with torch.no_grad():
+        got = mha(x[:, :T], prompt_mask, cache=cache, is_causal=True)
+        want, _ = oracle(mha, x[:, :T], prompt_mask, is_causal=True, rope_base=rope_base, slopes=slopes,
+                         window=window)
+        _close(got, want)
+        for t in range(T, T + steps):
+            weights_too = backend in ("auto", "matmul") and t == T + steps - 1
+            got = mha(x[:, t:t + 1], cache=cache, is_causal=True, need_weights=weights_too)
+            # the whole sequence so far as keys; this step's token is the last query
+            want, weights = oracle(mha, x[:, :t + 1], full_mask[:, :t + 1], is_causal=True, rope_base=rope_base,
+                                   slopes=slopes, window=window)
+            if weights_too:
+                got, got_weights = got
+                _close(got_weights, weights[:, :, -1:], atol=1e-6)
+            _close(got, want[:, -1:])
+
+
+def test_a_later_step_mask_covering_every_position_replaces_the_remembered_one():
+    mha = _module(16)
+    prompt_mask = PROMPTS["left"]
+    x = _x(3, 7, seed=17)
+    cache = mha.new_cache(3, 7)
+    every = torch.ones(3, 7, dtype=torch.bool)
+    every[2, :1] = False  # now only one padded position in row 2
+    with torch.no_grad():
+        mha(x[:, :6], prompt_mask, cache=cache, is_causal=True)
+        got = mha(x[:, 6:], every, cache=cache, is_causal=True)
+    want, _ = oracle(mha, x, every, is_causal=True)
+    _close(got, want[:, -1:])
