@@ -1,9 +1,25 @@
 """Attention kernels: q, k, v in, output out, one signature, one registry.
 
-Importing this package registers every built-in kernel.
+``BUILTIN`` is the one list of the built-in kernels, in the order listings show them;
+each kernel module defines its ``KERNEL`` (the function and what it can do) and this
+package adds them to the registry. :func:`register` adds your own.
 """
 
-from headwise.kernels import bmm, chunked, einops_kernel, einsum, matmul, sdpa, triton_flash, varlen  # noqa: F401
-from headwise.kernels.registry import Kernel, Request, get_kernel, kernels, register
+from headwise.kernels import bmm, chunked, einops_kernel, einsum, matmul, sdpa, triton_flash, varlen
+from headwise.kernels.registry import Kernel, Request, add, get_kernel, kernels, register
 
-__all__ = ["Kernel", "Request", "get_kernel", "kernels", "register"]
+__all__ = ["BUILTIN", "Kernel", "Request", "get_kernel", "kernels", "register"]
+
+BUILTIN: dict[str, Kernel] = {
+    "bmm": bmm.KERNEL,
+    "chunked": chunked.KERNEL,
+    "einops": einops_kernel.KERNEL,
+    "einsum": einsum.KERNEL,
+    "matmul": matmul.KERNEL,
+    "sdpa": sdpa.KERNEL,
+    "triton": triton_flash.KERNEL,
+    "varlen": varlen.KERNEL,
+}
+
+for _kernel in BUILTIN.values():
+    add(_kernel)

@@ -14,14 +14,9 @@ from torch import Tensor
 
 from headwise import tracing as trace
 from headwise.kernels.common import mask_softmax_dropout
-from headwise.kernels.registry import register
+from headwise.kernels.registry import Kernel
 
 
-@register(
-    "bmm",
-    summary="torch.bmm on (B*H, S, D); copies k/v to H heads for grouped-query attention",
-    supports_weights=True,
-)
 def bmm_attention(
     q: Tensor,
     k: Tensor,
@@ -59,3 +54,11 @@ def bmm_attention(
     if trace.ACTIVE:
         trace.record("weighted sum", out, "torch.bmm on (B*H, S, Sk) x (B*H, Sk, D), reshaped to (B, H, S, D)")
     return out, weights if need_weights else None
+
+
+KERNEL = Kernel(
+    name="bmm",
+    fn=bmm_attention,
+    summary="torch.bmm on (B*H, S, D); copies k/v to H heads for grouped-query attention",
+    supports_weights=True,
+)

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from headwise import tracing as trace
-from headwise.kernels.registry import register
+from headwise.kernels.registry import Kernel
 
 BLOCK_Q = 256
 BLOCK_K = 512
@@ -238,12 +238,6 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq.reshape(q.shape), dk, dv, dmask, *([None] * 9)
 
 
-@register(
-    "chunked",
-    summary="blockwise online softmax in plain PyTorch; O(S) memory forward and backward",
-    native_gqa=True,
-    fused=True,
-)
 def chunked_attention(
     q: Tensor,
     k: Tensor,
@@ -275,3 +269,12 @@ def chunked_attention(
                      f"({block_q or BLOCK_Q} queries x {block_k or BLOCK_K} keys) with a running max and sum; "
                      "the (S, Sk) matrix never exists", fused=True)
     return out.to(dtype), None
+
+
+KERNEL = Kernel(
+    name="chunked",
+    fn=chunked_attention,
+    summary="blockwise online softmax in plain PyTorch; O(S) memory forward and backward",
+    native_gqa=True,
+    fused=True,
+)

@@ -11,15 +11,9 @@ from torch import Tensor
 
 from headwise import tracing as trace
 from headwise.kernels.common import mask_softmax_dropout
-from headwise.kernels.registry import register
+from headwise.kernels.registry import Kernel
 
 
-@register(
-    "einops",
-    summary="einops.rearrange and einops.einsum with named axes; grouped-query without copies",
-    supports_weights=True,
-    native_gqa=True,
-)
 def einops_attention(
     q: Tensor,
     k: Tensor,
@@ -50,3 +44,12 @@ def einops_attention(
     if trace.ACTIVE:
         trace.record("weighted sum", out, "einops.einsum 'b hkv g s k, b hkv k d -> b hkv g s d' -> (B, H, S, D)")
     return out, weights if need_weights else None
+
+
+KERNEL = Kernel(
+    name="einops",
+    fn=einops_attention,
+    summary="einops.rearrange and einops.einsum with named axes; grouped-query without copies",
+    supports_weights=True,
+    native_gqa=True,
+)

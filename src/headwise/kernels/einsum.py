@@ -11,15 +11,9 @@ from torch import Tensor
 
 from headwise import tracing as trace
 from headwise.kernels.common import mask_softmax_dropout
-from headwise.kernels.registry import register
+from headwise.kernels.registry import Kernel
 
 
-@register(
-    "einsum",
-    summary="torch.einsum index notation; grouped-query heads without copying k/v",
-    supports_weights=True,
-    native_gqa=True,
-)
 def einsum_attention(
     q: Tensor,
     k: Tensor,
@@ -50,3 +44,12 @@ def einsum_attention(
     if trace.ACTIVE:
         trace.record("weighted sum", out, "einsum('bhgsk,bhkd->bhgsd', weights, v) -> (B, H, S, D)")
     return out, weights if need_weights else None
+
+
+KERNEL = Kernel(
+    name="einsum",
+    fn=einsum_attention,
+    summary="torch.einsum index notation; grouped-query heads without copying k/v",
+    supports_weights=True,
+    native_gqa=True,
+)

@@ -14,14 +14,9 @@ from torch import Tensor
 
 from headwise import tracing as trace
 from headwise.kernels.common import mask_softmax_dropout
-from headwise.kernels.registry import register
+from headwise.kernels.registry import Kernel
 
 
-@register(
-    "matmul",
-    summary="torch.matmul, the documents' formula; the reference the others are tested against",
-    supports_weights=True,
-)
 def matmul_attention(
     q: Tensor,
     k: Tensor,
@@ -56,3 +51,11 @@ def matmul_attention(
     if trace.ACTIVE:
         trace.record("weighted sum", out, "torch.matmul(weights, v): (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)")
     return out, weights if need_weights else None
+
+
+KERNEL = Kernel(
+    name="matmul",
+    fn=matmul_attention,
+    summary="torch.matmul, the documents' formula; the reference the others are tested against",
+    supports_weights=True,
+)

@@ -18,7 +18,8 @@ A kernel is a function with one keyword-only signature::
   ``need_weights`` is True (only kernels that declare ``supports_weights``), else None.
 
 Kernels never own parameters and never validate caller input: :func:`headwise.attention`
-has done that. They register themselves with :func:`register`.
+has done that. The built-in kernels are listed in one place, ``headwise.kernels.BUILTIN``;
+:func:`register` adds your own.
 """
 
 from __future__ import annotations
@@ -102,6 +103,14 @@ class Kernel:
 _KERNELS: dict[str, Kernel] = {}
 
 
+def add(kernel: Kernel) -> Kernel:
+    """Make ``kernel`` available as ``backend=kernel.name``; ValueError if the name is taken."""
+    if kernel.name in _KERNELS:
+        raise ValueError(f"a kernel named {kernel.name!r} is already registered")
+    _KERNELS[kernel.name] = kernel
+    return kernel
+
+
 def register(
     name: str,
     *,
@@ -112,12 +121,18 @@ def register(
     available: Callable[[], str | None] | None = None,
     refuses: Callable[[Request], str | None] | None = None,
 ) -> Callable[[KernelFn], KernelFn]:
-    """Decorator: register ``fn`` as backend ``name``."""
+    """Decorator: register your own ``fn`` as backend ``name`` (the arguments are :class:`Kernel`'s).
+
+    >>> @register("doubled_sdpa_demo", summary="an example")
+    ... def doubled(q, k, v, **kwargs):
+    ...     return 2 * q, None
+    >>> "doubled_sdpa_demo" in kernels()
+    True
+    >>> _ = _KERNELS.pop("doubled_sdpa_demo")
+    """
 
     def wrap(fn: KernelFn) -> KernelFn:
-        if name in _KERNELS:
-            raise ValueError(f"a kernel named {name!r} is already registered")
-        _KERNELS[name] = Kernel(
+        add(Kernel(
             name=name,
             fn=fn,
             summary=summary,
@@ -126,7 +141,7 @@ def register(
             fused=fused,
             available=available or (lambda: None),
             refuses=refuses or (lambda request: None),
-        )
+        ))
         return fn
 
     return wrap

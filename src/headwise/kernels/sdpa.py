@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.registry import register
+from headwise.kernels.registry import Kernel
 from headwise.masks import alibi_bias, combined_mask, row_is_dead
 
 _FUSED_NOTE = "scores, scaling, mask, softmax, dropout, weighted sum in F.scaled_dot_product_attention"
@@ -63,12 +63,6 @@ def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict]:
     return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), {}
 
 
-@register(
-    "sdpa",
-    summary="torch.nn.functional.scaled_dot_product_attention (fused where torch can)",
-    native_gqa=SDPA_HAS_GQA,
-    fused=True,
-)
 def sdpa_attention(
     q: Tensor,
     k: Tensor,
@@ -107,3 +101,12 @@ def sdpa_attention(
         trace.record("sdpa", out, f"{_FUSED_NOTE} with a {tuple(mask.shape)} {kind} mask "
                      "(causal, window, ALiBi folded in); rows with nothing to attend zeroed", fused=True)
     return out, None
+
+
+KERNEL = Kernel(
+    name="sdpa",
+    fn=sdpa_attention,
+    summary="torch.nn.functional.scaled_dot_product_attention (fused where torch can)",
+    native_gqa=SDPA_HAS_GQA,
+    fused=True,
+)

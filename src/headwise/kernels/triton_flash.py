@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.registry import Request, register
+from headwise.kernels.registry import Kernel, Request
 
 if TYPE_CHECKING:  # the device code's ``tl``; at run time it lives in _compiled()'s namespace
     import triton.language as tl
@@ -813,14 +813,6 @@ def _key_bias(mask: Tensor | None, Sk: int) -> Tensor | None:
     return m.float().contiguous()
 
 
-@register(
-    "triton",
-    summary="FlashAttention-2 in Triton: key padding, causal, window, GQA, ALiBi; skips padded tiles",
-    native_gqa=True,
-    fused=True,
-    available=_available,
-    refuses=_refuses,
-)
 def triton_attention(
     q: Tensor,
     k: Tensor,
@@ -873,3 +865,14 @@ def triton_attention(
                      "tile by tile in one Triton kernel (FlashAttention-2); padded key tiles skipped",
                      fused=True)
     return out, None
+
+
+KERNEL = Kernel(
+    name="triton",
+    fn=triton_attention,
+    summary="FlashAttention-2 in Triton: key padding, causal, window, GQA, ALiBi; skips padded tiles",
+    native_gqa=True,
+    fused=True,
+    available=_available,
+    refuses=_refuses,
+)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from headwise import tracing as trace
 from headwise.kernels.common import DIRECT_MIN_LENGTH, attached_zeros, length_buckets
-from headwise.kernels.registry import register
+from headwise.kernels.registry import Kernel
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked
 
 
@@ -30,13 +30,6 @@ def _refuses(request) -> str | None:
     return None
 
 
-@register(
-    "varlen",
-    summary="drops padded keys per batch row and runs SDPA per length bucket; cost follows real keys",
-    native_gqa=True,
-    fused=True,
-    refuses=_refuses,
-)
 def varlen_attention(
     q: Tensor,
     k: Tensor,
@@ -109,3 +102,13 @@ def varlen_attention(
                      f"similar real-key counts ({len(buckets)} buckets, keys kept: {sum(lengths)} of {B * Sk})",
                      fused=True)
     return out, None
+
+
+KERNEL = Kernel(
+    name="varlen",
+    fn=varlen_attention,
+    summary="drops padded keys per batch row and runs SDPA per length bucket; cost follows real keys",
+    native_gqa=True,
+    fused=True,
+    refuses=_refuses,
+)
