@@ -13,7 +13,7 @@ from headwise import tracing as trace_module
 BACKENDS = headwise.available_backends()
 MODULE_STAGES = ["input", "q projection", "k projection", "v projection", "split heads q",
                  "split heads k, v"]
-TEXTBOOK_STAGES = ["scores", "scaling", "mask", "softmax", "dropout", "weighted sum"]
+TEXTBOOK_STAGES = ["scaling", "scores", "mask", "softmax", "dropout", "weighted sum"]
 TAIL = ["merge heads", "output projection"]
 
 
@@ -55,11 +55,20 @@ def test_shapes_and_notes_follow_the_document():
     assert by_name["split heads q"].shape == (3, 4, 4, 8)  # (B, H, S, D)
     assert by_name["scores"].shape == (3, 4, 4, 6)  # (B, H, S, Sk)
     assert "(B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)" in by_name["scores"].note
-    assert "0.3536" in by_name["scaling"].note  # 1 / sqrt(8)
+    assert "0.3536" in by_name["scaling"].note and "1 / sqrt(D)" in by_name["scaling"].note  # 1 / sqrt(8)
+    assert by_name["scaling"].shape == (3, 4, 4, 8)  # q, scaled before the product
     assert by_name["mask layout"].shape == (3, 1, 1, 6)
     assert by_name["weighted sum"].shape == (3, 4, 4, 8)
     assert by_name["merge heads"].shape == (3, 4, 32)
     assert all(s.dtype == torch.float32 for s in t.stages if s.name != "mask layout")
+
+
+def test_scaling_note_names_a_given_scale():
+    q = torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(0))
+    with headwise.trace() as t:
+        headwise.attention(q, q, q, scale=0.5, backend="matmul")
+    note = {s.name: s for s in t.stages}["scaling"].note
+    assert "0.5" in note and "given scale=" in note and "sqrt" not in note
 
 
 def test_dropout_stage_names_its_probability():

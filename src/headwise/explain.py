@@ -145,9 +145,11 @@ dimensions each, traced on the `{c.backend}` backend, which shows every stage.
    value: `(B, S, E) -> (B, S, E)`.
 2. **Split into heads.** The last dimension is cut into H pieces of D and the head axis
    moves forward: `(B, S, E) -> (B, S, H, D) -> (B, H, S, D)`.
-3. **Scores.** Every query meets every key: `q @ k^T` is
+3. **Scaling** by `1 / sqrt(D)` keeps the scores' spread independent of D. headwise
+   scales q before the product, which gives the documents' `(q @ k^T) / sqrt(D)` but
+   cannot overflow fp16 where the scaled scores fit.
+4. **Scores.** Every query meets every key: `q @ k^T` is
    `(B, H, S, D) x (B, H, D, S) -> (B, H, S, S)`.
-4. **Scaling** by `1 / sqrt(D)` keeps the scores' spread independent of D.
 5. **Mask.** A `(B, S)` padding mask broadcasts to `(B, H, S, S)` (the documents'
    `unsqueeze(1).unsqueeze(2).expand(...)`); masked scores become `-inf`.
 6. **Softmax** over the keys turns each row into probabilities; a row with nothing to

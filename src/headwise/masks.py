@@ -213,19 +213,17 @@ def masked_scores(scores: Tensor, mask: Tensor | None) -> Tensor:
 def safe_softmax(scores: Tensor, dim: int = -1) -> Tensor:
     """Softmax that returns zeros, with zero gradients, for rows that are all ``-inf``.
 
-    ``torch.softmax`` returns NaN there (0 / 0), and its backward spreads the NaN.
-    Subtracting the row max is the usual stabilisation; the max is taken as a constant
-    (softmax does not depend on it), replaced by 0 in dead rows so ``exp(-inf - 0) = 0``.
+    ``torch.softmax`` returns NaN there (0 / 0), and its backward spreads the NaN. Dead
+    rows are set to 0 before the softmax (any finite row would do) and their output is
+    zeroed after it, so nothing flows back into them. The softmax itself is torch's fused
+    one, which accumulates fp16/bf16 rows in fp32, as plain PyTorch does.
 
     >>> safe_softmax(torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")]]))
     tensor([[1., 0.],
             [0., 0.]])
     """
-    row_max = scores.detach().amax(dim=dim, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    e = torch.exp(scores - row_max)
-    total = e.sum(dim=dim, keepdim=True)
-    return e / torch.where(total > 0, total, torch.ones_like(total))
+    dead = torch.isneginf(scores.detach().amax(dim=dim, keepdim=True))  # (..., 1) rows with nothing to attend
+    return torch.softmax(scores.masked_fill(dead, 0.0), dim=dim).masked_fill(dead, 0.0)
 
 
 def row_is_dead(mask: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.common import mask_softmax_dropout, scale_note
 from headwise.kernels.registry import Kernel
 
 
@@ -38,6 +38,10 @@ def bmm_attention(
         if trace.ACTIVE:
             trace.record("repeat kv heads", k, f"k, v.repeat_interleave({H // Hkv}, dim=1): "
                          "(B, Hkv, Sk, D) -> (B, H, Sk, D), a copy (bmm cannot broadcast)")
+    q = q * scale  # (B, H, S, D): scaling q before the product equals scaling the scores, and the
+    # unscaled q k^T can overflow fp16 (65504) where the scaled scores fit
+    if trace.ACTIVE:
+        trace.record("scaling", q, scale_note(scale, D))
     q3 = q.reshape(B * H, S, D)  # (B, H, S, D) -> (B*H, S, D)
     k3 = k.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
     v3 = v.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
@@ -45,9 +49,6 @@ def bmm_attention(
     scores = scores.reshape(B, H, S, Sk)  # (B*H, S, Sk) -> (B, H, S, Sk)
     if trace.ACTIVE:
         trace.record("scores", scores, "torch.bmm on (B*H, S, D) x (B*H, D, Sk), reshaped to (B, H, S, Sk)")
-    scores = scores * scale
-    if trace.ACTIVE:
-        trace.record("scaling", scores, f"x scale = {scale:.4g} (1 / sqrt(D))")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, D) -> (B*H, S, D)
     out = out.reshape(B, H, S, D)  # (B*H, S, D) -> (B, H, S, D)

@@ -115,8 +115,8 @@ def _scores(plan: _Plan, qt: Tensor, kt: Tensor, i0: int, j0: int, mask_t: Tenso
     the matmuls, dominate a blockwise kernel written in PyTorch.
     """
     B, Hkv, G, bq, _ = qt.shape
-    s = torch.matmul(qt.reshape(B, Hkv, G * bq, -1), kt.transpose(-2, -1))
-    s = s.reshape(B, Hkv, G, bq, -1)  # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
+    s = torch.matmul(qt.reshape(B, Hkv, G * bq, qt.shape[-1]), kt.transpose(-2, -1))
+    s = s.reshape(B, Hkv, G, bq, kt.shape[-2])  # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
     if mask_t is not None:  # a bool mask is stored inverted (True = blocked)
         s = s.masked_fill_(mask_t, float("-inf")) if mask_t.dtype == torch.bool else s.add_(mask_t)
     if plan.slopes5 is not None:
@@ -148,7 +148,7 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
         l_tile = p.sum(dim=-1, keepdim=True)
         if dropout_p > 0:
             p = p.masked_fill_(_tile_drop(seed, tile, p.shape, dropout_p, p.device), 0.0)
-        pv = torch.matmul(p.reshape(B, Hkv, -1, j1 - j0), vt).reshape(B, Hkv, G, i1 - i0, D)
+        pv = torch.matmul(p.reshape(B, Hkv, G * (i1 - i0), j1 - j0), vt).reshape(B, Hkv, G, i1 - i0, D)
         # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
         if dropout_p > 0:
             pv = pv.mul_(1 / (1 - dropout_p))  # dropout's rescaling, on the small (bq, D) result

@@ -55,6 +55,12 @@ def mask_softmax_dropout(
     return weights, dropped
 
 
+def scale_note(scale: float, head_dim: int) -> str:
+    """The trace's note for the scaling stage, naming the scale actually used."""
+    default = abs(scale - head_dim ** -0.5) <= 1e-12 * max(1.0, scale)
+    return f"q x scale = {scale:.4g} " + ("(1 / sqrt(D))" if default else "(given scale=)") + " before the product"
+
+
 def _mask_note(mask: Tensor | None, user_mask: Tensor | None, is_causal: bool,
                window: int | None) -> str:
     """One line saying what the mask step did (for explain mode only)."""

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.common import mask_softmax_dropout, scale_note
 from headwise.kernels.registry import Kernel
 
 
@@ -29,15 +29,16 @@ def einsum_attention(
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    q = q * scale  # (B, H, S, D): scaling q before the product equals scaling the scores, and the
+    # unscaled q k^T can overflow fp16 (65504) where the scaled scores fit
+    if trace.ACTIVE:
+        trace.record("scaling", q, scale_note(scale, D))
     qg = q.reshape(B, Hkv, H // Hkv, S, D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
     scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k)  # -> (B, Hkv, G, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B, Hkv, G, S, Sk) -> (B, H, S, Sk)
     if trace.ACTIVE:
         trace.record("scores", scores, "einsum('bhgsd,bhkd->bhgsk', q, k): query groups G = H // Hkv "
                      "share a kv head, no copy")
-    scores = scores * scale
-    if trace.ACTIVE:
-        trace.record("scaling", scores, f"x scale = {scale:.4g} (1 / sqrt(D))")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     dropped = dropped.reshape(B, Hkv, H // Hkv, S, Sk)  # (B, H, S, Sk) -> (B, Hkv, G, S, Sk)
     out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v).reshape(B, H, S, D)  # -> (B, H, S, D)

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from headwise import tracing as trace
+from headwise.kernels.common import attached_zeros
 from headwise.kernels.registry import Kernel, Request
 
 if TYPE_CHECKING:  # the device code's ``tl``; at run time it lives in _compiled()'s namespace
@@ -856,7 +857,7 @@ def triton_attention(
     B, H, S, D = q.shape
     Sk = k.shape[2]
     if S == 0 or Sk == 0:  # nothing to compute; rows with no keys are zeros by the contract
-        return q.new_zeros(B, H, S, D), None
+        return attached_zeros(q, k, v), None  # (B, H, S, D), in the graph: zero gradients
     key_bias = _key_bias(attention_mask, Sk)  # (B|1, Sk) fp32 or None
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()  # (H,)
     out, _ = _flash_forward(q, k, v, key_bias, slopes, float(scale), bool(is_causal), window)

@@ -1,0 +1,163 @@
+"""Mutation testing of the core: how many planted bugs does the test suite catch?
+
+Runs mutmut (3.x) over the files that hold the contract — masks, the functional API, the
+module, the cache, rotary positions and the ``sdpa`` and ``chunked`` kernels — against a
+fast selection of the tests, in a scratch copy of the repository (mutmut writes a
+``mutants/`` tree next to the code it mutates). Prints the kill rate per file and every
+surviving mutant that is not listed in ``tools/mutation_equivalents.txt`` (mutants that
+cannot change behaviour, each with its reason).
+
+Why mutmut: it is maintained, and it puts every mutant of a file into one copy of the
+code behind a switch, so each mutant costs one forked pytest run of only the tests that
+reach the mutated function; torch is imported once (cosmic-ray starts a process, and
+imports torch, per mutant: about 10x slower here). mutmut skips functions with
+decorators other than staticmethod/classmethod, which is one reason the kernels are
+listed in ``headwise.kernels.BUILTIN`` instead of registered by decorator.
+
+Usage::
+
+    python tools/mutation.py                      # all files (about 15-25 minutes on 2 cores)
+    python tools/mutation.py --files masks.py     # one file
+    python tools/mutation.py --show               # also print each survivor's diff
+
+Not run in CI: it is a measurement of the tests, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ["masks.py", "functional.py", "module.py", "cache.py", "positions.py",
+         "kernels/sdpa.py", "kernels/chunked.py"]
+# The tests that exercise those files, without the slow Triton interpreter, the Hugging Face
+# models and the benchmark's subprocesses.
+TESTS = ["tests/test_masks.py", "tests/test_functional.py", "tests/test_module.py",
+         "tests/test_module_oracles.py", "tests/test_cache.py", "tests/test_positions.py",
+         "tests/test_dispatch.py", "tests/test_varlen.py", "tests/test_reference.py",
+         "tests/kernels/test_parity.py", "tests/kernels/test_chunked.py",
+         "tests/kernels/test_varlen_kernel.py", "tests/kernels/test_registry.py"]
+EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.txt"
+
+
+def equivalents() -> dict[str, str]:
+    """Known-equivalent mutants, one a line: ``<function> | <mutated line, stripped> | reason``.
+
+    They are matched on the function and the text of the mutated line, not on mutmut's
+    numbering, which shifts whenever the function changes.
+    """
+    known = {}
+    for line in EQUIVALENTS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            function, mutated, reason = (part.strip() for part in line.split(" | ", 2))
+            known[f"{function} | {mutated}"] = reason
+    return known
+
+
+def mutated_line(work: Path, name: str) -> tuple[str, str]:
+    """The function and the first changed line of mutant ``name`` (from ``mutmut show``)."""
+    diff = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, capture_output=True,
+                          text=True).stdout
+    added = next((ln[1:].split("  #")[0].strip() for ln in diff.splitlines()
+                  if ln.startswith("+") and not ln.startswith("+++")), "")
+    function = re.sub(r"__mutmut_\d+$", "", name).replace(".x_", ".").replace(".xǁ", ".").replace("ǁ", ".")
+    return function, added, diff
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", nargs="+", default=FILES, help="files under src/headwise to mutate")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="mutants run at once")
+    parser.add_argument("--show", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
+    args = parser.parse_args(argv)
+    try:
+        from mutmut.stats import status_by_exit_code  # mutmut's own reading of a mutant's exit code
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "mutmut>=3.8,<4"], check=True)
+        from mutmut.stats import status_by_exit_code
+
+    work = Path(tempfile.mkdtemp(prefix="headwise-mutation-"))
+    tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    for rel in tracked:
+        if (ROOT / rel).is_file():
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, work / rel)
+    config = {
+        "source_paths": ["src/headwise"],
+        "only_mutate": [f"src/headwise/{f}" for f in args.files],
+        "pytest_add_cli_args_test_selection": [t for t in TESTS if (work / t).exists()],
+        "pytest_add_cli_args": ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        "process_isolation": "forkserver",  # torch is not fork-safe after the stats run
+    }
+    with open(work / "pyproject.toml", "a") as f:
+        f.write("\n[tool.mutmut]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in config.items()))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)], cwd=work, env=env,
+                   stdout=subprocess.DEVNULL, check=False)
+    minutes = (time.perf_counter() - start) / 60
+
+    known = equivalents()
+    per_file: dict[str, Counter] = {}
+    survivors = []
+    for f in args.files:
+        meta = work / "mutants" / "src" / "headwise" / f"{f}.meta"
+        counts = per_file.setdefault(f, Counter())
+        if not meta.exists():
+            counts["missing"] += 1
+            continue
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            status = status_by_exit_code[code]
+            if status == "survived":
+                function, added, diff = mutated_line(work, name)
+                if f"{function} | {added}" in known:
+                    status = "equivalent"
+                else:
+                    survivors.append((name, function, added, diff))
+            counts[status] += 1
+
+    total = Counter()
+    print(f"mutation testing: {minutes:.1f} min, tests: {len(TESTS)} files")
+    print(f"{'file':<22} {'mutants':>7} {'killed':>7} {'equiv':>6} {'survived':>8} {'no tests':>8} {'other':>6}"
+          f" {'kill rate':>9}")
+    for f, counts in per_file.items():
+        total.update(counts)
+        print(_row(f, counts))
+    print(_row("all", total))
+    for name, function, added, diff in survivors:
+        print(f"survived: {name}\n    {function} | {added}")
+        if args.show:
+            print("\n".join("    " + ln for ln in diff.splitlines()))
+    if args.keep:
+        print(f"scratch copy kept at {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _row(label: str, counts: Counter) -> str:
+    """One table row. A timeout counts as killed (the tests noticed); equivalent mutants are
+    left out of the rate (no test can kill them); "no tests" counts as not killed."""
+    n = sum(counts.values())
+    killed = counts["killed"] + counts["timeout"]
+    equivalent, survived, untested = counts["equivalent"], counts["survived"], counts["no tests"]
+    other = n - killed - equivalent - survived - untested
+    considered = n - equivalent
+    rate = f"{killed / considered:.1%}" if considered else "-"
+    return f"{label:<22} {n:>7} {killed:>7} {equivalent:>6} {survived:>8} {untested:>8} {other:>6} {rate:>9}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
