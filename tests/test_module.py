@@ -509,3 +509,15 @@ def test_module_option_errors():
     for kwargs, name in (({"rope": True}, "rope"), ({"alibi": True}, "alibi"), ({"window": 3}, "window")):
         with pytest.raises(ValueError, match=rf"has no {name}"):
             MultiHeadAttention(16, 2, **kwargs).to_torch()
+
+
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+@pytest.mark.parametrize("sizes", [(0, 4), (2, 0)], ids=["B=0", "S=0"])
+def test_empty_batch_or_sequence_forward_and_backward(backend, sizes):
+    mha = MultiHeadAttention(32, 4, num_kv_heads=2, backend=backend)
+    x = torch.randn(*sizes, 32, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    for mask in (None, torch.ones(sizes, dtype=torch.bool)):
+        out = mha(x, mask, is_causal=True)
+        assert out.shape == (*sizes, 32)
+        (gx,) = torch.autograd.grad(out.sum(), x)
+        assert gx.shape == x.shape

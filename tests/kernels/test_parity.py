@@ -296,3 +296,24 @@ def test_alibi_without_causal_is_symmetric_distance(backend, ref):
     out = attend_or_skip(q, k, v, alibi_slopes=slopes, backend=backend)
     expected, _ = ref(q, k, v, alibi_slopes=slopes)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("form", ["none", "pad2d_bool", "full4d_bool", "bcast4d_float"])
+@pytest.mark.parametrize("sizes", [(0, 4, 5), (3, 0, 5), (3, 4, 0), (0, 0, 0)], ids=["B=0", "S=0", "Sk=0", "all=0"])
+def test_empty_inputs_forward_and_backward(backend, sizes, form, is_causal, dropout_p):
+    """B = 0, S = 0 or Sk = 0: an empty (B, H, S, D) result (zeros where S > 0 but no key)
+    and gradients of the inputs' shapes."""
+    Bn, S, Sk = sizes
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(Bn, 4, S, D, generator=gen).requires_grad_()
+    k, v = (torch.randn(Bn, 2, Sk, D, generator=gen).requires_grad_() for _ in range(2))
+    mask = {"none": None, "pad2d_bool": torch.ones(Bn, Sk, dtype=torch.bool),
+            "full4d_bool": torch.ones(Bn, 4, S, Sk, dtype=torch.bool),
+            "bcast4d_float": torch.zeros(Bn, 1, S, Sk)}[form]
+    out = attend_or_skip(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, backend=backend)
+    assert out.shape == (Bn, 4, S, D) and (out == 0).all()
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    for g, t in zip(grads, (q, k, v), strict=True):
+        assert g.shape == t.shape and (g == 0).all()

@@ -331,6 +331,18 @@ def test_empty_query_and_single_query(interpreter):
     assert_close(out, reference_attention(q.cpu(), k.cpu(), v.cpu(), is_causal=True)[0])
 
 
+@needs_triton
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sizes", [(0, 20, 21), (2, 0, 21), (2, 20, 0)], ids=["B=0", "S=0", "Sk=0"])
+def test_empty_inputs_forward_and_backward(interpreter, sizes, is_causal):
+    Bn, S, Sk = sizes
+    q, k, v, gen = make_inputs(Bn, 4, 2, S, Sk, 16)
+    for mask in (None, torch.ones(Bn, Sk, dtype=torch.bool, device=DEVICE)):
+        out, grads = run_triton(q, k, v, mask, torch.ones(Bn, 4, S, 16, device=DEVICE), is_causal=is_causal)
+        assert out.shape == (Bn, 4, S, 16) and (out == 0).all()
+        assert all(g.shape == t.shape and (g == 0).all() for g, t in zip(grads, (q, k, v), strict=True))
+
+
 # ---------------------------------------------------------------- refusals: no triton needed
 
 
