@@ -82,16 +82,20 @@ def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=
     return p @ v, weights
 
 
-def skip_unless_served(backend, q, k, v, mask=None, **kwargs):
-    """Skip the calling test when ``backend`` refuses this request, quoting its reason
-    (kernels such as ``varlen`` serve only some mask layouts; refusals are tested in
-    tests/test_dispatch.py)."""
+def assert_served(backend, q, k, v, mask=None, **kwargs):
+    """Fail the calling test if ``backend`` refuses this request: every listed backend serves
+    every mask of the contract. Only a kernel that cannot run on this machine (no GPU, no
+    triton) skips, quoting why."""
     import headwise
+    from headwise.kernels import get_kernel
 
+    missing = get_kernel(backend).available()
+    if missing is not None:
+        pytest.skip(f"backend {backend!r} cannot run here: {missing}")
     try:
         headwise.choose_backend(q, k, v, mask, backend=backend, **kwargs)
     except ValueError as refusal:
-        pytest.skip(str(refusal))
+        pytest.fail(f"backend {backend!r} refused a request the mask contract says it serves: {refusal}")
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headwise
-from conftest import skip_unless_served
+from conftest import assert_served
 from headwise import attention, available_backends, choose_backend
 from headwise.kernels.registry import get_kernel, kernels
 
@@ -190,7 +190,7 @@ def test_matches_float64_reference(ref, backend, kv_heads, q_len, is_causal):
     q, k, v = qkv(kv_heads=kv_heads, q_len=q_len)
     mask = torch.rand(B, q_len, Sk) > 0.3
     mask[1, 0] = False  # one dead row regardless of causality
-    skip_unless_served(backend, q, k, v, mask)
+    assert_served(backend, q, k, v, mask)
     out = attention(q, k, v, mask, is_causal=is_causal, backend=backend)
     close(out, ref(q, k, v, mask, is_causal=is_causal)[0])
     assert out.shape == (B, H, q_len, D) and out.dtype == q.dtype
@@ -201,7 +201,7 @@ def test_float_mask_is_additive_and_scale_applies(ref, backend):
     q, k, v = qkv()
     bias = torch.randn(B, H, S, Sk)
     bias[0, :, :, 1] = float("-inf")
-    skip_unless_served(backend, q, k, v, bias)
+    assert_served(backend, q, k, v, bias)
     out = attention(q, k, v, bias, scale=0.3, backend=backend)
     close(out, ref(q, k, v, bias, scale=0.3)[0])
 
@@ -246,7 +246,7 @@ def test_dead_rows_give_zeros_and_zero_gradients(backend, mask_kind):
     keep = torch.ones(B, Sk, dtype=torch.bool)
     keep[1] = False  # and all of batch 1
     mask = keep if mask_kind == "bool" else torch.zeros(B, Sk).masked_fill(~keep, float("-inf"))
-    skip_unless_served(backend, q, k, v, mask)
+    assert_served(backend, q, k, v, mask)
     out = attention(q, k, v, mask, is_causal=True, backend=backend)
     assert torch.isfinite(out).all()
     assert torch.equal(out[1], torch.zeros_like(out[1]))
@@ -264,7 +264,7 @@ def test_dead_rows_give_zeros_and_zero_gradients(backend, mask_kind):
 def test_integer_and_bool_masks_agree(backend):
     q, k, v = qkv()
     keep = torch.rand(B, S, Sk) > 0.4
-    skip_unless_served(backend, q, k, v, keep)
+    assert_served(backend, q, k, v, keep)
     out_bool = attention(q, k, v, keep, backend=backend)
     for dtype in (torch.int64, torch.int32, torch.uint8):
         assert torch.equal(attention(q, k, v, keep.to(dtype), backend=backend), out_bool)
@@ -292,7 +292,7 @@ def test_documents_expanded_4d_mask_equals_2d_form(ref, backend):
     q, k, v = qkv(kv_heads=H, q_len=2, k_len=2)
     mask = torch.tensor([[1, 1], [1, 0]])
     expanded = mask.unsqueeze(1).unsqueeze(2).expand(B, H, 2, 2)
-    skip_unless_served(backend, q, k, v, expanded)
+    assert_served(backend, q, k, v, expanded)
     out_4d = attention(q, k, v, expanded, backend=backend)
     close(out_4d, attention(q, k, v, mask, backend=backend))
     close(out_4d, ref(q, k, v, expanded)[0])

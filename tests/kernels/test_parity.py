@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import headwise
-from conftest import reference_attention, skip_unless_served
+from conftest import assert_served, reference_attention
 from headwise.kernels import chunked
 
 BACKENDS = headwise.available_backends()
@@ -59,9 +59,9 @@ def make_mask(form: str, H: int, S: int, Sk: int, gen: torch.Generator):
     raise AssertionError(form)
 
 
-def attend_or_skip(q, k, v, mask=None, *, backend, **kwargs):
-    """headwise.attention on ``backend``; skip (with the kernel's own reason) if it refuses."""
-    skip_unless_served(backend, q, k, v, mask, **{n: kwargs[n] for n in ("is_causal", "dropout_p", "window",
+def attend(q, k, v, mask=None, *, backend, **kwargs):
+    """headwise.attention on ``backend``; the test fails if the kernel refuses the request."""
+    assert_served(backend, q, k, v, mask, **{n: kwargs[n] for n in ("is_causal", "dropout_p", "window",
                                                                           "alibi_slopes") if n in kwargs})
     return headwise.attention(q, k, v, mask, backend=backend, **kwargs)
 
@@ -92,7 +92,7 @@ def test_matches_float64_reference(backend, form, shape, heads, is_causal, ref):
     (S, Sk), (H, Hkv) = shape, heads
     q, k, v, gen = _inputs(H, Hkv, S, Sk)
     mask = make_mask(form, H, S, Sk, gen)
-    out = attend_or_skip(q, k, v, mask, is_causal=is_causal, backend=backend)
+    out = attend(q, k, v, mask, is_causal=is_causal, backend=backend)
     grad_out = torch.randn(out.shape, generator=gen)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
 
@@ -134,7 +134,7 @@ def test_gradcheck_float64(backend, is_causal):
     def f(q, k, v):
         return headwise.attention(q, k, v, mask, is_causal=is_causal, backend=backend)
 
-    attend_or_skip(q, k, v, mask, is_causal=is_causal, backend=backend)
+    attend(q, k, v, mask, is_causal=is_causal, backend=backend)
 
     assert torch.autograd.gradcheck(f, (q, k, v))
 
@@ -150,7 +150,7 @@ def test_gradcheck_float_mask_bias(backend):
     def f(q, k, v, bias):
         return headwise.attention(q, k, v, bias, is_causal=True, backend=backend)
 
-    attend_or_skip(q, k, v, bias, is_causal=True, backend=backend)
+    attend(q, k, v, bias, is_causal=True, backend=backend)
 
     assert torch.autograd.gradcheck(f, (q, k, v, bias))
 
@@ -195,7 +195,7 @@ def test_low_precision_within_twice_plain_torch_error(backend, dtype, magnitude,
     want = torch.autograd.grad(expected, exact, g.double())
     plain = plain_low_precision(q, k, v, mask, is_causal=True)
     plain_grads = torch.autograd.grad(plain, (q, k, v), g.to(dtype))
-    got = attend_or_skip(q, k, v, mask, is_causal=True, backend=backend)
+    got = attend(q, k, v, mask, is_causal=True, backend=backend)
     got_grads = torch.autograd.grad(got, (q, k, v), g.to(dtype))
     assert got.dtype == dtype
     for name, a, p, w in (("out", got, plain, expected), *zip(("dq", "dk", "dv"), got_grads, plain_grads, want,
@@ -216,7 +216,7 @@ def test_dropout_is_unbiased_and_keeps_dead_rows_zero(backend, ref):
     q, k, v = (t.expand(n, -1, -1, -1) for t in (q1, k1, v1))
     mask = mask1.expand(n, -1, -1)  # (B, S, Sk)
     torch.manual_seed(0)
-    out = attend_or_skip(q, k, v, mask, dropout_p=0.3, backend=backend)
+    out = attend(q, k, v, mask, dropout_p=0.3, backend=backend)
     expected, _ = ref(q1, k1, v1, mask1)
     assert torch.isfinite(out).all()
     assert (out[:, :, 1] == 0).all()  # the dead query row
@@ -256,11 +256,7 @@ def test_property_every_backend_matches_reference(problem):
     expected, _ = reference_attention(q, k, v, mask, is_causal=is_causal)
     g = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
     want = torch.autograd.grad(expected, (q, k, v), g)
-    for name in BACKENDS:
-        try:
-            headwise.choose_backend(q, k, v, mask, is_causal=is_causal, backend=name)
-        except ValueError:
-            continue  # this kernel refuses this mask layout; the test of its refusal is elsewhere
+    for name in BACKENDS:  # every listed backend serves every mask layout
         out = headwise.attention(q, k, v, mask, is_causal=is_causal, backend=name)
         got = torch.autograd.grad(out, (q, k, v), g.float())
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5, msg=name)
@@ -279,7 +275,7 @@ def test_window_and_alibi_match_reference(backend, form, shape, heads, alibi, wi
     q, k, v, gen = _inputs(H, Hkv, S, Sk, seed=5)
     mask = make_mask(form, H, S, Sk, gen)
     slopes = headwise.masks.alibi_slopes(H) if alibi else None
-    out = attend_or_skip(q, k, v, mask, window=window, alibi_slopes=slopes, backend=backend)
+    out = attend(q, k, v, mask, window=window, alibi_slopes=slopes, backend=backend)
     g = torch.randn(out.shape, generator=gen)
     got = torch.autograd.grad(out, (q, k, v), g)
     expected, _ = ref(q, k, v, mask, window=window, alibi_slopes=slopes)
@@ -293,7 +289,7 @@ def test_window_and_alibi_match_reference(backend, form, shape, heads, alibi, wi
 def test_alibi_without_causal_is_symmetric_distance(backend, ref):
     q, k, v, gen = _inputs(4, 2, 4, 6, seed=6)
     slopes = headwise.masks.alibi_slopes(4)
-    out = attend_or_skip(q, k, v, alibi_slopes=slopes, backend=backend)
+    out = attend(q, k, v, alibi_slopes=slopes, backend=backend)
     expected, _ = ref(q, k, v, alibi_slopes=slopes)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -312,7 +308,7 @@ def test_empty_inputs_forward_and_backward(backend, sizes, form, is_causal, drop
     mask = {"none": None, "pad2d_bool": torch.ones(Bn, Sk, dtype=torch.bool),
             "full4d_bool": torch.ones(Bn, 4, S, Sk, dtype=torch.bool),
             "bcast4d_float": torch.zeros(Bn, 1, S, Sk)}[form]
-    out = attend_or_skip(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, backend=backend)
+    out = attend(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p, backend=backend)
     assert out.shape == (Bn, 4, S, D) and (out == 0).all()
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     for g, t in zip(grads, (q, k, v), strict=True):

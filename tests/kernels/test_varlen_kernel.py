@@ -9,14 +9,6 @@ import headwise
 from headwise.kernels import varlen as varlen_kernel
 
 
-def test_refuses_masks_with_no_key_padding_to_drop():
-    q = torch.randn(2, 2, 3, 4)
-    with pytest.raises(ValueError, match=r"backend 'varlen' needs a bool/integer key padding mask"):
-        headwise.attention(q, q, q, torch.ones(2, 3, 3, dtype=torch.bool), backend="varlen")
-    with pytest.raises(ValueError, match=r"backend 'varlen' needs a bool/integer key padding mask"):
-        headwise.attention(q, q, q, torch.zeros(2, 3), backend="varlen")
-
-
 @pytest.fixture(params=[10_000, 1], ids=["bucketed", "every-row-alone"])
 def direct(request, monkeypatch):
     """Run a test with short rows stacked in buckets, and again with every row alone on views."""
@@ -48,6 +40,38 @@ def test_right_padding_reads_key_prefixes(ref, lengths, direct):
     k, v = (torch.randn(B, 2, 10, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
     mask = headwise.masks.key_padding_mask(lengths, 10)  # real keys first: no gather
     for kwargs in ({}, {"is_causal": True}, {"window": 3}, {"alibi_slopes": headwise.masks.alibi_slopes(4)}):
+        out = headwise.attention(q, k, v, mask, backend="varlen", **kwargs)
+        expected, _ = ref(q, k, v, mask, **kwargs)
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["3d_bool", "4d_bool", "4d_int_bcast_batch", "float_pad", "float_4d"])
+@pytest.mark.parametrize("padding", ["right", "holes"])
+def test_every_mask_drops_the_keys_nobody_attends_and_keeps_the_rest(ref, direct, layout, padding):
+    """Any mask of the contract: keys no query of any head may attend are dropped; the rest
+    of the mask (per query, per head, additive) is applied to the kept keys' columns."""
+    gen = torch.Generator().manual_seed(2)
+    B, H, S, Sk = 4, 4, 5, 12
+    q = torch.randn(B, H, S, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, 2, Sk, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    lengths = torch.tensor([12, 7, 3, 0])
+    j = torch.arange(Sk)[None, :]
+    keys = j < lengths[:, None] if padding == "right" else (j % 3 != 1) & (j < lengths[:, None] + 2)  # (B, Sk)
+    if layout == "3d_bool":
+        mask = (torch.rand(B, S, Sk, generator=gen) > 0.3) & keys[:, None]
+    elif layout == "4d_bool":
+        mask = (torch.rand(B, H, S, Sk, generator=gen) > 0.3) & keys[:, None, None]
+    elif layout == "4d_int_bcast_batch":  # (1, 1, S, Sk): one pattern for every row, no key padding at all
+        mask = (torch.rand(1, 1, S, Sk, generator=gen) > 0.5).int()
+    elif layout == "float_pad":  # an additive (B, Sk) bias with -inf at the padding
+        mask = torch.randn(B, Sk, generator=gen, dtype=torch.float64).masked_fill(~keys, float("-inf"))
+    else:
+        mask = torch.randn(B, 1, S, Sk, generator=gen, dtype=torch.float64).masked_fill(~keys[:, None, None],
+                                                                                         float("-inf"))
+    for kwargs in ({}, {"is_causal": True}, {"window": 4}, {"alibi_slopes": headwise.masks.alibi_slopes(4)}):
         out = headwise.attention(q, k, v, mask, backend="varlen", **kwargs)
         expected, _ = ref(q, k, v, mask, **kwargs)
         torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)

@@ -1,11 +1,13 @@
 """Key-padding-free attention for dense (B, H, S, D) inputs.
 
-With a key padding mask, each batch row only needs its real keys. A row with many
+Each batch row only needs its real keys: those that some query of some head may attend
+(with a key padding mask, the unpadded ones). A row with many
 (``DIRECT_MIN_LENGTH``) attends on its own, reading a view of its first keys when the
 padding is on the right (the usual layout) or gathering them otherwise; shorter rows are
 stacked into buckets of similar key counts, each run with only as many key columns as
 its longest row has real keys. Causality, windows and ALiBi are rebuilt from the keys'
-original positions, so the result is the dense result. Queries are all kept (the
+original positions, and the rest of a mask (3-D, 4-D, float) is gathered at the kept
+keys' columns, so the result is the dense result for every mask of the contract. Queries are all kept (the
 functional contract gives padded queries an output too); the module's packed path
 (:mod:`headwise.varlen`) also drops padded queries.
 
@@ -22,12 +24,6 @@ from headwise import tracing as trace
 from headwise.kernels.common import DIRECT_MIN_LENGTH, attached_zeros, length_buckets
 from headwise.kernels.registry import Kernel
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked
-
-
-def _refuses(request) -> str | None:
-    if request.mask_kind == "float" or (request.mask_kind == "bool" and not request.key_padding_only):
-        return "needs a bool/integer key padding mask (B, Sk); other masks have no padding to drop"
-    return None
 
 
 def varlen_attention(
@@ -48,7 +44,12 @@ def varlen_attention(
                               scale=scale, need_weights=False, window=window, alibi_slopes=alibi_slopes)
     B, H, S, D = q.shape
     Sk = k.shape[2]
-    keys = attention_mask.reshape(attention_mask.shape[0], Sk).expand(B, Sk)  # (B, Sk) True = real key
+    m = attention_mask  # (B|1, H|1, S|1, Sk)
+    attend = m if m.dtype == torch.bool else ~torch.isneginf(m)
+    keys = attend.any(dim=2).any(dim=1).expand(B, Sk)  # (B, Sk) True = some query may attend the key
+    # What the kept keys' columns still need beyond dropping the others: nothing for a key
+    # padding mask; the mask itself for 3-D / 4-D masks and additive biases.
+    rest = None if m.dtype == torch.bool and m.shape[1:3] == (1, 1) else m.expand(B, -1, -1, -1)  # (B, H|1, S|1, Sk)
     sizes = keys.sum(1)  # (B,)
     lengths = sizes.tolist()
     buckets = length_buckets(lengths)
@@ -80,16 +81,29 @@ def varlen_attention(
             kb, vb = (torch.stack([t[r].index_select(1, pos[j]) for j, r in enumerate(rows)])
                       for t in (k_rows, v_rows))  # (n, Hkv, L, D)
         qb = torch.stack([q_rows[r] for r in rows]) if len(rows) > 1 else q_rows[rows[0]][None]  # (n, H, S, D)
-        mask = None
+        allowed, bias = None, None  # bool (True = attend) and additive parts of the bucket's mask
         if any(lengths[r] < L for r in rows):
-            mask = (span[None, :L] < sizes.index_select(0, idx)[:, None])[:, None, None, :]  # (n, 1, 1, L)
+            allowed = (span[None, :L] < sizes.index_select(0, idx)[:, None])[:, None, None, :]  # (n, 1, 1, L)
         j = pos[:, None, None, :]  # (n|1, 1, 1, L)
         if is_causal or window is not None:
             near = j <= i if window is None else (j <= i) & (j > i - window)  # (n|1, 1, S, L)
-            mask = near if mask is None else mask & near
+            allowed = near if allowed is None else allowed & near
+        if rest is not None:
+            cols = rest.index_select(0, idx)  # (n, H|1, S|1, Sk)
+            cols = cols[..., :L] if prefix else cols.gather(-1, j.expand(*cols.shape[:3], L))  # (n, H|1, S|1, L)
+            if cols.dtype == torch.bool:
+                allowed = cols if allowed is None else allowed & cols
+            else:
+                bias = cols
         if alibi_slopes is not None:
-            bias = -alibi_slopes.to(q.dtype)[None, :, None, None] * (i - j).abs().to(q.dtype)  # (n|1, H, S, L)
-            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+            distance = -alibi_slopes.to(q.dtype)[None, :, None, None] * (i - j).abs().to(q.dtype)  # (n|1, H, S, L)
+            bias = distance if bias is None else bias + distance
+        if bias is None:
+            mask = allowed
+        elif allowed is None:
+            mask = bias
+        else:
+            mask = bias.masked_fill(~allowed, float("-inf"))
         ob = sdpa_masked(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale)  # (n, H, S, D)
         for r, o in zip(rows, ob.unbind(0), strict=True):
             out_rows[r] = o
@@ -110,5 +124,4 @@ KERNEL = Kernel(
     summary="drops padded keys per batch row and runs SDPA per length bucket; cost follows real keys",
     native_gqa=True,
     fused=True,
-    refuses=_refuses,
 )
