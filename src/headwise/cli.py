@@ -247,8 +247,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``headwise`` command; returns the exit code.
 
-    >>> main(["demo"])  # doctest: +SKIP
-    0
+    >>> main(["explain", "--seq", "2", "--dim", "8", "--heads", "2", "--markdown"]) == 0  # doctest: +ELLIPSIS
+    # How multi-head attention works
+    ...
+    True
     """
     parser = _parser()
     try:

@@ -309,8 +309,8 @@ def load_encoder(model_dir: str | Path | None = None) -> SentenceEncoder:
         ImportError: safetensors / tokenizers / the default model are not installed.
         ValueError: files missing, or a checkpoint this encoder does not model.
 
-    >>> encoder = load_encoder()  # doctest: +SKIP
-    >>> encoder.encode(["a sentence", "another"]).shape  # doctest: +SKIP
+    >>> encoder = load_encoder()
+    >>> encoder.encode(["a sentence", "another"]).shape
     torch.Size([2, 384])
     """
     safetensors = _require("safetensors.torch", "loading the encoder's weights")

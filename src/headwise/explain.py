@@ -84,7 +84,7 @@ def explain(config: ExplainConfig) -> Explained:
 
     >>> e = explain(ExplainConfig(batch=2, seq=3, dim=16, heads=2, lengths=(3, 2)))
     >>> e.weights.shape, e.trace.stages[-1].name
-    (torch.Size([2, 2, 3, 3]), 'output projection')
+    (torch.Size([2, 2, 3, 3]), 'zero padding')
     """
     config.validate()
     gen = torch.Generator().manual_seed(config.seed)

@@ -4,7 +4,7 @@ Nothing here is imported by ``import headwise``: each bridge needs an optional e
 (``pip install "headwise[hf]"`` for :mod:`headwise.integrations.transformers`) and says
 so, in one line, when it is missing.
 
->>> from headwise.integrations import transformers as hw_hf  # doctest: +SKIP
->>> hw_hf.register()  # doctest: +SKIP
+>>> from headwise.integrations import transformers as hw_hf
+>>> hw_hf.register()
 'headwise'
 """

@@ -205,8 +205,11 @@ def register(name: str = "headwise", *, backend: str = "auto") -> str:
         ImportError: transformers>=5 is not installed (the ``hf`` extra).
         ValueError: an empty name, or an unknown backend.
 
-    >>> from transformers import AutoModel  # doctest: +SKIP
-    >>> AutoModel.from_pretrained(path, attn_implementation=register())  # doctest: +SKIP
+    >>> from transformers import LlamaConfig, LlamaModel
+    >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+    ...                      num_key_value_heads=2, vocab_size=50)
+    >>> LlamaModel._from_config(config, attn_implementation=register()).config._attn_implementation
+    'headwise'
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
