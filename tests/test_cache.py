@@ -160,3 +160,37 @@ def test_weights_with_cache_cover_every_cached_position():
         _, w = mha(torch.randn(1, 1, E), cache=cache, is_causal=True, need_weights=True)
     assert w.shape == (1, H, 1, 5)
     torch.testing.assert_close(w.sum(-1), torch.ones(1, H, 1))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
+    ({"batch_size": True}, "batch_size must be a positive int, got True"),
+    ({"max_seq_len": -1}, "max_seq_len must be a positive int, got -1"),
+])
+def test_cache_sizes_must_be_positive_ints(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVCache(**{"batch_size": 2, "max_seq_len": 4, **kwargs}, kv_heads=2, head_dim=4)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_buffers_follow_the_modules_device_and_dtype(device):
+    mha = headwise.MultiHeadAttention(E, H, num_kv_heads=2, device=device, dtype=torch.float64)
+    cache = mha.new_cache(batch_size=3, max_seq_len=5)
+    assert (cache.k.shape, cache.k.dtype, cache.v.dtype) == ((3, 2, 5, E // H), torch.float64, torch.float64)
+    assert {cache.k.device.type, cache.v.device.type, cache.key_mask.device.type} == {device}
+
+
+def test_a_reset_cache_forgets_the_old_padding():
+    torch.manual_seed(3)
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    x = torch.randn(B, 4, E)
+    cache = mha.new_cache(B, 4)
+    with torch.no_grad():
+        mha(x[:, :3], torch.tensor([[1, 1, 1], [0, 0, 1], [0, 1, 1]]), cache=cache, is_causal=True)
+        cache.reset()
+        assert len(cache) == 0 and not cache.padded and cache.key_mask.all()
+        mha(x[:, :3], cache=cache, is_causal=True)  # a new prompt without padding
+        assert mha.dispatch(x[:, 3:], cache=cache, is_causal=True).request.mask_kind == "none"
+        step = mha(x[:, 3:], torch.tensor([[1], [1], [0]]), cache=cache, is_causal=True)
+        full = mha(x, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]]), is_causal=True)
+    torch.testing.assert_close(step, full[:, 3:], atol=1e-5, rtol=1e-5)

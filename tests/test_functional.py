@@ -334,3 +334,28 @@ def test_choose_backend_runs_nothing_and_agrees_with_attention():
     assert d.backend in WEIGHT_BACKENDS
     assert d.request.need_weights and d.request.q_len == S and d.request.k_len == Sk
     assert choose_backend(q, k, v, backend="einsum").backend == "einsum"
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "varlen"])  # varlen reads the mask's values
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_tensor_is_made_on_the_inputs_device_and_dtype(backend, dtype):
+    """On the meta device (no data), a helper tensor created on the default device instead of
+    the inputs' device raises; the output keeps the inputs' device and dtype."""
+    q = torch.empty(2, 4, 3, 8, device="meta", dtype=dtype)
+    k = torch.empty(2, 2, 5, 8, device="meta", dtype=dtype)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625]).to("meta")
+    masks = [None, torch.ones(2, 5, dtype=torch.bool, device="meta"), torch.zeros(2, 1, 3, 5, device="meta")]
+    for kwargs in ({}, {"is_causal": True}, {"window": 2}, {"alibi_slopes": slopes}, {"dropout_p": 0.1}):
+        if backend == "chunked" and "dropout_p" in kwargs:
+            continue  # its per-tile dropout generators need a device with data
+        for mask in masks:
+            out = attention(q, k, k, mask, backend=backend, **kwargs)
+            assert (out.device.type, out.dtype, out.shape) == ("meta", dtype, (2, 4, 3, 8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kwargs", [{}, {"is_causal": True}], ids=["full", "causal"])
+def test_scale_applies_without_a_mask(ref, backend, kwargs):
+    q, k, v = qkv(kv_heads=H, q_len=Sk)  # S == Sk: SDPA's own causal path
+    out = attention(q, k, v, scale=0.3, backend=backend, **kwargs)
+    close(out, ref(q, k, v, scale=0.3, **kwargs)[0])

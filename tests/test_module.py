@@ -203,6 +203,15 @@ def test_repr_names_the_settings():
     assert "num_kv_heads" not in repr(MultiHeadAttention(E, H))
 
 
+def test_extra_repr_in_full():
+    full = MultiHeadAttention(16, 4, 0.25, num_kv_heads=2, is_causal=True, backend="einsum", rope_base=500.0,
+                              alibi=True, window=3)
+    assert full.extra_repr() == ("embed_dim=16, num_heads=4, num_kv_heads=2, head_dim=4, dropout=0.25, "
+                                 "is_causal=True, backend='einsum', rope_base=500, alibi=True, window=3")
+    assert MultiHeadAttention(16, 4).extra_repr() == (
+        "embed_dim=16, num_heads=4, head_dim=4, dropout=0.0, is_causal=False, backend='auto'")
+
+
 def repeat_kv(gqa: MultiHeadAttention) -> MultiHeadAttention:
     """The plain multi-head module that grouped-query ``gqa`` is equivalent to."""
     mha = MultiHeadAttention(gqa.embed_dim, gqa.num_heads, backend="matmul")
@@ -521,3 +530,54 @@ def test_empty_batch_or_sequence_forward_and_backward(backend, sizes):
         assert out.shape == (*sizes, 32)
         (gx,) = torch.autograd.grad(out.sum(), x)
         assert gx.shape == x.shape
+
+
+# --- dispatch names what forward would run ----------------------------------------------------
+
+
+def test_dispatch_of_the_packed_path_in_full():
+    mha = MultiHeadAttention(E, H)
+    x = torch.randn(3, 4, E)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])  # 2 of 12 tokens: 17% padding
+    d = mha.dispatch(x, mask)
+    assert (d.backend, dict(d.passed_over), d.request) == ("varlen", {"dense path": "pays for the padding"}, None)
+    assert d.reason == ("module packed path: 17% of the batch is padding (>= PACK_MIN_PADDING 10%); projections "
+                        "and feed-through run on the real tokens only, attention per length bucket ('auto' inside "
+                        "each bucket)")
+    assert str(d).splitlines()[1] == "  passed over 'dense path': pays for the padding"
+    forced = MultiHeadAttention(E, H, backend="varlen").dispatch(x, torch.ones(3, 4, dtype=torch.bool))
+    assert forced.reason.startswith("module packed path: backend='varlen' packs the real tokens; projections")
+
+
+def test_dispatch_checks_and_uses_context_and_cache_like_forward():
+    mha = MultiHeadAttention(E, H).eval()
+    x = torch.randn(B, 4, E)
+    key_mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])  # padding of the context, not of x
+    cross = mha.dispatch(x, key_mask, context=torch.randn(B, 4, E))
+    assert cross.backend != "varlen" and cross.request.mask_shape == (B, 1, 1, 4)
+    assert mha.dispatch(x, context=torch.randn(B, 7, E)).request.k_len == 7  # keys from the context
+    with pytest.raises(ValueError, match=r"context must be \(B, Sk, E\)"):
+        mha.dispatch(x, context=torch.randn(B, 7, E + 1))
+    cache = mha.new_cache(B, 8)
+    with pytest.raises(ValueError, match="the cache was made for batch_size 2, got a batch of 3"):
+        mha.dispatch(torch.randn(3, 1, E), cache=cache)
+    with torch.no_grad():
+        mha(x, cache=cache, is_causal=True)  # prefill 4 positions, no padding
+    step_mask = torch.tensor([[0], [1]])  # the new position of row 0 is padding
+    d = mha.dispatch(x[:, :1], step_mask, cache=cache, is_causal=True)
+    assert d.backend != "varlen" and d.request.k_len == 5 and d.request.mask_shape == (B, 1, 1, 5)
+    assert len(cache) == 4 and not cache.padded  # dispatch computes, it does not append or remember
+
+
+@pytest.mark.parametrize("n, around, hint", [(9, 2, "1 or 3"), (8, 1, "2"), (8, 4, "2 or 8"), (12, 12, "6")])
+def test_divisor_hints_are_the_nearest_divisors_strictly_below_and_above(n, around, hint):
+    from headwise.module import _divisors_near
+
+    assert _divisors_near(n, around) == hint
+
+
+@pytest.mark.parametrize("x, got", [([[0.0] * E], "list"), (torch.randn(2, 3, E), "(2, 3, 16)"),
+                                    (torch.randn(3, E + 1), "(3, 17)")])
+def test_forward_packed_errors_name_what_they_got(x, got):
+    with pytest.raises(ValueError, match=re.escape(f"packed x must be (T, E) with E = embed_dim = {E}, got {got}")):
+        MultiHeadAttention(E, H).forward_packed(x, torch.tensor([0, 3]))

@@ -257,3 +257,35 @@ def test_a_later_step_mask_covering_every_position_replaces_the_remembered_one()
         got = mha(x[:, 6:], every, cache=cache, is_causal=True)
     want, _ = oracle(mha, x, every, is_causal=True)
     _close(got, want[:, -1:])
+
+
+# --- the packed path ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("feature", ["plain", "causal+rope+gqa", "window", "alibi"])
+def test_forward_packed_matches_the_formula_per_sequence(feature):
+    """forward_packed on packed tokens (positions and lengths left to it): each sequence's rows
+    equal the formula on that sequence alone."""
+    kwargs = {"plain": {}, "causal+rope+gqa": {"is_causal": True, "rope_base": 500.0, "num_kv_heads": 2},
+              "window": {"window": 2}, "alibi": {"alibi": True}}[feature]
+    mha = _module(18, **kwargs)
+    lengths = [5, 3, 0, 1]
+    x = _x(1, sum(lengths), seed=19)[0]  # (T, E)
+    cu_seqlens = torch.tensor([0, 5, 8, 8, 9])
+    with torch.no_grad():
+        out = mha.forward_packed(x, cu_seqlens)  # is_causal=None: the module's own flag
+    assert out.shape == (9, E)
+    for start, n in zip(cu_seqlens.tolist(), lengths, strict=False):
+        if n:
+            want, _ = oracle(mha, x[None, start:start + n], is_causal=kwargs.get("is_causal", False),
+                             window=kwargs.get("window"), slopes=PAPER_SLOPES[8] if "alibi" in kwargs else None,
+                             rope_base=kwargs.get("rope_base"))
+            _close(out[start:start + n], want[0])
+
+
+def test_forward_packed_dropout_only_in_training():
+    mha = _module(20, dropout=0.5)
+    x, cu_seqlens = _x(1, 6, seed=21)[0], torch.tensor([0, 4, 6])
+    want = torch.cat([oracle(mha, x[None, :4])[0][0], oracle(mha, x[None, 4:])[0][0]])
+    with torch.no_grad():
+        _close(mha.forward_packed(x, cu_seqlens), want)  # eval: no dropout
+        assert not torch.allclose(mha.train().forward_packed(x, cu_seqlens).double(), want, atol=1e-3)

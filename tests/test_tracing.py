@@ -143,3 +143,32 @@ def test_varlen_kernel_is_one_fused_stage():
     with headwise.trace() as t:
         headwise.attention(q, q, q, mask, backend="varlen")
     assert t.names() == ["mask layout", "kernel", "varlen"] and t.stages[-1].fused
+
+
+def test_the_packed_path_records_its_input_and_output_projection():
+    mha = headwise.MultiHeadAttention(32, 4)
+    x = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    with headwise.trace() as t:
+        mha(x, mask)
+    by_name = {s.name: s for s in t.stages}
+    packed_in, packed_out = by_name["input (packed)"], by_name["output projection (packed)"]
+    assert (packed_in.shape, packed_in.note) == ((7, 32), "x: (T, E), 3 sequences, no padding")
+    assert (packed_out.shape, packed_out.note) == ((7, 32), "out_proj on (T, E); attention ran per length bucket")
+
+
+def test_sdpa_notes_say_what_was_fused_and_with_which_mask():
+    q = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(2))
+    fused = "scores, scaling, mask, softmax, dropout, weighted sum in F.scaled_dot_product_attention"
+    notes = []
+    for kwargs in ({}, {"is_causal": True}, {"attention_mask": torch.tensor([[1, 1, 0]])},
+                   {"alibi_slopes": torch.tensor([0.5, 0.25])}):
+        with headwise.trace() as t:
+            out = headwise.attention(q, q, q, backend="sdpa", **kwargs)
+        (stage,) = [s for s in t.stages if s.name == "sdpa"]
+        assert stage.fused and stage.shape == tuple(out.shape)
+        notes.append(stage.note)
+    assert notes[:2] == [fused, fused + " (causal)"]
+    assert notes[2] == (f"{fused} with a (1, 1, 1, 3) bool mask (causal, window, ALiBi folded in); rows with "
+                        "nothing to attend zeroed")
+    assert notes[3].startswith(f"{fused} with a (1, 2, 3, 3) float32 mask")

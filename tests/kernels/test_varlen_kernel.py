@@ -78,3 +78,17 @@ def test_every_mask_drops_the_keys_nobody_attends_and_keeps_the_rest(ref, direct
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)), strict=True):
             torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+def test_dropout_reaches_buckets_that_need_no_mask(ref):
+    """Rows of equal length form a bucket with no mask at all; dropout must still apply there."""
+    gen = torch.Generator().manual_seed(3)
+    q1, k1, v1 = (torch.randn(1, 2, 3, 4, generator=gen) for _ in range(3))
+    n = 3000
+    q, k, v = (t.expand(n, -1, -1, -1) for t in (q1, k1, v1))
+    mask = torch.ones(n, 3, dtype=torch.bool)
+    mask[0, 2] = False  # one padded key, so the kernel has key padding to drop
+    out = headwise.attention(q, k, v, mask, dropout_p=0.5, backend="varlen")
+    assert not torch.allclose(out[1], out[2])  # dropout drew different masks in the unmasked bucket
+    expected, _ = ref(q1, k1, v1)
+    torch.testing.assert_close(out[1:].double().mean(0, keepdim=True), expected, atol=0.08, rtol=0)
