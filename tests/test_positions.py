@@ -77,3 +77,24 @@ def test_errors():
         headwise.MultiHeadAttention(16, 2, rope_base=-1)
     with pytest.raises(ValueError, match=r"rotary embeddings \(rope\) are for self-attention"):
         headwise.MultiHeadAttention(16, 2, rope=True)(torch.randn(1, 2, 16), context=torch.randn(1, 3, 16))
+
+
+def test_base_must_be_positive_but_may_be_below_one():
+    with pytest.raises(ValueError, match="rope_base must be positive, got 0"):
+        RotaryEmbedding(8, base=0)
+    assert RotaryEmbedding(8, base=0.5).base == 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_rotation_keeps_the_inputs_dtype_and_device(dtype):
+    rope = RotaryEmbedding(8)
+    for device in ("cpu", "meta"):  # on meta, a table built on the default device would raise
+        out = rope(torch.ones(1, 2, 3, 8, dtype=dtype, device=device), start=2)
+        assert (out.dtype, out.device.type) == (dtype, device)
+    packed = rope.at(torch.ones(4, 2, 8, dtype=dtype), torch.tensor([0, 1, 2, 0]))  # reads the positions' values
+    assert packed.dtype == dtype
+
+
+def test_no_packed_tokens_rotate_to_nothing():
+    out = RotaryEmbedding(8).at(torch.empty(0, 2, 8), torch.empty(0, dtype=torch.long))
+    assert out.shape == (0, 2, 8)
