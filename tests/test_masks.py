@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headwise.masks import (
+    alibi_bias,
+    alibi_slopes,
     causal_mask,
     combined_mask,
     from_torch_masks,
@@ -436,3 +438,30 @@ def test_from_torch_errors():
         from_torch_masks(attn_mask=torch.zeros(B, H, S, Sk, dtype=torch.bool), num_heads=H)
     with pytest.raises(ValueError, match=r"got shape \(5,\)"):
         from_torch_masks(attn_mask=torch.zeros(Sk, dtype=torch.bool))
+
+
+def test_slopes_are_float32_whatever_the_default_dtype():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert alibi_slopes(8).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_alibi_bias_is_made_where_the_slopes_are():
+    bias = alibi_bias(torch.ones(2, device="meta"), 3, 5)
+    assert (bias.device.type, bias.shape) == ("meta", (1, 2, 3, 5))
+
+
+def test_no_lengths_give_an_empty_padding_mask():
+    assert key_padding_mask([]).shape == (0, 0)
+
+
+def test_torch_masks_combine_in_the_float_masks_dtype_and_device():
+    attn = torch.zeros(3, 4, dtype=torch.float16)  # (S, Sk) additive
+    pad = torch.tensor([[False, False, True, False]])  # torch's True = ignore
+    out = from_torch_masks(pad, attn)
+    assert out.dtype == torch.float16 and torch.isneginf(out[0, 0, :, 2]).all()
+    meta = from_torch_masks(pad.to("meta"), attn.to("meta"))
+    assert (meta.device.type, meta.dtype, meta.shape) == ("meta", torch.float16, (1, 1, 3, 4))
