@@ -36,9 +36,10 @@ ROOT = HERE.parents[1]
 # ---------------------------------------------------------------- the cases
 
 def _case(name, dtype="float64", method="ring", layout="zigzag", *, mask=None, causal=False, window=None,
-          alibi=False, heads="mha", dS=0, tiles=(4, 3), tiny=False, **extra):
+          alibi=False, heads="mha", dS=0, tiles=(4, 3), tiny=False, fused=True, **extra):
     return {"name": name, "dtype": dtype, "method": method, "layout": layout, "mask": mask, "causal": causal,
-            "window": window, "alibi": alibi, "heads": heads, "dS": dS, "tiles": list(tiles), "tiny": tiny, **extra}
+            "window": window, "alibi": alibi, "heads": heads, "dS": dS, "tiles": list(tiles), "tiny": tiny,
+            "fused": fused, **extra}
 
 
 def cases() -> list[dict]:
@@ -50,6 +51,7 @@ def cases() -> list[dict]:
                 tag = f"{dtype}-{method}-{layout}"
                 out.append(_case(f"plain-{tag}", dtype, method, layout))
                 out.append(_case(f"causal-{tag}", dtype, method, layout, causal=True))
+                out.append(_case(f"causal-unfused-{tag}", dtype, method, layout, causal=True, heads="gqa", fused=False))
                 out.append(_case(f"gqa-causal-{tag}", dtype, method, layout, causal=True, heads="gqa"))
                 out.append(_case(f"mqa-causal-{tag}", dtype, method, layout, causal=True, heads="mqa"))
                 out.append(_case(f"window-{tag}", dtype, method, layout, window=5))
@@ -176,18 +178,21 @@ def reference(q, k, v, mask=None, *, causal=False, window=None, slopes=None):
 
 # ---------------------------------------------------------------- the worker (one process per rank)
 
+FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
 def _run_case(hwd, case, world):
     import headwise.distributed.ring as ring
 
     ring.BLOCK_Q, ring.BLOCK_K = case["tiles"]
+    ring._FUSED_CPU = FUSED if case["fused"] else None  # unfused: the ring's own tiles on every block
     t = make_inputs(case, world)
     lay = case["layout"]
     q, k, v = (hwd.shard(t[n], dim=2, layout=lay).detach().requires_grad_() for n in ("q", "k", "v"))
     mask = t["mask"]
-    if mask is not None:
-        # a 2-D key padding mask is sharded with its keys; the others are sharded along the queries
-        if mask.dim() == 2 or mask.shape[-2] > 1:  # (.., 1, Sk) broadcasts over the queries: no shard
-            mask = hwd.shard(mask, dim=1 if mask.dim() == 2 else -2, layout=lay)
+    # a 2-D key padding mask is sharded with its keys, the others along the queries ((.., 1, Sk) broadcasts)
+    if mask is not None and (mask.dim() == 2 or mask.shape[-2] > 1):
+        mask = hwd.shard(mask, dim=1 if mask.dim() == 2 else -2, layout=lay)
     slopes = None if t["slopes"] is None else t["slopes"].to(q.dtype)
     out = hwd.attention(q, k, v, mask, is_causal=case["causal"], window=case["window"], alibi_slopes=slopes,
                         method=case["method"], layout=lay)

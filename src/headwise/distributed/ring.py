@@ -38,6 +38,8 @@ __all__ = ["BLOCK_Q", "BLOCK_K", "RingPlan", "Ring", "Traffic", "TRAFFIC", "ring
 
 BLOCK_Q = 256
 BLOCK_K = 512
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 @dataclass
@@ -100,9 +102,15 @@ class RingPlan:
         self.slopes5 = None if slopes is None else slopes.to(self.acc).reshape(1, Hkv, self.G, 1, 1)
         block_q, block_k = block_q or BLOCK_Q, block_k or BLOCK_K
         self.q_tiles = _tiles(segments(S, world, rank, layout), block_q)
+        self.q_segs = _tiles(segments(S, world, rank, layout), max(S, 1))  # (local start, stop, global start)
         k_segs = [segments(Sk, world, r, layout) for r in range(world)]
+        self.k_segs = [_tiles(s, max(Sk, 1)) for s in k_segs]
         self.k_lens = [sum(b - a for a, b in s) for s in k_segs]
         self.k_tiles = [_tiles(s, block_k) for s in k_segs]
+        # PyTorch's fused CPU kernel serves (query segment, key segment) pairs that are fully
+        # allowed or exactly diagonal, when no mask, window or ALiBi needs our own tiles.
+        self.fused = (q.device.type == "cpu" and _FUSED_CPU is not None and dense is None and window is None
+                      and slopes is None)
         self.dense5 = None  # (B|1, Hkv|1, G|1, S_l|1, Sk); bool stored inverted: True = blocked
         if dense is not None:
             b, h, s, _ = dense.shape
@@ -110,9 +118,30 @@ class RingPlan:
             m = dense.reshape(b, hk, g, s, Sk)
             self.dense5 = ~m if m.dtype == torch.bool else m.to(self.acc)
 
-    def causal_tile(self, gq0: int, bq: int, gk0: int, bk: int, device: torch.device) -> Tensor | None | bool:
+    def fused_pairs(self, src: int, has_pad: bool) -> list[tuple[tuple, tuple, bool]] | None:
+        """(query segment, key segment, top-left causal) pairs to run on the fused kernel for the block
+        of rank ``src`` (blocked pairs left out), or None when some pair needs the tiles."""
+        if not self.fused or has_pad:
+            return None
+        pairs = []
+        for qseg in self.q_segs:
+            for kseg in self.k_segs[src]:
+                bq, bk = qseg[1] - qseg[0], kseg[1] - kseg[0]
+                blocked = self.causal_tile(qseg[2], bq, kseg[2], bk, None, probe=True)
+                if blocked is False:
+                    continue
+                if blocked is None:
+                    pairs.append((qseg, kseg, False))
+                elif bq == bk and qseg[2] + self.offset == kseg[2]:
+                    pairs.append((qseg, kseg, True))  # the diagonal: top-left causal on the pair
+                else:
+                    return None
+        return pairs
+
+    def causal_tile(self, gq0: int, bq: int, gk0: int, bk: int, device: torch.device | None,
+                    probe: bool = False) -> Tensor | None | bool:
         """The causal / window rule on one tile: False = all blocked, None = all allowed,
-        else a bool (bq, bk) tensor, True = blocked."""
+        else a bool (bq, bk) tensor, True = blocked (``probe``: True instead of the tensor)."""
         if not self.is_causal:
             return None
         i0, i1 = gq0 + self.offset, gq0 + bq - 1 + self.offset  # first / last query, aligned to the keys
@@ -122,6 +151,8 @@ class RingPlan:
             return False
         if j1 <= i0 and (W is None or j0 > i1 - W):
             return None
+        if probe:
+            return True
         i = torch.arange(i0, i1 + 1, device=device)[:, None]  # (bq, 1)
         j = torch.arange(j0, j1 + 1, device=device)[None, :]  # (1, bk)
         blocked = j > i
@@ -176,6 +207,9 @@ def block_forward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int,
         causal rule or the window blocks the whole block.
     """
     B, Hkv, G, S_l, D = qs.shape
+    pairs = plan.fused_pairs(src, pad is not None)
+    if pairs is not None:
+        return _fused_forward(plan, qs, k, v, pairs)
     out = lse = None
     for q_tile in plan.q_tiles:
         lq0, lq1, gq0 = q_tile
@@ -213,6 +247,26 @@ def block_forward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int,
     return None if out is None else (out, lse)
 
 
+def _fused_forward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, pairs) -> tuple[Tensor, Tensor] | None:
+    """:func:`block_forward` on PyTorch's fused CPU kernel, one call per (query, key) segment pair."""
+    if not pairs:
+        return None
+    B, Hkv, G, S_l, D = qs.shape
+    q4 = qs.reshape(B, Hkv * G, S_l, D)  # (B, H, S_l, D), already scaled: the kernel's scale is 1
+    out = qs.new_zeros(B, Hkv, G, S_l, D)
+    lse = qs.new_full((B, Hkv, G, S_l, 1), float("-inf"))
+    for (lq0, lq1, _), (lk0, lk1, _), causal in pairs:
+        bq = lq1 - lq0
+        TRAFFIC.score_entries += G * bq * (lk1 - lk0) // (2 if causal else 1)
+        o, s = _FUSED_CPU(q4[:, :, lq0:lq1], k[:, :, lk0:lk1], v[:, :, lk0:lk1], 0.0, causal, scale=1.0)
+        # (B, H, bq, D), (B, H, bq): GQA without copies
+        rows = slice(lq0, lq1)
+        merged, new = merge(out[:, :, :, rows], lse[:, :, :, rows], o.reshape(B, Hkv, G, bq, D).to(qs.dtype),
+                            s.reshape(B, Hkv, G, bq, 1).to(qs.dtype))
+        lse[:, :, :, rows] = new  # merge wrote the output rows in place
+    return out, lse
+
+
 def merge(out: Tensor | None, lse: Tensor | None, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """Merge two partial results over disjoint key sets by log-sum-exp (in place on ``out``).
 
@@ -226,11 +280,35 @@ def merge(out: Tensor | None, lse: Tensor | None, out_b: Tensor, lse_b: Tensor) 
     return out, new
 
 
+def _fused_backward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, pairs, dout: Tensor, lse: Tensor,
+                    out: Tensor, dq: Tensor) -> Tensor | None:
+    """:func:`_block_backward` on PyTorch's fused CPU kernel: given the merged output and lse,
+    its backward gives exactly this block's share of the gradients."""
+    if not pairs:
+        return None
+    B, Hkv, G, S_l, D = qs.shape
+    H = Hkv * G
+    q4, dout4, out4 = (t.reshape(B, H, S_l, D) for t in (qs, dout, out))  # (B, H, S_l, D)
+    lse4 = lse.reshape(B, H, S_l)
+    dkv = qs.new_zeros(2, B, Hkv, k.shape[2], D)
+    for (lq0, lq1, _), (lk0, lk1, _), causal in pairs:
+        r, c = slice(lq0, lq1), slice(lk0, lk1)
+        dq_p, dk_p, dv_p = _FUSED_CPU_BACKWARD(dout4[:, :, r], q4[:, :, r], k[:, :, c], v[:, :, c], out4[:, :, r],
+                                               lse4[:, :, r], 0.0, causal, scale=1.0)
+        dq[:, :, :, r] += dq_p.reshape(B, Hkv, G, lq1 - lq0, D).mul_(plan.scale)  # q was scaled before the kernel
+        dkv[0, :, :, c] += dk_p
+        dkv[1, :, :, c] += dv_p
+    return dkv
+
+
 def _block_backward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int, pad: Tensor | None,
-                    dout: Tensor, lse: Tensor, delta: Tensor, dq: Tensor) -> Tensor | None:
+                    dout: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, out: Tensor) -> Tensor | None:
     """Gradients of one block: adds into ``dq`` (B, Hkv, G, S_l, D); returns dK/dV
     (2, B, Hkv, Skb, D), or None when the whole block is blocked."""
     B, Hkv, G, S_l, D = qs.shape
+    pairs = plan.fused_pairs(src, pad is not None)
+    if pairs is not None:
+        return _fused_backward(plan, qs, k, v, pairs, dout, lse, out, dq)
     dkv = None
     for q_tile in plan.q_tiles:
         lq0, lq1, gq0 = q_tile
@@ -254,7 +332,7 @@ def _block_backward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int, 
             dp = torch.matmul(dot, vt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk)
             # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
             ds = dp.sub_(delta[:, :, :, lq0:lq1]).mul_(p).reshape(B, Hkv, G * bq, bk)  # dS = P (dP - delta)
-            dq[:, :, :, lq0:lq1] += torch.matmul(ds, kt).reshape(B, Hkv, G, bq, D)
+            dq[:, :, :, lq0:lq1] += torch.matmul(ds, kt).reshape(B, Hkv, G, bq, D).mul_(plan.scale)
             # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
             dkv[0, :, :, lk0:lk1] += torch.matmul(ds.transpose(-2, -1), qt)
             # (B, Hkv, bk, G*bq) x (B, Hkv, G*bq, D) -> (B, Hkv, bk, D)
@@ -355,7 +433,7 @@ def _ring_forward(plan: RingPlan, ring: Ring, qs: Tensor, kv: Tensor, pad: Tenso
 
 
 def _ring_backward(plan: RingPlan, ring: Ring, qs: Tensor, kv: Tensor, pad: Tensor | None, dout: Tensor,
-                   lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+                   out: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
     N, r = ring.world, ring.rank
     dq = torch.zeros_like(qs)
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # dead rows: exp(-inf - 0) = 0
@@ -369,7 +447,7 @@ def _ring_backward(plan: RingPlan, ring: Ring, qs: Tensor, kv: Tensor, pad: Tens
             pending = ring.start([cur_kv, *_wire(cur_pad)], [nkv, *npad], f"the K/V block of rank {src}",
                                  "backward")
         dkv = _block_backward(plan, qs, cur_kv[0].to(plan.acc), cur_kv[1].to(plan.acc), src, cur_pad,
-                              dout, lse, delta, dq)
+                              dout, lse, delta, dq, out)
         if incoming is not None:  # what the ranks before this one added to block src
             exchange, buf = incoming
             exchange.wait()
@@ -407,8 +485,8 @@ class _RingAttention(torch.autograd.Function):
         qs = q.reshape(p.B, p.Hkv, p.G, p.S_l, p.D).to(p.acc) * p.scale
         dout = dout.reshape(out.shape).to(p.acc)  # (B, H, S_l, D) -> (B, Hkv, G, S_l, D)
         delta = (dout * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O): (B, Hkv, G, S_l, 1)
-        dq, dkv = _ring_backward(p, ring, qs, torch.stack((k, v)), pad, dout, lse, delta)
-        dq = dq.mul_(p.scale).reshape(q.shape).to(q.dtype)
+        dq, dkv = _ring_backward(p, ring, qs, torch.stack((k, v)), pad, dout, out, lse, delta)
+        dq = dq.reshape(q.shape).to(q.dtype)
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
