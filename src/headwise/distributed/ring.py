@@ -160,18 +160,18 @@ class RingPlan:
             blocked |= j <= i - W
         return blocked  # (bq, bk)
 
-    def scores(self, qs: Tensor, kt: Tensor, q_tile: tuple[int, int, int], k_tile: tuple[int, int, int],
+    def scores(self, q: Tensor, kt: Tensor, q_tile: tuple[int, int, int], k_tile: tuple[int, int, int],
                pad: Tensor | None, blocked: Tensor | None) -> Tensor:
-        """Masked scores (B, Hkv, G, bq, bk) of one tile; ``qs`` is already scaled.
+        """Masked scaled scores (B, Hkv, G, bq, bk) of one tile of ``q`` (B, Hkv, G, S_l, D).
 
         ``pad`` is the block's key padding (B|1, Skb), bool True = blocked, or float.
         """
         lq0, lq1, gq0 = q_tile
         lk0, lk1, gk0 = k_tile
-        B, Hkv, G, _, D = qs.shape
+        B, Hkv, G, _, D = q.shape
         bq, bk = lq1 - lq0, lk1 - lk0
-        qt = qs[:, :, :, lq0:lq1].reshape(B, Hkv, G * bq, D)
-        s = torch.matmul(qt, kt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk)
+        qt = q[:, :, :, lq0:lq1].reshape(B, Hkv, G * bq, D)
+        s = torch.matmul(qt, kt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk).mul_(self.scale)
         # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
         if self.dense5 is not None:
             m = self.dense5
@@ -190,13 +190,13 @@ class RingPlan:
         return s
 
 
-def block_forward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int,
+def block_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, src: int,
                   pad: Tensor | None) -> tuple[Tensor, Tensor] | None:
-    """Local queries against the K/V block of rank ``src``.
+    """Local queries against the K/V block of rank ``src``, on the ring's own tiles.
 
     Args:
         plan: the call's :class:`RingPlan`.
-        qs: scaled queries (B, Hkv, G, S_l, D) in ``plan.acc``.
+        q: queries (B, Hkv, G, S_l, D) in ``plan.acc`` (not scaled).
         k, v: the block (B, Hkv, Skb, D) in ``plan.acc``.
         src: the rank the block comes from (its global key positions follow from it).
         pad: the block's key padding (B|1, Skb): bool True = blocked, or float; or None.
@@ -206,10 +206,7 @@ def block_forward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int,
         (B, Hkv, G, S_l, 1) with -inf where a row may attend none of them; None when the
         causal rule or the window blocks the whole block.
     """
-    B, Hkv, G, S_l, D = qs.shape
-    pairs = plan.fused_pairs(src, pad is not None)
-    if pairs is not None:
-        return _fused_forward(plan, qs, k, v, pairs)
+    B, Hkv, G, S_l, D = q.shape
     out = lse = None
     for q_tile in plan.q_tiles:
         lq0, lq1, gq0 = q_tile
@@ -217,11 +214,11 @@ def block_forward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int,
         m = l = acc = None
         for k_tile in plan.k_tiles[src]:
             lk0, lk1, gk0 = k_tile
-            blocked = plan.causal_tile(gq0, bq, gk0, lk1 - lk0, qs.device)
+            blocked = plan.causal_tile(gq0, bq, gk0, lk1 - lk0, q.device)
             if blocked is False:
                 continue
             TRAFFIC.score_entries += G * bq * (lk1 - lk0)
-            s = plan.scores(qs, k[:, :, lk0:lk1], q_tile, k_tile, pad, blocked)  # (B, Hkv, G, bq, bk)
+            s = plan.scores(q, k[:, :, lk0:lk1], q_tile, k_tile, pad, blocked)  # (B, Hkv, G, bq, bk)
             m_new = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G, bq, 1)
             if m is not None:
                 m_new = torch.maximum(m, m_new)
@@ -238,33 +235,13 @@ def block_forward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int,
         if m is None:
             continue  # the causal rule / window blocks these rows against the whole block
         if out is None:
-            out = qs.new_zeros(B, Hkv, G, S_l, D)
-            lse = qs.new_full((B, Hkv, G, S_l, 1), float("-inf"))
+            out = q.new_zeros(B, Hkv, G, S_l, D)
+            lse = q.new_full((B, Hkv, G, S_l, 1), float("-inf"))
         alive = l > 0
         l_safe = torch.where(alive, l, torch.ones_like(l))
         out[:, :, :, lq0:lq1] = acc / l_safe
         lse[:, :, :, lq0:lq1] = torch.where(alive, m + torch.log(l_safe), float("-inf"))
     return None if out is None else (out, lse)
-
-
-def _fused_forward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, pairs) -> tuple[Tensor, Tensor] | None:
-    """:func:`block_forward` on PyTorch's fused CPU kernel, one call per (query, key) segment pair."""
-    if not pairs:
-        return None
-    B, Hkv, G, S_l, D = qs.shape
-    q4 = qs.reshape(B, Hkv * G, S_l, D)  # (B, H, S_l, D), already scaled: the kernel's scale is 1
-    out = qs.new_zeros(B, Hkv, G, S_l, D)
-    lse = qs.new_full((B, Hkv, G, S_l, 1), float("-inf"))
-    for (lq0, lq1, _), (lk0, lk1, _), causal in pairs:
-        bq = lq1 - lq0
-        TRAFFIC.score_entries += G * bq * (lk1 - lk0) // (2 if causal else 1)
-        o, s = _FUSED_CPU(q4[:, :, lq0:lq1], k[:, :, lk0:lk1], v[:, :, lk0:lk1], 0.0, causal, scale=1.0)
-        # (B, H, bq, D), (B, H, bq): GQA without copies
-        rows = slice(lq0, lq1)
-        merged, new = merge(out[:, :, :, rows], lse[:, :, :, rows], o.reshape(B, Hkv, G, bq, D).to(qs.dtype),
-                            s.reshape(B, Hkv, G, bq, 1).to(qs.dtype))
-        lse[:, :, :, rows] = new  # merge wrote the output rows in place
-    return out, lse
 
 
 def merge(out: Tensor | None, lse: Tensor | None, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -280,51 +257,65 @@ def merge(out: Tensor | None, lse: Tensor | None, out_b: Tensor, lse_b: Tensor) 
     return out, new
 
 
-def _fused_backward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, pairs, dout: Tensor, lse: Tensor,
-                    out: Tensor, dq: Tensor) -> Tensor | None:
+def _fused_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, pairs, out: Tensor | None,
+                   lse: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """The block on PyTorch's fused CPU kernel, one call per (query, key) segment pair, each
+    result merged by log-sum-exp straight into the running ``(out, lse)`` (no block-sized copy)."""
+    B, Hkv, G, S_l, D = q.shape
+    q4 = q.reshape(B, Hkv * G, S_l, D)  # (B, H, S_l, D)
+    for (lq0, lq1, _), (lk0, lk1, _), causal in pairs:
+        if out is None:
+            out = q.new_zeros(B, Hkv, G, S_l, D)
+            lse = q.new_full((B, Hkv, G, S_l, 1), float("-inf"))
+        bq = lq1 - lq0
+        TRAFFIC.score_entries += G * bq * (lk1 - lk0) // (2 if causal else 1)
+        o, s = _FUSED_CPU(q4[:, :, lq0:lq1], k[:, :, lk0:lk1], v[:, :, lk0:lk1], 0.0, causal, scale=plan.scale)
+        # (B, H, bq, D), (B, H, bq): GQA without copies
+        rows = slice(lq0, lq1)
+        _, new = merge(out[:, :, :, rows], lse[:, :, :, rows], o.reshape(B, Hkv, G, bq, D).to(q.dtype),
+                       s.reshape(B, Hkv, G, bq, 1).to(q.dtype))
+        lse[:, :, :, rows] = new  # merge wrote the output rows in place
+    return out, lse
+
+
+def _fused_backward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, pairs, dout: Tensor, lse: Tensor,
+                    out: Tensor, dq: Tensor, dkv: Tensor) -> None:
     """:func:`_block_backward` on PyTorch's fused CPU kernel: given the merged output and lse,
     its backward gives exactly this block's share of the gradients."""
-    if not pairs:
-        return None
-    B, Hkv, G, S_l, D = qs.shape
+    B, Hkv, G, S_l, D = q.shape
     H = Hkv * G
-    q4, dout4, out4 = (t.reshape(B, H, S_l, D) for t in (qs, dout, out))  # (B, H, S_l, D)
+    q4, dout4, out4 = (t.reshape(B, H, S_l, D) for t in (q, dout, out))  # (B, H, S_l, D)
     lse4 = lse.reshape(B, H, S_l)
-    dkv = qs.new_zeros(2, B, Hkv, k.shape[2], D)
     for (lq0, lq1, _), (lk0, lk1, _), causal in pairs:
         r, c = slice(lq0, lq1), slice(lk0, lk1)
         dq_p, dk_p, dv_p = _FUSED_CPU_BACKWARD(dout4[:, :, r], q4[:, :, r], k[:, :, c], v[:, :, c], out4[:, :, r],
-                                               lse4[:, :, r], 0.0, causal, scale=1.0)
-        dq[:, :, :, r] += dq_p.reshape(B, Hkv, G, lq1 - lq0, D).mul_(plan.scale)  # q was scaled before the kernel
+                                               lse4[:, :, r], 0.0, causal, scale=plan.scale)
+        dq[:, :, :, r] += dq_p.reshape(B, Hkv, G, lq1 - lq0, D)
         dkv[0, :, :, c] += dk_p
         dkv[1, :, :, c] += dv_p
-    return dkv
 
 
-def _block_backward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int, pad: Tensor | None,
-                    dout: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, out: Tensor) -> Tensor | None:
-    """Gradients of one block: adds into ``dq`` (B, Hkv, G, S_l, D); returns dK/dV
-    (2, B, Hkv, Skb, D), or None when the whole block is blocked."""
-    B, Hkv, G, S_l, D = qs.shape
+def _block_backward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, src: int, pad: Tensor | None,
+                    dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor, dq: Tensor, dkv: Tensor) -> None:
+    """Gradients of one block, added into ``dq`` (B, Hkv, G, S_l, D) and into the block's
+    travelling ``dkv`` (2, B, Hkv, Skb, D)."""
     pairs = plan.fused_pairs(src, pad is not None)
     if pairs is not None:
-        return _fused_backward(plan, qs, k, v, pairs, dout, lse, out, dq)
-    dkv = None
+        return _fused_backward(plan, q, k, v, pairs, dout, lse, out, dq, dkv)
+    B, Hkv, G, S_l, D = q.shape
     for q_tile in plan.q_tiles:
         lq0, lq1, gq0 = q_tile
         bq = lq1 - lq0
-        qt = qs[:, :, :, lq0:lq1].reshape(B, Hkv, G * bq, D)
+        qt = q[:, :, :, lq0:lq1].reshape(B, Hkv, G * bq, D)
         dot = dout[:, :, :, lq0:lq1].reshape(B, Hkv, G * bq, D)
         for k_tile in plan.k_tiles[src]:
             lk0, lk1, gk0 = k_tile
             bk = lk1 - lk0
-            blocked = plan.causal_tile(gq0, bq, gk0, bk, qs.device)
+            blocked = plan.causal_tile(gq0, bq, gk0, bk, q.device)
             if blocked is False:
                 continue
-            if dkv is None:
-                dkv = qs.new_zeros(2, B, Hkv, k.shape[2], D)
             kt, vt = k[:, :, lk0:lk1], v[:, :, lk0:lk1]  # (B, Hkv, bk, D)
-            s = plan.scores(qs, kt, q_tile, k_tile, pad, blocked)
+            s = plan.scores(q, kt, q_tile, k_tile, pad, blocked)
             p = s.sub_(lse[:, :, :, lq0:lq1]).exp_()  # (B, Hkv, G, bq, bk), the merged probabilities
             p3 = p.reshape(B, Hkv, G * bq, bk)
             dkv[1, :, :, lk0:lk1] += torch.matmul(p3.transpose(-2, -1), dot)
@@ -334,9 +325,9 @@ def _block_backward(plan: RingPlan, qs: Tensor, k: Tensor, v: Tensor, src: int, 
             ds = dp.sub_(delta[:, :, :, lq0:lq1]).mul_(p).reshape(B, Hkv, G * bq, bk)  # dS = P (dP - delta)
             dq[:, :, :, lq0:lq1] += torch.matmul(ds, kt).reshape(B, Hkv, G, bq, D).mul_(plan.scale)
             # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
-            dkv[0, :, :, lk0:lk1] += torch.matmul(ds.transpose(-2, -1), qt)
+            dkv[0, :, :, lk0:lk1] += torch.matmul(ds.transpose(-2, -1), qt).mul_(plan.scale)
             # (B, Hkv, bk, G*bq) x (B, Hkv, G*bq, D) -> (B, Hkv, bk, D)
-    return dkv
+    return None
 
 
 class Ring:
@@ -363,10 +354,7 @@ class Ring:
         def recvs():
             return [dist.irecv(t, self.prev, group=self.group) for t in recv]
 
-        try:
-            works = sends() + recvs() if self.rank % 2 == 0 else recvs() + sends()
-        except RuntimeError as error:
-            raise self.failure(what, error) from error
+        works = sends() + recvs() if self.rank % 2 == 0 else recvs() + sends()
         return _Pending(self, works, what, send + recv)
 
     def failure(self, what: str, error: Exception) -> RuntimeError:
@@ -403,64 +391,69 @@ def _unwire(bufs: list[Tensor], like: Tensor | None) -> Tensor | None:
     return bufs[0].view(torch.bool) if like.dtype == torch.bool else bufs[0]
 
 
-def _empty_block(kv: Tensor, pad: Tensor | None, length: int) -> tuple[Tensor, list[Tensor]]:
-    nkv = kv.new_empty(*kv.shape[:3], length, kv.shape[-1])  # (2, B, Hkv, Skb, D)
-    npad = [] if pad is None else [torch.empty(pad.shape[0], length, dtype=_wire(pad)[0].dtype,
-                                               device=pad.device)]
-    return nkv, npad
+def _empty_block(k: Tensor, pad: Tensor | None, length: int) -> list[Tensor]:
+    """Receive buffers for a block of ``length`` keys: k, v (B, Hkv, Skb, D) and the padding."""
+    B, Hkv, _, D = k.shape
+    bufs = [k.new_empty(B, Hkv, length, D), k.new_empty(B, Hkv, length, D)]
+    if pad is not None:
+        bufs.append(torch.empty(pad.shape[0], length, dtype=_wire(pad)[0].dtype, device=pad.device))
+    return bufs
 
 
-def _ring_forward(plan: RingPlan, ring: Ring, qs: Tensor, kv: Tensor, pad: Tensor | None):
+def _ring_forward(plan: RingPlan, ring: Ring, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None):
     N, r = ring.world, ring.rank
     out = lse = None
-    cur_kv, cur_pad = kv, pad
+    cur = [k.contiguous(), v.contiguous(), *_wire(pad)]  # what isend takes
     for step in range(N):
         src = (r - step) % N
         pending = None
         if step < N - 1:  # the next block arrives while this one is computed
-            nkv, npad = _empty_block(kv, pad, plan.k_lens[(src - 1) % N])
-            pending = ring.start([cur_kv, *_wire(cur_pad)], [nkv, *npad], f"the K/V block of rank {src}", "forward")
-        block = block_forward(plan, qs, cur_kv[0].to(plan.acc), cur_kv[1].to(plan.acc), src, cur_pad)
-        if block is not None:
-            out, lse = merge(out, lse, *block)
+            nxt = _empty_block(k, pad, plan.k_lens[(src - 1) % N])
+            pending = ring.start(cur, nxt, f"the K/V block of rank {src}", "forward")
+        kb, vb, pb = cur[0].to(plan.acc), cur[1].to(plan.acc), _unwire(cur[2:], pad)
+        pairs = plan.fused_pairs(src, pad is not None)
+        if pairs is not None:
+            out, lse = _fused_forward(plan, q, kb, vb, pairs, out, lse)
+        else:
+            block = block_forward(plan, q, kb, vb, src, pb)
+            if block is not None:
+                out, lse = merge(out, lse, *block)
         if pending is not None:
             pending.wait()
-            cur_kv, cur_pad = nkv, _unwire(npad, pad)
+            cur = nxt
     if out is None:  # every key of every block is causally blocked for these queries
-        out = torch.zeros_like(qs)
-        lse = qs.new_full((*qs.shape[:-1], 1), float("-inf"))
+        out = torch.zeros_like(q)
+        lse = q.new_full((*q.shape[:-1], 1), float("-inf"))
     return out, lse
 
 
-def _ring_backward(plan: RingPlan, ring: Ring, qs: Tensor, kv: Tensor, pad: Tensor | None, dout: Tensor,
-                   out: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+def _ring_backward(plan: RingPlan, ring: Ring, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
+                   dout: Tensor, out: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
     N, r = ring.world, ring.rank
-    dq = torch.zeros_like(qs)
+    dq = torch.zeros_like(q)
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # dead rows: exp(-inf - 0) = 0
-    cur_kv, cur_pad = kv, pad
-    incoming = None  # (pending exchange, buffer): the travelling dK/dV of the block computed now
+    cur = [k.contiguous(), v.contiguous(), *_wire(pad)]  # what isend takes
+    incoming = None  # (exchange, buffer): the dK/dV the previous ranks accumulated for the next block
     for step in range(N):
         src = (r - step) % N
         pending = None
         if step < N - 1:
-            nkv, npad = _empty_block(kv, pad, plan.k_lens[(src - 1) % N])
-            pending = ring.start([cur_kv, *_wire(cur_pad)], [nkv, *npad], f"the K/V block of rank {src}",
-                                 "backward")
-        dkv = _block_backward(plan, qs, cur_kv[0].to(plan.acc), cur_kv[1].to(plan.acc), src, cur_pad,
-                              dout, lse, delta, dq, out)
-        if incoming is not None:  # what the ranks before this one added to block src
-            exchange, buf = incoming
+            nxt = _empty_block(k, pad, plan.k_lens[(src - 1) % N])
+            pending = ring.start(cur, nxt, f"the K/V block of rank {src}", "backward")
+        if incoming is None:
+            dkv = q.new_zeros(2, plan.B, plan.Hkv, plan.k_lens[src], plan.D)  # (2, B, Hkv, Skb, D)
+        else:  # accumulate straight into what arrived: one dK/dV buffer per rank, not three
+            exchange, dkv = incoming
             exchange.wait()
-            dkv = buf if dkv is None else dkv.add_(buf)
-        if dkv is None:
-            dkv = qs.new_zeros(2, *qs.shape[:2], plan.k_lens[src], qs.shape[-1])
+        _block_backward(plan, q, cur[0].to(plan.acc), cur[1].to(plan.acc), src, _unwire(cur[2:], pad), dout, lse,
+                        delta, out, dq, dkv)
         # Pass block src's dK/dV on (at the last step the next rank is its owner) and take the
         # next block's from the previous rank (at the last step: this rank's own, complete).
-        buf = dkv.new_empty(*dkv.shape[:3], plan.k_lens[(src - 1) % N], dkv.shape[-1])
+        buf = dkv.new_empty(2, plan.B, plan.Hkv, plan.k_lens[(src - 1) % N], plan.D)
         incoming = (ring.start([dkv], [buf], f"the dK/dV of rank {src}'s block", "backward"), buf)
         if pending is not None:
             pending.wait()
-            cur_kv, cur_pad = nkv, _unwire(npad, pad)
+            cur = nxt
     exchange, own = incoming
     exchange.wait()
     return dq, own
@@ -470,9 +463,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pad, plan: RingPlan, ring: Ring):
         p = plan
-        qs = q.reshape(p.B, p.Hkv, p.G, p.S_l, p.D).to(p.acc) * p.scale  # (B, H, S_l, D) -> (B, Hkv, G, S_l, D)
-        kv = torch.stack((k, v))  # (2, B, Hkv, Sk_l, D), travels in the input dtype
-        out, lse = _ring_forward(p, ring, qs, kv, pad)
+        q5 = q.reshape(p.B, p.Hkv, p.G, p.S_l, p.D).to(p.acc)  # (B, H, S_l, D) -> (B, Hkv, G, S_l, D)
+        out, lse = _ring_forward(p, ring, q5, k, v, pad)  # K/V travel in the input dtype
         ctx.save_for_backward(q, k, v, pad, out, lse)
         ctx.plan, ctx.ring = plan, ring
         return out.reshape(p.B, p.H, p.S_l, p.D).to(q.dtype)  # (B, Hkv, G, S_l, D) -> (B, H, S_l, D)
@@ -482,12 +474,11 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, pad, out, lse = ctx.saved_tensors
         p, ring = ctx.plan, ctx.ring
-        qs = q.reshape(p.B, p.Hkv, p.G, p.S_l, p.D).to(p.acc) * p.scale
+        q5 = q.reshape(p.B, p.Hkv, p.G, p.S_l, p.D).to(p.acc)
         dout = dout.reshape(out.shape).to(p.acc)  # (B, H, S_l, D) -> (B, Hkv, G, S_l, D)
         delta = (dout * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O): (B, Hkv, G, S_l, 1)
-        dq, dkv = _ring_backward(p, ring, qs, torch.stack((k, v)), pad, dout, out, lse, delta)
-        dq = dq.reshape(q.shape).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dq, dkv = _ring_backward(p, ring, q5, k, v, pad, dout, out, lse, delta)
+        return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, plan: RingPlan, ring: Ring) -> Tensor:
