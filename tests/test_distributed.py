@@ -312,6 +312,7 @@ def _worker(rank: int, world: int, port: int, cases_path: str, out_path: str) ->
     if rank != 0:  # only rank 0 keeps tensors; every rank keeps its errors
         results = {n: r for n, r in results.items() if isinstance(r, (tuple, str))}
     torch.save(results, f"{out_path}.{rank}")
+    dist.barrier()  # leave together: a gloo peer that exits early can abort the others
     dist.destroy_process_group()
 
 
@@ -469,6 +470,62 @@ def test_a_dead_rank_fails_the_others_quickly(tmp_path):
     assert kind == "RuntimeError", message
     assert "context-parallel ring: rank 0 of 2 failed while exchanging" in message
     assert seconds < 15
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_layouts_cover_every_position_once(layout, world):
+    from headwise.distributed.layout import local_length, positions_of
+
+    for length in [0, 1, 2, 7, 2 * world, 2 * world * 3 + 1, 50]:
+        shards = [positions_of(length, world, r, layout) for r in range(world)]
+        assert sorted(torch.cat(shards).tolist()) == list(range(length))
+        sizes = [len(s) for s in shards]
+        assert sizes == [local_length(length, world, r, layout) for r in range(world)]
+        assert max(sizes) - min(sizes) <= (1 if layout == "contiguous" else 2)
+        for s in shards:  # one run of consecutive positions (contiguous), at most two (zigzag)
+            breaks = int((torch.diff(s) != 1).sum()) if len(s) > 1 else 0
+            assert breaks <= (0 if layout == "contiguous" else 1)
+
+
+def test_zigzag_pairs_chunk_r_with_chunk_2n_minus_1_minus_r():
+    from headwise.distributed.layout import positions_of, segments
+
+    assert segments(16, 4, 0, "zigzag") == [(0, 2), (14, 16)]
+    assert segments(16, 4, 3, "zigzag") == [(6, 8), (8, 10)]
+    assert positions_of(9, 2, 0, "zigzag").tolist() == [0, 1, 2, 7, 8]  # chunks of 3, 2, 2, 2
+    assert positions_of(9, 2, 1, "contiguous").tolist() == [5, 6, 7, 8]
+
+
+def test_choose_method_says_why():
+    import headwise.distributed as hwd
+
+    assert hwd.choose_method(8, 8, 4).method == "ulysses"
+    assert hwd.choose_method(8, 2, 4).method == "ulysses" and "replicated" in hwd.choose_method(8, 2, 4).reason
+    assert hwd.choose_method(6, 6, 4).method == "ring" and "6 query / 6 kv heads do not split over 4" in str(
+        hwd.choose_method(6, 6, 4))
+    assert hwd.choose_method(8, 8, 4, dense_mask=True).method == "ring"
+
+
+def test_module_refuses_what_context_parallel_cannot_do():
+    import headwise
+    import headwise.distributed as hwd
+
+    with pytest.raises(ValueError, match="method must be one of"):
+        hwd.ContextParallel(method="zig")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        hwd.ContextParallel(layout="striped")
+    with pytest.raises(TypeError, match="context_parallel must be a headwise.distributed.ContextParallel"):
+        headwise.MultiHeadAttention(16, 4, context_parallel="ring")
+    mha = headwise.MultiHeadAttention(16, 4, context_parallel=hwd.ContextParallel())
+    assert "context_parallel=ContextParallel(group=None, method='ring', layout='zigzag')" in repr(mha)
+    x = torch.randn(1, 5, 16)
+    with pytest.raises(ValueError, match="takes no cache= and no need_weights=True"):
+        mha(x, need_weights=True)
+    with pytest.raises(ValueError, match="takes no cache="):
+        mha(x, cache=mha.new_cache(1, 8), is_causal=True)
+    with pytest.raises(ValueError, match="forward_packed runs in one process"):
+        mha.forward_packed(x[0], torch.tensor([0, 5]))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

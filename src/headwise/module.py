@@ -61,6 +61,10 @@ class MultiHeadAttention(nn.Module):
             1: multi-query; otherwise grouped-query with ``H % Hkv == 0``).
         is_causal: default causal flag for :meth:`forward`.
         backend: ``"auto"`` or a name from :func:`headwise.available_backends`.
+        context_parallel: a :class:`headwise.distributed.ContextParallel`: :meth:`forward`
+            then takes this rank's shard (B, S_l, E) of the sequence (and of a 2-D mask)
+            and attends over every rank's keys (rotary positions are global); no cache,
+            weights, packed path or dropout.
         device, dtype: where and how to create the parameters.
 
     Raises:
