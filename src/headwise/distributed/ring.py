@@ -376,6 +376,7 @@ class _Pending:
                 w.wait()
         except RuntimeError as error:
             raise self.ring.failure(self.what, error) from error
+        self.works, self.tensors = [], []  # a sent buffer is freed as soon as nothing else holds it
 
 
 def _wire(pad: Tensor | None) -> list[Tensor]:
