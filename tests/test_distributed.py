@@ -185,6 +185,7 @@ def _run_case(hwd, case, world):
     import headwise.distributed.ring as ring
 
     ring.BLOCK_Q, ring.BLOCK_K = case["tiles"]
+    ring.FUSED_ROWS = case["tiles"][0]  # fused calls split into parts too
     ring._FUSED_CPU = FUSED if case["fused"] else None  # unfused: the ring's own tiles on every block
     t = make_inputs(case, world)
     lay = case["layout"]

@@ -38,6 +38,7 @@ __all__ = ["BLOCK_Q", "BLOCK_K", "RingPlan", "Ring", "Traffic", "TRAFFIC", "ring
 
 BLOCK_Q = 256
 BLOCK_K = 512
+FUSED_ROWS = 1024
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -130,12 +131,18 @@ class RingPlan:
                 blocked = self.causal_tile(qseg[2], bq, kseg[2], bk, None, probe=True)
                 if blocked is False:
                     continue
-                if blocked is None:
-                    pairs.append((qseg, kseg, False))
-                elif bq == bk and qseg[2] + self.offset == kseg[2]:
-                    pairs.append((qseg, kseg, True))  # the diagonal: top-left causal on the pair
-                else:
-                    return None
+                if blocked is not None and not (bq == bk and qseg[2] + self.offset == kseg[2]):
+                    return None  # neither fully allowed nor the exact diagonal
+                # Calls of at most FUSED_ROWS queries / keys: the kernel's backward allocates about
+                # four query-sized buffers per call, so smaller calls keep the peak down.
+                q_parts, k_parts = _tiles([(qseg[2], qseg[2] + bq)], FUSED_ROWS), _tiles([(kseg[2], kseg[2] + bk)],
+                                                                                          FUSED_ROWS)
+                for i, (a0, a1, ga) in enumerate(q_parts):
+                    for j, (b0, b1, gb) in enumerate(k_parts):
+                        if blocked is None or j < i:
+                            pairs.append(((qseg[0] + a0, qseg[0] + a1, ga), (kseg[0] + b0, kseg[0] + b1, gb), False))
+                        elif j == i:  # on the diagonal: top-left causal on the part
+                            pairs.append(((qseg[0] + a0, qseg[0] + a1, ga), (kseg[0] + b0, kseg[0] + b1, gb), True))
         return pairs
 
     def causal_tile(self, gq0: int, bq: int, gk0: int, bk: int, device: torch.device | None,
