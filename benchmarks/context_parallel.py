@@ -46,12 +46,12 @@ def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _inputs(S, H, D, requires_grad=False):
+def _inputs(S, H, D):
+    """q, k, v (1, H, S, D) of random values; S is the whole or a rank's part of the sequence."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, H, S, D, generator=gen) for _ in range(3))
-    return q, k, v
+    return tuple(torch.randn(1, H, S, D, generator=gen) for _ in range(3))
 
 
 def _time(fn) -> float:
@@ -80,13 +80,15 @@ def child_rank(args) -> dict:
     import torch.distributed as dist
 
     import headwise.distributed as hwd
+    from headwise.distributed.layout import local_length
     from headwise.distributed.ring import TRAFFIC
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     base = _peak_mib()
-    q, k, v = (hwd.shard(t, dim=2, layout=args.layout) for t in _inputs(args.length, args.heads, args.head_dim))
+    # this rank's shard only: a whole sequence would raise the peak this table reports
+    q, k, v = _inputs(local_length(args.length, args.world, args.rank, args.layout), args.heads, args.head_dim)
     dout = torch.randn_like(q)
 
     def run(backward):
