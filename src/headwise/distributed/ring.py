@@ -15,7 +15,12 @@ N hops.
 
 Inside a block the work is tiled (``BLOCK_Q`` queries x ``BLOCK_K`` keys), so memory stays
 O(S_local x block); a tile that the causal rule or the window blocks entirely, decided from
-global positions alone, is skipped in both passes.
+global positions alone, is skipped in both passes. On the CPU, when no mask, window or
+ALiBi is involved, each (query segment, key segment) pair of a block is fully allowed,
+fully blocked (skipped) or exactly diagonal, and runs on PyTorch's fused flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which returns exactly the
+pair's share of the gradients given the merged output and lse), in parts of at most
+``FUSED_ROWS`` rows.
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S / Sk global query /
 key length, S_l / Sk_l this rank's lengths, Skb the length of the block at hand, D head
