@@ -8,10 +8,12 @@ its queries over every rank's keys, by one of two methods:
 * ``"ulysses"``: two all-to-alls trade the sequence split for a head split, and any
   local kernel attends (:mod:`headwise.distributed.ulysses`).
 
->>> import headwise.distributed as hwd                          # doctest: +SKIP
->>> x_local = hwd.shard(x, dim=1, layout="zigzag")              # (B, S_l, E)
->>> y = hwd.attention(q, k, v, is_causal=True, method="ring")   # (B, H, S_l, D)
->>> full = hwd.unshard(y, dim=2)                                # (B, H, S, D) on every rank
+In every process, after ``torch.distributed.init_process_group(...)``::
+
+    import headwise.distributed as hwd
+    x_local = hwd.shard(x, dim=1, layout="zigzag")              # (B, S_l, E)
+    y = hwd.attention(q, k, v, is_causal=True, method="ring")   # (B, H, S_l, D)
+    full = hwd.unshard(y, dim=2)                                # (B, H, S, D) on every rank
 
 Every rank validates its inputs, then one small all-gather of metadata checks that the
 ranks agree (shapes, flags, shard lengths); any problem raises on every rank before any
