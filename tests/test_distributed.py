@@ -83,6 +83,7 @@ ERROR_CASES = {
     "one-rank-bad": ("ValueError", r"(must be 4-D \(B, H, S, D\)|rank\(s\) \[1\] of \d rejected their inputs)"),
     "dropout": ("ValueError", r"no dropout \(got dropout_p=0\.1\)"),
     "mask-keys": ("ValueError", r"attention_mask covers \d+ keys, but the k shards hold Sk = \d+"),
+    "unshard-misfit": ("ValueError", r"unshard got shards of lengths \[\d+(, \d+)+\] along dim 2, but layout 'zigzag'"),
 }
 
 
@@ -223,6 +224,10 @@ def _run_error(hwd, name, rank, world):
         hwd.attention(sq[0] if rank == 1 else sq, sq, sq)
     elif name == "dropout":
         hwd.attention(sq, sq, sq, dropout_p=0.1)
+    elif name == "unshard-misfit":  # rank r passes rank N-1-r's shard
+        from headwise.distributed.layout import positions_of
+
+        hwd.unshard(q.index_select(2, positions_of(S, world, world - 1 - rank, "zigzag")), dim=2)
     elif name == "mask-keys":
         hwd.attention(sq, sq, sq, torch.ones(B, 1, sq.shape[2], S + 1, dtype=torch.bool))
 
