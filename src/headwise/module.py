@@ -29,7 +29,7 @@ from headwise.dispatch import Dispatch
 from headwise.functional import attend, choose_backend
 from headwise.kernels.registry import get_kernel
 from headwise.masks import alibi_slopes
-from headwise.positions import RotaryEmbedding
+from headwise.positions import RotaryEmbedding, apply_rotary
 
 __all__ = ["MultiHeadAttention", "PACK_MIN_PADDING"]
 
@@ -61,6 +61,10 @@ class MultiHeadAttention(nn.Module):
             1: multi-query; otherwise grouped-query with ``H % Hkv == 0``).
         is_causal: default causal flag for :meth:`forward`.
         backend: ``"auto"`` or a name from :func:`headwise.available_backends`.
+        context_parallel: a :class:`headwise.distributed.ContextParallel`: :meth:`forward`
+            then takes this rank's shard (B, S_l, E) of the sequence (and of a 2-D mask)
+            and attends over every rank's keys (rotary positions are global); no cache,
+            weights, packed path or dropout.
         device, dtype: where and how to create the parameters.
 
     Raises:
@@ -87,6 +91,7 @@ class MultiHeadAttention(nn.Module):
         rope_base: float | None = None,  # None: 10000 when rope=True; a value turns rope on
         alibi: bool = False,
         window: int | None = None,  # None: unlimited; W: query i sees keys (i - W, i]
+        context_parallel=None,  # None: one process; a headwise.distributed.ContextParallel splits the sequence
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -131,6 +136,13 @@ class MultiHeadAttention(nn.Module):
         self.rope = None
         if rope or rope_base is not None:
             self.rope = RotaryEmbedding(self.head_dim, 10000.0 if rope_base is None else rope_base)
+        if context_parallel is not None:
+            from headwise.distributed import ContextParallel
+
+            if not isinstance(context_parallel, ContextParallel):
+                raise TypeError("context_parallel must be a headwise.distributed.ContextParallel or None, got "
+                                f"{type(context_parallel).__name__}")
+        self.context_parallel = context_parallel
         self.alibi_slopes: Tensor | None
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None,
                              persistent=False)
@@ -141,6 +153,7 @@ class MultiHeadAttention(nn.Module):
             f", rope_base={self.rope.base:g}" if self.rope is not None else "",
             ", alibi=True" if self.alibi_slopes is not None else "",
             f", window={self.window}" if self.window is not None else "",
+            f", context_parallel={self.context_parallel}" if self.context_parallel is not None else "",
         ])
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, "
@@ -284,6 +297,8 @@ class MultiHeadAttention(nn.Module):
         """
         self._check(x, context, cache)
         causal = self.is_causal if is_causal is None else is_causal
+        if self.context_parallel is not None:
+            return self._forward_context_parallel(x, attention_mask, context, causal, need_weights, cache)
         padding = self._query_padding(x, attention_mask, context, cache)  # (B, S) or None
         if self._packs(padding, cache, need_weights):
             packed, info = varlen.pack(x, padding)  # (T, E): the real tokens only
@@ -322,6 +337,29 @@ class MultiHeadAttention(nn.Module):
             if trace.ACTIVE:
                 trace.record("zero padding", out, "padded positions (2-D mask False) output zeros")
         return (out, weights) if need_weights else out
+
+    def _forward_context_parallel(self, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+                                  causal: bool, need_weights: bool, cache: KVCache | None) -> Tensor:
+        """x (B, S_l, E) is this rank's shard of the sequence (``context`` too); see headwise.distributed."""
+        import headwise.distributed as hwd
+
+        if cache is not None or need_weights:
+            raise ValueError("context_parallel attends sharded whole sequences: it takes no cache= and no "
+                             "need_weights=True; build the module without context_parallel for decoding")
+        cp = self.context_parallel
+        q, k, v = self._project(x, context)  # (B, H, S_l, D), (B, Hkv, Sk_l, D)
+        if self.rope is not None:  # rotate by global positions
+            S = hwd.global_length(x.shape[1], cp.group, x.device)
+            cos, sin = self.rope.angles(0, S, q.dtype, x.device)  # (S, D)
+            pos = hwd.positions(S, cp.layout, cp.group, x.device)  # (S_l,)
+            cos, sin = cos.index_select(0, pos), sin.index_select(0, pos)  # (S_l, D)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = hwd.attention(q, k, v, attention_mask, is_causal=causal, window=self.window,
+                            alibi_slopes=self.alibi_slopes, dropout_p=self.dropout if self.training else 0.0,
+                            method=cp.method, layout=cp.layout, group=cp.group)  # (B, H, S_l, D)
+        out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, S_l, D) -> (B, S_l, E)
+        padding = self._query_padding(x, attention_mask, context, None)
+        return out if padding is None else out.masked_fill(~padding[..., None], 0.0)
 
     def _kernel_backend(self) -> str:
         # "varlen" names the module's packed path; inside it (and when it does not apply),
@@ -381,6 +419,8 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ValueError: ``x`` not (T, E), or rows that do not match ``cu_seqlens``.
         """
+        if self.context_parallel is not None:
+            raise ValueError("forward_packed runs in one process; context_parallel takes (B, S_l, E) shards in forward")
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"packed x must be (T, E) with E = embed_dim = {self.embed_dim}, got "
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")

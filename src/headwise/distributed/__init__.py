@@ -1,0 +1,448 @@
+"""Attention across processes (context parallelism) over ``torch.distributed``: exact, every mask.
+
+Each rank holds a shard of the sequence; :func:`attention` computes exact attention of
+its queries over every rank's keys, by one of two methods:
+
+* ``"ring"``: K/V blocks (with their Hkv heads) travel around the ranks while each rank
+  computes; partial results merge by log-sum-exp (:mod:`headwise.distributed.ring`).
+* ``"ulysses"``: two all-to-alls trade the sequence split for a head split, and any
+  local kernel attends (:mod:`headwise.distributed.ulysses`).
+
+In every process, after ``torch.distributed.init_process_group(...)``::
+
+    import headwise.distributed as hwd
+    x_local = hwd.shard(x, dim=1, layout="zigzag")              # (B, S_l, E)
+    y = hwd.attention(q, k, v, is_causal=True, method="ring")   # (B, H, S_l, D)
+    full = hwd.unshard(y, dim=2)                                # (B, H, S, D) on every rank
+
+Every rank validates its inputs, then one small all-gather of metadata checks that the
+ranks agree (shapes, flags, shard lengths); any problem raises on every rank before any
+data moves, so a mistake never hangs the group.
+
+Legend: B batch, H query heads, Hkv key/value heads, S / Sk global query / key length,
+S_l / Sk_l this rank's lengths, D head dim, N world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import headwise
+from headwise.distributed import ring as _ring
+from headwise.distributed import ulysses as _ulysses
+from headwise.distributed.layout import LAYOUTS, check_layout, local_length, positions_of, segments
+from headwise.functional import _check_inputs, _check_structure
+from headwise.masks import normalize_mask
+
+__all__ = ["ContextParallel", "MethodChoice", "METHODS", "LAYOUTS", "attention", "choose_method",
+           "global_length", "positions", "shard", "unshard"]
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("ring", "ulysses", "auto")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How :class:`headwise.MultiHeadAttention` splits its sequence across processes.
+
+    Args:
+        group: the process group (None: the default group).
+        method: ``"ring"``, ``"ulysses"`` or ``"auto"``.
+        layout: ``"zigzag"`` or ``"contiguous"``; inputs must be sharded with the same one.
+
+    Raises:
+        ValueError: an unknown method or layout.
+    """
+
+    group: Any = None
+    method: str = "ring"
+    layout: str = "zigzag"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        check_layout(self.layout)
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """The method ``"auto"`` picks, and why."""
+
+    method: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.method}: {self.reason}"
+
+
+def _group_info(group) -> tuple[int, int]:
+    """(rank, world size) of this process in ``group``; RuntimeError if there is none."""
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build; "
+                           "use headwise.attention in a single process")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group('gloo') "
+            "(CPU) or ('nccl') (one GPU per rank) in every process first, e.g. under torchrun; "
+            "in a single process use headwise.attention"
+        )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise RuntimeError("this process is not a member of the given process group")
+    return rank, dist.get_world_size(group)
+
+
+def _comm_device(group, like: Any) -> torch.device:
+    if isinstance(like, Tensor):
+        return like.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_rows(values: list[float], group, world: int, device: torch.device) -> list[list[float]]:
+    """One all-gather of a few numbers per rank (float64: integers up to 2**53 stay exact)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        dist.all_gather(every, mine, group=group)
+    except RuntimeError as error:
+        raise RuntimeError(f"context parallel: rank {dist.get_rank(group)} of {world} could not exchange metadata "
+                           f"with the other ranks; a rank has died or stopped calling, or the group's timeout "
+                           f"passed. Cause: {error}") from error
+    return torch.stack(every).cpu().tolist()
+
+
+def global_length(local_len: int, group=None, device: torch.device | str | None = None) -> int:
+    """The sequence length summed over the ranks of ``group`` (one all-gather).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+    """
+    _, world = _group_info(group)
+    device = torch.device(device) if device is not None else _comm_device(group, None)
+    return int(sum(row[0] for row in _all_gather_rows([local_len], group, world, device)))
+
+
+def positions(seq_len: int, layout: str = "zigzag", group=None,
+              device: torch.device | str | None = None) -> Tensor:
+    """The global positions of this rank's shard of a ``seq_len`` sequence.
+
+    Args:
+        seq_len: the global length S.
+        layout: ``"zigzag"`` or ``"contiguous"``.
+        group: the process group (None: the default group).
+        device: where to build the result.
+
+    Returns:
+        (S_l,) int64 positions, in the shard's order (use them for rotary embeddings).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: an unknown layout.
+    """
+    check_layout(layout)
+    rank, world = _group_info(group)
+    return positions_of(seq_len, world, rank, layout, device)
+
+
+def shard(x: Tensor, dim: int = 1, layout: str = "zigzag", group=None) -> Tensor:
+    """This rank's part of ``x`` along ``dim`` (a view for ``"contiguous"``, a copy for ``"zigzag"``).
+
+    Args:
+        x: the whole tensor, the same on every rank, e.g. (B, S, E) with ``dim=1`` or
+            (B, H, S, D) with ``dim=2``; a (B, Sk) key padding mask with ``dim=1``.
+        dim: the sequence dimension.
+        layout: ``"zigzag"`` (rank r holds chunks r and 2N-1-r of 2N) or ``"contiguous"``.
+        group: the process group (None: the default group).
+
+    Returns:
+        The shard, S_l = S // C or S // C + 1 positions per chunk (C chunks); nothing is
+        dropped whatever S is.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: an unknown layout.
+    """
+    check_layout(layout)
+    rank, world = _group_info(group)
+    parts = [x.narrow(dim, a, b - a) for a, b in segments(x.shape[dim], world, rank, layout)]
+    if not parts:
+        return x.narrow(dim, 0, 0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _gather_seq(t: Tensor, dim: int, lengths: list[int], layout: str, group) -> Tensor:
+    """All-gather shards of uneven length along ``dim`` into the whole tensor, natural order."""
+    world = len(lengths)
+    dim = dim % t.dim()
+    wire = t.view(torch.uint8) if t.dtype == torch.bool else t  # bool travels as bytes
+    shape = list(wire.shape)
+    shape[dim] = max(lengths)
+    padded = wire.new_zeros(shape)
+    padded.narrow(dim, 0, wire.shape[dim]).copy_(wire)
+    every = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(every, padded, group=group)
+    shape[dim] = sum(lengths)
+    full = wire.new_empty(shape)
+    for r, part in enumerate(every):
+        local = 0
+        for a, b in segments(sum(lengths), world, r, layout):
+            full.narrow(dim, a, b - a).copy_(part.narrow(dim, local, b - a))
+            local += b - a
+    return full.view(torch.bool) if t.dtype == torch.bool else full
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, dim, lengths, layout, group, rank):
+        ctx.args = (dim, lengths, layout, group, rank)
+        return _gather_seq(y, dim, lengths, layout, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, lengths, layout, group, rank = ctx.args
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)  # every rank's use of the whole tensor reaches each shard
+        parts = [grad.narrow(dim, a, b - a) for a, b in segments(sum(lengths), len(lengths), rank, layout)]
+        local = torch.cat(parts, dim=dim) if parts else grad.narrow(dim, 0, 0)
+        return local, None, None, None, None, None
+
+
+def unshard(y: Tensor, dim: int = 2, layout: str = "zigzag", group=None) -> Tensor:
+    """The whole tensor on every rank, from each rank's shard along ``dim`` (inverse of :func:`shard`).
+
+    Differentiable: the gradient of a shard is the sum of every rank's gradient of the
+    whole tensor at its positions.
+
+    Args:
+        y: this rank's shard, e.g. the (B, H, S_l, D) output of :func:`attention`.
+        dim: the sequence dimension.
+        layout: the layout the shards were made with.
+        group: the process group (None: the default group).
+
+    Returns:
+        The whole tensor, S = sum of the shards' lengths along ``dim``.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: an unknown layout, or shards whose lengths do not fit the layout.
+    """
+    check_layout(layout)
+    rank, world = _group_info(group)
+    rows = _all_gather_rows([y.shape[dim], y.dim()], group, world, y.device)
+    lengths = [int(row[0]) for row in rows]
+    expected = [local_length(sum(lengths), world, r, layout) for r in range(world)]
+    if lengths != expected or len({row[1] for row in rows}) != 1:
+        raise ValueError(f"unshard got shards of lengths {lengths} along dim {dim}, but layout {layout!r} splits "
+                         f"{sum(lengths)} positions as {expected}; shard with hwd.shard(x, dim, layout={layout!r})")
+    return _Unshard.apply(y, dim, lengths, layout, group, rank)
+
+
+def choose_method(num_heads: int, num_kv_heads: int, world_size: int, *, dense_mask: bool = False) -> MethodChoice:
+    """What ``method="auto"`` runs for these head counts, and why.
+
+    Ulysses moves each tensor once in 1/N pieces (two all-to-alls) and then runs the best
+    local kernel on whole sequences; ring moves every K/V block N - 1 times, but takes any
+    head count and never holds a whole sequence or a gathered dense mask.
+
+    >>> print(choose_method(8, 2, 4))
+    ulysses: 8 query and 2 kv heads split over 4 ranks (kv heads replicated); two all-to-alls move 1/N of each \
+tensor, then the local 'auto' kernel attends whole sequences
+    """
+    if world_size == 1:
+        return MethodChoice("ring", "one rank: headwise.attention runs directly")
+    try:
+        _ulysses.check_heads(num_heads, num_kv_heads, world_size)
+    except ValueError:
+        return MethodChoice("ring", f"{num_heads} query / {num_kv_heads} kv heads do not split over {world_size} "
+                                    "ranks, which ulysses needs; ring takes any head count")
+    if dense_mask:
+        return MethodChoice("ring", "a (.., S_l, Sk) mask would be gathered whole on every rank by ulysses; "
+                                    "ring reads only its columns of each block")
+    replicated = " (kv heads replicated)" if num_kv_heads % world_size else ""
+    return MethodChoice("ulysses", f"{num_heads} query and {num_kv_heads} kv heads split over {world_size} "
+                                   f"ranks{replicated}; two all-to-alls move 1/N of each tensor, then the local "
+                                   "'auto' kernel attends whole sequences")
+
+
+_FIELDS = ("inputs valid", "batch B", "num_heads H", "num_kv_heads Hkv", "head_dim D", "dtype", "is_causal",
+           "window", "alibi", "scale", "mask kind", "mask batch", "mask heads", "mask rows broadcast",
+           "mask key length", "method", "layout", "dropout_p", "device type")
+_MASK_KINDS = ("none", "bool (B, Sk_l) key padding", "float (B, Sk_l) key padding", "bool (.., S_l, Sk)",
+               "float (.., S_l, Sk)")
+
+
+def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale, dropout_p, method, layout):
+    """Validate this rank's arguments; returns (normalised masks, metadata row, q/k lengths)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_layout(layout)
+    _check_inputs(q, k, v, dropout_p, "auto")
+    _check_structure(q, window, alibi_slopes)
+    if dropout_p > 0:
+        raise ValueError(f"context-parallel attention has no dropout (got dropout_p={dropout_p}); "
+                         "use dropout_p=0 (the module: dropout=0.0 or .eval())")
+    B, H, S_l, D = q.shape
+    Sk_l = k.shape[2]
+    pad = dense = None
+    mask_kind, mask_b, mask_h, rows1, mask_sk = 0, 0, 0, 0, -1
+    m = attention_mask
+    if m is not None:
+        if isinstance(m, Tensor) and m.dim() == 2:
+            pad = normalize_mask(m, batch=B, heads=H, q_len=S_l, k_len=Sk_l, device=q.device, dtype=q.dtype)
+            pad = pad[:, 0, 0, :]  # (B|1, 1, 1, Sk_l) -> (B|1, Sk_l)
+            mask_kind = 1 if pad.dtype == torch.bool else 2
+            mask_b = pad.shape[0]
+        else:
+            k_len = m.shape[-1] if isinstance(m, Tensor) and m.dim() in (3, 4) else -1
+            dense = normalize_mask(m, batch=B, heads=H, q_len=S_l, k_len=k_len, device=q.device, dtype=q.dtype)
+            mask_kind = 3 if dense.dtype == torch.bool else 4
+            mask_b, mask_h, rows1, mask_sk = dense.shape[0], dense.shape[1], int(dense.shape[2] == 1), k_len
+    row = [1, B, H, k.shape[1], D, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, int(bool(is_causal)),
+           -1 if window is None else window, int(alibi_slopes is not None), -1.0 if scale is None else float(scale),
+           mask_kind, mask_b, mask_h, rows1, mask_sk, METHODS.index(method), LAYOUTS.index(layout),
+           float(dropout_p), 0 if q.device.type == "cpu" else 1]
+    return pad, dense, row, S_l, Sk_l
+
+
+def _agree(rows: list[list[float]], rank: int, world: int, error: Exception | None, layout: str):
+    """Raise the same error on every rank when the ranks' metadata disagree."""
+    bad = [r for r, row in enumerate(rows) if row[0] != 1]
+    if error is not None:
+        raise error
+    if bad:
+        raise ValueError(f"rank(s) {bad} of {world} rejected their inputs (their own errors say why); "
+                         "every rank stops before any data moves")
+    for i, name in enumerate(_FIELDS):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            shown = [_MASK_KINDS[int(x)] if name == "mask kind" else x for x in values]
+            raise ValueError(f"the ranks disagree on {name}: {shown} on ranks 0..{world - 1}; every rank must "
+                             "pass tensors of the same batch, heads, head dim and dtype, and the same flags")
+
+
+def _lengths(local: list[int], world: int, layout: str, what: str) -> list[int]:
+    total = sum(local)
+    expected = [local_length(total, world, r, layout) for r in range(world)]
+    if local != expected:
+        raise ValueError(f"{what} shards hold {local} positions on ranks 0..{world - 1}, but layout {layout!r} "
+                         f"splits {total} positions as {expected}; shard with hwd.shard(x, dim=2, layout={layout!r})")
+    return local
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    is_causal: bool = False,
+    window: int | None = None,  # None: unlimited
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi bias
+    scale: float | None = None,  # None: 1 / sqrt(D)
+    dropout_p: float = 0.0,  # only 0: context-parallel attention raises ValueError for dropout
+    method: str = "ring",
+    layout: str = "zigzag",
+    group=None,  # None: the default process group
+) -> Tensor:
+    """Exact attention of this rank's queries over the keys of every rank in ``group``.
+
+    Same results, forward and backward, as :func:`headwise.attention` on the whole
+    sequences, with the same mask contract (zero rows, never NaN). Causal alignment is
+    bottom-right on global positions; window and ALiBi use global positions too.
+
+    Args:
+        q: this rank's queries (B, H, S_l, D), sharded with ``layout``.
+        k: this rank's keys (B, Hkv, Sk_l, D), sharded with ``layout`` (Sk may differ from S).
+        v: this rank's values (B, Hkv, Sk_l, D).
+        attention_mask: None; a 2-D (B, Sk_l) key padding shard (bool/integer True = token
+            or float additive), which travels with its K/V block; or a bool/integer/float
+            (B|1, H|1, S_l, Sk) mask (3-D (B, S_l, Sk) too) of the local queries over all
+            keys in natural order. Masks get no gradient.
+        is_causal: query ``i`` may attend key ``j`` iff ``j <= i + Sk - S`` (global positions).
+        window: sliding window over global positions (implies causal).
+        alibi_slopes: (H,) ALiBi slopes; distances are global.
+        scale: multiplier of ``q k^T`` (None: 1 / sqrt(D)).
+        dropout_p: must be 0; there is no context-parallel dropout.
+        method: ``"ring"``, ``"ulysses"`` or ``"auto"`` (see :func:`choose_method`).
+        layout: ``"zigzag"`` or ``"contiguous"``, as the shards were made.
+        group: the process group (None: the default group).
+
+    Returns:
+        (B, H, S_l, D): the output for this rank's queries, in q's dtype.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or a rank died / timed out.
+        ValueError / TypeError: bad input on any rank (raised on every rank), ranks that
+            disagree on shapes, flags or shard lengths, dropout, or heads ulysses cannot split.
+    """
+    rank, world = _group_info(group)
+    if world == 1:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        check_layout(layout)
+        return headwise.attention(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+                                  window=window, alibi_slopes=alibi_slopes)
+    error, pad, dense, row, S_l, Sk_l = None, None, None, [0] * len(_FIELDS), -1, -1
+    try:
+        pad, dense, row, S_l, Sk_l = _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale,
+                                                  dropout_p, method, layout)
+    except (TypeError, ValueError) as caught:
+        error = caught
+    device = _comm_device(group, q)
+    rows = _all_gather_rows([*row, S_l, Sk_l], group, world, device)
+    _agree([r[:len(_FIELDS)] for r in rows], rank, world, error, layout)
+    q_lens = _lengths([int(r[-2]) for r in rows], world, layout, "q")
+    k_lens = _lengths([int(r[-1]) for r in rows], world, layout, "k/v")
+    S, Sk = sum(q_lens), sum(k_lens)
+    if dense is not None and dense.shape[-1] != Sk:
+        raise ValueError(f"attention_mask covers {dense.shape[-1]} keys, but the k shards hold Sk = {Sk}; "
+                         "a (.., S_l, Sk) mask spans every key in natural order")
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    scale = D ** -0.5 if scale is None else float(scale)
+    if method == "auto":
+        choice = choose_method(H, Hkv, world, dense_mask=dense is not None)
+        logger.debug("hwd.attention method='auto' -> %s", choice)
+        method = choice.method
+    if method == "ulysses":
+        _ulysses.check_heads(H, Hkv, world)
+        return _ulysses_attention(q, k, v, pad, dense, q_lens, k_lens, rank, layout, group, is_causal=is_causal,
+                                  window=window, alibi_slopes=alibi_slopes, scale=scale)
+    plan = _ring.RingPlan(q, k, S=S, Sk=Sk, rank=rank, world=world, layout=layout, dense=dense,
+                          is_causal=is_causal, window=window, slopes=alibi_slopes, scale=scale)
+    if pad is not None:  # bool stored inverted (True = blocked), ready for masked_fill
+        pad = ~pad.contiguous() if pad.dtype == torch.bool else pad.contiguous()
+    return _ring.ring_attention(q, k, v, pad, plan, _ring.Ring(group, rank, world))
+
+
+def _ulysses_attention(q, k, v, pad, dense, q_lens, k_lens, rank, layout, group, *, is_causal, window,
+                       alibi_slopes, scale):
+    world = len(q_lens)
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    h = H // world
+    index = _ulysses.kv_head_index(H, Hkv, world, q.device)
+    qh = _ulysses.seq_to_heads(q, q_lens, layout, group)  # (B, h, S, D)
+    kh = _ulysses.seq_to_heads(k, k_lens, layout, group, index)  # (B, h_kv, Sk, D)
+    vh = _ulysses.seq_to_heads(v, k_lens, layout, group, index)
+    mask = None
+    if pad is not None:
+        mask = _gather_seq(pad, -1, k_lens, layout, group)  # (B|1, Sk)
+    elif dense is not None:
+        mask = dense if dense.shape[2] == 1 else _gather_seq(dense, 2, q_lens, layout, group)  # (B|1, H|1, S, Sk)
+        if mask.shape[1] == H:
+            mask = mask[:, rank * h:(rank + 1) * h]  # this rank's heads
+    slopes = None if alibi_slopes is None else alibi_slopes[rank * h:(rank + 1) * h]
+    out = headwise.attention(qh, kh, vh, mask, is_causal=is_causal, scale=scale, window=window,
+                             alibi_slopes=slopes)  # (B, h, S, D)
+    return _ulysses.heads_to_seq(out, q_lens, rank, layout, group)  # (B, H, S_l, D)
