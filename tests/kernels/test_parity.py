@@ -139,20 +139,49 @@ def test_gradcheck_float64(backend, is_causal):
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
-def test_gradcheck_float_mask_bias(backend):
-    """A learnable additive bias receives its gradient through every kernel."""
+@pytest.mark.parametrize("layout", [(1, 1, 3, 4), (2, 1, 3, 4), (2, 2, 3, 4), (2, 2, 1, 4)],
+                         ids=["shared", "per-batch", "full", "per-key"])
+def test_gradcheck_float_mask_bias(backend, layout, ref):
+    """A learnable additive bias of any broadcast layout receives its gradient through every
+    kernel, to float64 precision."""
     gen = torch.Generator().manual_seed(2)
-    q = torch.randn(1, 2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 2, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 2, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    bias = torch.randn(1, 1, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(2, 2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(layout, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = attend(q, k, v, bias, is_causal=True, backend=backend)
+    want = ref(q, k, v, bias, is_causal=True)[0]
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    for got, exact in zip(torch.autograd.grad(out, (q, k, v, bias), g),
+                          torch.autograd.grad(want, (q, k, v, bias), g), strict=True):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, exact, atol=1e-10, rtol=1e-10)
+
 
     def f(q, k, v, bias):
         return headwise.attention(q, k, v, bias, is_causal=True, backend=backend)
 
-    attend(q, k, v, bias, is_causal=True, backend=backend)
-
     assert torch.autograd.gradcheck(f, (q, k, v, bias))
+
+
+@pytest.mark.parametrize("mask_form", ["none", "pad2d_bool"])
+def test_dropout_gradients_replay_the_forwards_dropout(backend, mask_form):
+    """With the global seed reset before every call, dropout is a fixed function of q, k, v;
+    gradcheck then proves backward applies exactly the dropout (and its 1 / (1 - p)) that
+    forward drew."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(3, 2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(3, 1, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(3, 1, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = make_mask(mask_form, 2, 3, 5, gen)
+
+    def f(q, k, v):
+        torch.manual_seed(0)
+        return headwise.attention(q, k, v, mask, dropout_p=0.4, is_causal=True, backend=backend)
+
+    assert_served(backend, q, k, v, mask, dropout_p=0.4, is_causal=True)
+    assert not torch.equal(f(q, k, v), headwise.attention(q, k, v, mask, is_causal=True, backend=backend))
+    assert torch.autograd.gradcheck(f, (q, k, v))
 
 
 def plain_low_precision(q, k, v, mask, *, is_causal=False):
