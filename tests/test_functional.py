@@ -359,3 +359,50 @@ def test_scale_applies_without_a_mask(ref, backend, kwargs):
     q, k, v = qkv(kv_heads=H, q_len=Sk)  # S == Sk: SDPA's own causal path
     out = attention(q, k, v, scale=0.3, backend=backend, **kwargs)
     close(out, ref(q, k, v, scale=0.3, **kwargs)[0])
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"window": True}, TypeError, "window must be an int or None, got bool (True)"),
+    ({"window": 2.0}, TypeError, "window must be an int or None, got float (2.0)"),
+    ({"window": 0}, ValueError, "window must be >= 1 (keys per query, its own included), got 0"),
+    ({"alibi_slopes": [0.5] * H}, TypeError, "alibi_slopes must be a floating tensor of shape (H,); "
+                                             "headwise.masks.alibi_slopes(num_heads) gives the paper's"),
+    ({"alibi_slopes": torch.ones(H, dtype=torch.long)}, TypeError, "alibi_slopes must be a floating tensor"),
+    ({"alibi_slopes": torch.ones(H + 1)}, ValueError, f"alibi_slopes must have shape (H,) = ({H},), got ({H + 1},)"),
+    ({"alibi_slopes": torch.ones(H, device="meta")}, ValueError, "alibi_slopes is on meta but the queries are on cpu"),
+])
+def test_window_and_alibi_errors(kwargs, error, message):
+    q, k, v = qkv()
+    with pytest.raises(error, match=re.escape(message)):
+        attention(q, k, v, **kwargs)
+
+
+def test_the_request_describes_the_call():
+    q, k, v = qkv()
+    k.requires_grad_()
+    pad = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)  # 3 of 10 keys: 30% padding
+    r = choose_backend(q, k, v, pad, window=3, alibi_slopes=torch.ones(H)).request
+    assert (r.mask_kind, r.mask_shape, r.key_padding, r.window, r.alibi, r.is_causal, r.requires_grad) == (
+        "bool", (B, 1, 1, Sk), 0.3, 3, True, True, True)
+    r = choose_backend(q, k, v, torch.zeros(B, Sk)).request
+    assert (r.mask_kind, r.key_padding, r.alibi, r.window, r.requires_grad) == ("float", None, False, None, True)
+    with torch.no_grad():
+        assert not choose_backend(q, k, v).request.requires_grad
+    full = torch.rand(B, H, S, Sk, generator=torch.Generator().manual_seed(0)) > 0.5
+    assert choose_backend(q, k, v, full).request.key_padding is None  # not a key padding mask
+    one = qkv(q_len=1)[0]
+    assert not choose_backend(one, k, v, is_causal=True).request.is_causal  # the last query sees every key
+    assert choose_backend(q, k, v, is_causal=True).request.is_causal
+    assert choose_backend(q, k, v).request.mask_kind == "none"
+
+
+def test_trace_names_the_mask_layout_and_the_kernel():
+    q, k, v = qkv()
+    with headwise.trace() as t:
+        attention(q, k, v, torch.tensor([[1, 1, 1, 0, 0], [1] * 5]), backend="sdpa")
+    stages = {s.name: s for s in t.stages}
+    assert stages["mask layout"].shape == (B, 1, 1, Sk)
+    assert stages["mask layout"].note == (f"2-D ({B}, {Sk}) int64 -> ({B}, 1, 1, {Sk}): broadcasts over (B, H, S, Sk), "
+                                          "no copy")
+    assert stages["kernel"].shape == (B, H, S, D)
+    assert stages["kernel"].note == "backend 'sdpa': requested explicitly"
