@@ -289,3 +289,20 @@ def test_forward_packed_dropout_only_in_training():
     with torch.no_grad():
         _close(mha.forward_packed(x, cu_seqlens), want)  # eval: no dropout
         assert not torch.allclose(mha.train().forward_packed(x, cu_seqlens).double(), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_need_weights_with_a_padding_mask_matches_the_formula(backend):
+    """Weights over the padded layout: the module takes the dense path even where it would pack."""
+    mha = _module(22, backend=backend)
+    x = _x(3, 5, seed=23)
+    mask = torch.tensor([[1] * 5, [1] * 2 + [0] * 3, [0] * 5])  # 53% padding: "auto" would pack
+    want, weights = oracle(mha, x, mask, is_causal=True)
+    if backend not in ("auto", "matmul"):
+        with pytest.raises(ValueError, match="cannot return attention weights"):
+            mha(x, mask, is_causal=True, need_weights=True)
+        return
+    with torch.no_grad():
+        out, got_weights = mha(x, mask, is_causal=True, need_weights=True)
+    _close(out, want)
+    _close(got_weights, weights, atol=1e-6)

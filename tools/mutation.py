@@ -19,6 +19,8 @@ Usage::
     python tools/mutation.py                      # all files (about 15-25 minutes on 2 cores)
     python tools/mutation.py --files masks.py     # one file
     python tools/mutation.py --show               # also print each survivor's diff
+    python tools/mutation.py --keep               # keep the scratch copy (its path is printed), then:
+    python tools/mutation.py --rerun DIR          # the current tests against that copy's survivors only
 
 Not run in CI: it is a measurement of the tests, not a test.
 """
@@ -40,11 +42,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["masks.py", "functional.py", "module.py", "cache.py", "positions.py",
          "kernels/sdpa.py", "kernels/chunked.py"]
-# The tests that exercise those files, without the slow Triton interpreter, the Hugging Face
-# models and the benchmark's subprocesses.
+# The tests that exercise those files (explain mode's included: its stages are output too),
+# without the slow Triton interpreter, the Hugging Face models and the benchmark's subprocesses.
 TESTS = ["tests/test_masks.py", "tests/test_functional.py", "tests/test_module.py",
          "tests/test_module_oracles.py", "tests/test_cache.py", "tests/test_positions.py",
-         "tests/test_dispatch.py", "tests/test_varlen.py", "tests/test_reference.py",
+         "tests/test_dispatch.py", "tests/test_varlen.py", "tests/test_reference.py", "tests/test_tracing.py",
+         "tests/test_explain.py",
          "tests/kernels/test_parity.py", "tests/kernels/test_chunked.py",
          "tests/kernels/test_varlen_kernel.py", "tests/kernels/test_registry.py"]
 EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.txt"
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="mutants run at once")
     parser.add_argument("--show", action="store_true", help="print each survivor's diff")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
+    parser.add_argument("--rerun", metavar="DIR", type=Path,
+                        help="a copy kept by --keep: run the current tests against the mutants that were not killed")
     args = parser.parse_args(argv)
     try:
         from mutmut.stats import status_by_exit_code  # mutmut's own reading of a mutant's exit code
@@ -87,13 +92,21 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "mutmut>=3.8,<4"], check=True)
         from mutmut.stats import status_by_exit_code
 
-    work = Path(tempfile.mkdtemp(prefix="headwise-mutation-"))
-    tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.split()
-    for rel in tracked:
-        if (ROOT / rel).is_file():
-            (work / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, work / rel)
+    if args.rerun:
+        work = args.rerun.resolve()
+        _reset_survivors(work, args.files, status_by_exit_code)
+        shutil.rmtree(work / "tests")
+        shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+        (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)  # map the new tests to functions
+        args.keep = True
+    else:
+        work = Path(tempfile.mkdtemp(prefix="headwise-mutation-"))
+        tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                                 text=True, check=True).stdout.split()
+        for rel in tracked:
+            if (ROOT / rel).is_file():
+                (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / rel, work / rel)
     config = {
         "source_paths": ["src/headwise"],
         "only_mutate": [f"src/headwise/{f}" for f in args.files],
@@ -101,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         "pytest_add_cli_args": ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
         "process_isolation": "forkserver",  # torch is not fork-safe after the stats run
     }
-    with open(work / "pyproject.toml", "a") as f:
-        f.write("\n[tool.mutmut]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in config.items()))
+    if not args.rerun:  # a kept copy has its [tool.mutmut] section already
+        with open(work / "pyproject.toml", "a") as f:
+            f.write("\n[tool.mutmut]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in config.items()))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)], cwd=work, env=env,
@@ -145,6 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _reset_survivors(work: Path, files: list[str], status_by_exit_code) -> None:
+    """Mark every mutant that was not killed as unchecked, so the next run tries it again."""
+    for f in files:
+        meta = work / "mutants" / "src" / "headwise" / f"{f}.meta"
+        data = json.loads(meta.read_text())
+        codes = data["exit_code_by_key"]
+        for name, code in codes.items():
+            if status_by_exit_code[code] in ("survived", "no tests", "not checked"):
+                codes[name] = None
+        meta.write_text(json.dumps(data, indent=4))
 
 
 def _row(label: str, counts: Counter) -> str:
