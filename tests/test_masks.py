@@ -463,5 +463,6 @@ def test_torch_masks_combine_in_the_float_masks_dtype_and_device():
     pad = torch.tensor([[False, False, True, False]])  # torch's True = ignore
     out = from_torch_masks(pad, attn)
     assert out.dtype == torch.float16 and torch.isneginf(out[0, 0, :, 2]).all()
+    assert from_torch_masks(torch.zeros(1, 4, dtype=torch.float64), torch.zeros(3, 4)).dtype == torch.float32
     meta = from_torch_masks(pad.to("meta"), attn.to("meta"))
     assert (meta.device.type, meta.dtype, meta.shape) == ("meta", torch.float16, (1, 1, 3, 4))

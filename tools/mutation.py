@@ -21,6 +21,7 @@ Usage::
     python tools/mutation.py --show               # also print each survivor's diff
     python tools/mutation.py --keep               # keep the scratch copy (its path is printed), then:
     python tools/mutation.py --rerun DIR          # the current tests against that copy's survivors only
+    python tools/mutation.py --report DIR         # the table of a kept copy, running nothing
 
 Not run in CI: it is a measurement of the tests, not a test.
 """
@@ -67,14 +68,27 @@ def equivalents() -> dict[str, str]:
     return known
 
 
-def mutated_line(work: Path, name: str) -> tuple[str, str]:
-    """The function and the first changed line of mutant ``name`` (from ``mutmut show``)."""
-    diff = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, capture_output=True,
-                          text=True).stdout
+_DIFFS = """
+import json, sys
+from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+names = json.load(sys.stdin)
+json.dump({name: get_diff_for_mutant(name, path=find_mutant(name).path) for name in names}, sys.stdout)
+"""
+
+
+def diffs(work: Path, names: list[str]) -> dict[str, str]:
+    """Each mutant's diff, as ``mutmut show`` prints it (one process for all of them)."""
+    done = subprocess.run([sys.executable, "-c", _DIFFS], cwd=work, input=json.dumps(names), capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def mutated_line(name: str, diff: str) -> tuple[str, str]:
+    """The function and the first changed line of mutant ``name``."""
     added = next((ln[1:].split("  #")[0].strip() for ln in diff.splitlines()
                   if ln.startswith("+") and not ln.startswith("+++")), "")
     function = re.sub(r"__mutmut_\d+$", "", name).replace(".x_", ".").replace(".xǁ", ".").replace("ǁ", ".")
-    return function, added, diff
+    return function, added
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     parser.add_argument("--rerun", metavar="DIR", type=Path,
                         help="a copy kept by --keep: run the current tests against the mutants that were not killed")
+    parser.add_argument("--report", metavar="DIR", type=Path, help="a copy kept by --keep: its table, running nothing")
     args = parser.parse_args(argv)
     try:
         from mutmut.stats import status_by_exit_code  # mutmut's own reading of a mutant's exit code
@@ -92,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "mutmut>=3.8,<4"], check=True)
         from mutmut.stats import status_by_exit_code
 
-    if args.rerun:
+    if args.report:
+        work = args.report.resolve()
+        args.keep = True
+    elif args.rerun:
         work = args.rerun.resolve()
         _reset_survivors(work, args.files, status_by_exit_code)
         shutil.rmtree(work / "tests")
@@ -114,33 +132,34 @@ def main(argv: list[str] | None = None) -> int:
         "pytest_add_cli_args": ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
         "process_isolation": "forkserver",  # torch is not fork-safe after the stats run
     }
-    if not args.rerun:  # a kept copy has its [tool.mutmut] section already
+    if not (args.rerun or args.report):  # a kept copy has its [tool.mutmut] section already
         with open(work / "pyproject.toml", "a") as f:
             f.write("\n[tool.mutmut]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in config.items()))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)], cwd=work, env=env,
-                   stdout=subprocess.DEVNULL, check=False)
+    if not args.report:
+        subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)], cwd=work, env=env,
+                       stdout=subprocess.DEVNULL, check=False)
     minutes = (time.perf_counter() - start) / 60
 
     known = equivalents()
     per_file: dict[str, Counter] = {}
-    survivors = []
+    codes = {}
     for f in args.files:
         meta = work / "mutants" / "src" / "headwise" / f"{f}.meta"
-        counts = per_file.setdefault(f, Counter())
-        if not meta.exists():
-            counts["missing"] += 1
-            continue
+        per_file[f] = Counter()
         for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
-            status = status_by_exit_code[code]
-            if status == "survived":
-                function, added, diff = mutated_line(work, name)
-                if f"{function} | {added}" in known:
-                    status = "equivalent"
-                else:
-                    survivors.append((name, function, added, diff))
-            counts[status] += 1
+            codes[name] = (f, status_by_exit_code[code])
+    survived = [name for name, (_, status) in codes.items() if status == "survived"]
+    survivors = []
+    for name, diff in diffs(work, survived).items():
+        function, added = mutated_line(name, diff)
+        if f"{function} | {added}" in known:
+            codes[name] = (codes[name][0], "equivalent")
+        else:
+            survivors.append((name, function, added, diff))
+    for f, status in codes.values():
+        per_file[f][status] += 1
 
     total = Counter()
     print(f"mutation testing: {minutes:.1f} min, tests: {len(TESTS)} files")
