@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout, scale_note
+from headwise.kernels.common import mask_softmax_dropout, scale_queries
 from headwise.kernels.registry import Kernel
 
 
@@ -38,10 +38,7 @@ def bmm_attention(
         if trace.ACTIVE:
             trace.record("repeat kv heads", k, f"k, v.repeat_interleave({H // Hkv}, dim=1): "
                          "(B, Hkv, Sk, D) -> (B, H, Sk, D), a copy (bmm cannot broadcast)")
-    q = q * scale  # (B, H, S, D): scaling q before the product equals scaling the scores, and the
-    # unscaled q k^T can overflow fp16 (65504) where the scaled scores fit
-    if trace.ACTIVE:
-        trace.record("scaling", q, scale_note(scale, D))
+    q = scale_queries(q, scale)  # (B, H, S, D): before the product, where q k^T could overflow fp16
     q3 = q.reshape(B * H, S, D)  # (B, H, S, D) -> (B*H, S, D)
     k3 = k.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
     v3 = v.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)

@@ -55,10 +55,18 @@ def mask_softmax_dropout(
     return weights, dropped
 
 
-def scale_note(scale: float, head_dim: int) -> str:
-    """The trace's note for the scaling stage, naming the scale actually used."""
-    default = abs(scale - head_dim ** -0.5) <= 1e-12 * max(1.0, scale)
-    return f"q x scale = {scale:.4g} " + ("(1 / sqrt(D))" if default else "(given scale=)") + " before the product"
+def scale_queries(q: Tensor, scale: float) -> Tensor:
+    """``q * scale`` (B, H, S, D), recorded as explain mode's scaling stage.
+
+    Scaling q before the product equals scaling the scores, and it cannot overflow fp16
+    where the scaled scores fit, while an unscaled ``q k^T`` can pass 65504.
+    """
+    q = q * scale  # (B, H, S, D)
+    if trace.ACTIVE:
+        default = abs(scale - q.shape[-1] ** -0.5) <= 1e-12 * max(1.0, scale)
+        trace.record("scaling", q, f"q x scale = {scale:.4g} " + ("(1 / sqrt(D))" if default else "(given scale=)")
+                     + " before the product")
+    return q
 
 
 def _mask_note(mask: Tensor | None, user_mask: Tensor | None, is_causal: bool,

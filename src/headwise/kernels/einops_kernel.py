@@ -10,7 +10,7 @@ import einops
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout, scale_note
+from headwise.kernels.common import mask_softmax_dropout, scale_queries
 from headwise.kernels.registry import Kernel
 
 
@@ -27,10 +27,7 @@ def einops_attention(
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
 ) -> tuple[Tensor, Tensor | None]:
-    q = q * scale  # (B, H, S, D): scaling q before the product equals scaling the scores, and the
-    # unscaled q k^T can overflow fp16 (65504) where the scaled scores fit
-    if trace.ACTIVE:
-        trace.record("scaling", q, scale_note(scale, q.shape[-1]))
+    q = scale_queries(q, scale)  # (B, H, S, D): before the product, where q k^T could overflow fp16
     hkv = k.shape[1]
     qg = einops.rearrange(q, "b (hkv g) s d -> b hkv g s d", hkv=hkv)
     scores = einops.einsum(qg, k, "b hkv g s d, b hkv k d -> b hkv g s k")

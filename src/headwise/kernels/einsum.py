@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout, scale_note
+from headwise.kernels.common import mask_softmax_dropout, scale_queries
 from headwise.kernels.registry import Kernel
 
 
@@ -29,10 +29,7 @@ def einsum_attention(
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    q = q * scale  # (B, H, S, D): scaling q before the product equals scaling the scores, and the
-    # unscaled q k^T can overflow fp16 (65504) where the scaled scores fit
-    if trace.ACTIVE:
-        trace.record("scaling", q, scale_note(scale, D))
+    q = scale_queries(q, scale)  # (B, H, S, D): before the product, where q k^T could overflow fp16
     qg = q.reshape(B, Hkv, H // Hkv, S, D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
     scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k)  # -> (B, Hkv, G, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B, Hkv, G, S, Sk) -> (B, H, S, Sk)

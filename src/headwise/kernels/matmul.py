@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout, scale_note
+from headwise.kernels.common import mask_softmax_dropout, scale_queries
 from headwise.kernels.registry import Kernel
 
 
@@ -39,10 +39,7 @@ def matmul_attention(
         if trace.ACTIVE:
             trace.record("repeat kv heads", k, f"k, v.repeat_interleave({H // Hkv}, dim=1): "
                          "(B, Hkv, Sk, D) -> (B, H, Sk, D), a copy")
-    q = q * scale  # (B, H, S, D): scaling q before the product equals scaling the scores, and the
-    # unscaled q k^T can overflow fp16 (65504) where the scaled scores fit
-    if trace.ACTIVE:
-        trace.record("scaling", q, scale_note(scale, q.shape[-1]))
+    q = scale_queries(q, scale)  # (B, H, S, D): before the product, where q k^T could overflow fp16
     scores = torch.matmul(q, k.transpose(-2, -1))  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
     if trace.ACTIVE:
         trace.record("scores", scores, "torch.matmul(q, k.transpose(-2, -1)): "
