@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from headwise import MultiHeadAttention, available_backends
+from headwise import trace as headwise_trace
 from headwise.kernels.registry import get_kernel
 from headwise.masks import from_torch_masks
 from headwise.reference import MHSA, MultiHeadAttentionFormal, to_headwise_state_dict
@@ -559,7 +560,8 @@ def test_dispatch_checks_and_uses_context_and_cache_like_forward():
     with pytest.raises(ValueError, match=r"context must be \(B, Sk, E\)"):
         mha.dispatch(x, context=torch.randn(B, 7, E + 1))
     cache = mha.new_cache(B, 8)
-    with pytest.raises(ValueError, match="the cache was made for batch_size 2, got a batch of 3"):
+    with pytest.raises(ValueError, match=re.escape("the cache was made for batch_size 2, got a batch of 3; make one "
+                                                   "with mha.new_cache(batch_size, max_seq_len) per batch size")):
         mha.dispatch(torch.randn(3, 1, E), cache=cache)
     with torch.no_grad():
         mha(x, cache=cache, is_causal=True)  # prefill 4 positions, no padding
@@ -581,3 +583,53 @@ def test_divisor_hints_are_the_nearest_divisors_strictly_below_and_above(n, arou
 def test_forward_packed_errors_name_what_they_got(x, got):
     with pytest.raises(ValueError, match=re.escape(f"packed x must be (T, E) with E = embed_dim = {E}, got {got}")):
         MultiHeadAttention(E, H).forward_packed(x, torch.tensor([0, 3]))
+
+
+def test_torch_conversions_keep_device_dtype_and_batch_first_by_default():
+    ours = MultiHeadAttention(E, H, device="meta", dtype=torch.float64)
+    m = ours.to_torch()
+    assert m.batch_first and (m.in_proj_weight.device.type, m.in_proj_weight.dtype) == ("meta", torch.float64)
+    back = MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H, device="meta", dtype=torch.float64))
+    assert (back.q_proj.weight.device.type, back.q_proj.weight.dtype) == ("meta", torch.float64)
+
+
+def test_to_torch_names_every_feature_torch_lacks():
+    with pytest.raises(ValueError, match=re.escape("torch.nn.MultiheadAttention has no rope, alibi, window; "
+                                                   "build this module without them to convert it")):
+        MultiHeadAttention(E, H, rope=True, alibi=True, window=2).to_torch()
+
+
+def test_dispatch_takes_the_modules_causal_flag_and_its_override():
+    causal = MultiHeadAttention(E, H, is_causal=True)
+    x = torch.randn(B, S, E)
+    assert causal.dispatch(x).request.is_causal
+    assert not causal.dispatch(x, is_causal=False).request.is_causal
+    assert MultiHeadAttention(E, H).dispatch(x, is_causal=True).request.is_causal
+
+
+def test_forward_packed_runs_the_modules_own_backend():
+    mha = MultiHeadAttention(E, H, backend="matmul")
+    with headwise_trace() as t:
+        mha.forward_packed(torch.randn(5, E), torch.tensor([0, 3, 5]))
+    kernels = [s.note for s in t.stages if s.name == "kernel"]
+    assert kernels and all(note.startswith("backend 'matmul'") for note in kernels)
+
+
+def test_a_cache_step_takes_a_3d_mask_over_every_position():
+    mha = MultiHeadAttention(E, H).eval()
+    x = torch.randn(B, 4, E)
+    cache = mha.new_cache(B, 4)
+    step_mask = torch.tensor([[[1, 0, 1, 1]], [[0, 1, 1, 1]]], dtype=torch.bool)  # (B, 1, L): one query's keys
+    with torch.no_grad():
+        mha(x[:, :3], cache=cache, is_causal=True)
+        step = mha(x[:, 3:], step_mask, cache=cache, is_causal=True)
+        full = mha(x, torch.cat([torch.ones(B, 3, 4, dtype=torch.bool), step_mask], dim=1), is_causal=True)
+    close(step, full[:, 3:])
+
+
+def test_a_float_padding_mask_cannot_be_remembered_by_a_cache():
+    mha = MultiHeadAttention(E, H)
+    with pytest.raises(TypeError, match=re.escape(
+            "with a cache, give the 2-D padding mask as bool or integer (True / 1 = token); "
+            "a floating (B, Sk) bias cannot be remembered across steps")):
+        mha(torch.randn(B, 2, E), torch.zeros(B, 2), cache=mha.new_cache(B, 4))

@@ -79,6 +79,10 @@ def test_errors():
         headwise.MultiHeadAttention(16, 2, rope=True)(torch.randn(1, 2, 16), context=torch.randn(1, 3, 16))
 
 
+def test_the_default_base_is_ropes_10000():
+    assert RotaryEmbedding(8).base == 10000.0 and headwise.MultiHeadAttention(16, 2, rope=True).rope.base == 10000.0
+
+
 def test_base_must_be_positive_but_may_be_below_one():
     with pytest.raises(ValueError, match="rope_base must be positive, got 0"):
         RotaryEmbedding(8, base=0)

@@ -52,6 +52,9 @@ def test_shapes_and_notes_follow_the_document():
     by_name = {s.name: s for s in t.stages}
     assert by_name["input"].shape == (3, 4, 32)
     assert by_name["k projection"].shape == (3, 6, 32)  # keys come from the context
+    assert by_name["k projection"].note == "k_proj(context): (B, Sk, E) x (Hkv*D, E)^T + b"
+    assert by_name["v projection"].note == "v_proj(context): (B, Sk, E) x (Hkv*D, E)^T + b"
+    assert by_name["q projection"].note == "q_proj(x): (B, S, E) x (E, E)^T + b"
     assert by_name["split heads q"].shape == (3, 4, 4, 8)  # (B, H, S, D)
     assert by_name["scores"].shape == (3, 4, 4, 6)  # (B, H, S, Sk)
     assert "(B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)" in by_name["scores"].note

@@ -132,9 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         "pytest_add_cli_args": ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
         "process_isolation": "forkserver",  # torch is not fork-safe after the stats run
     }
-    if not (args.rerun or args.report):  # a kept copy has its [tool.mutmut] section already
-        with open(work / "pyproject.toml", "a") as f:
-            f.write("\n[tool.mutmut]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in config.items()))
+    if not args.report:  # (re)write the [tool.mutmut] section: a rerun takes today's test selection
+        pyproject = work / "pyproject.toml"
+        text = pyproject.read_text().split("\n[tool.mutmut]\n")[0]
+        pyproject.write_text(text + "\n[tool.mutmut]\n" + "".join(f"{key} = {json.dumps(value)}\n"
+                                                                  for key, value in config.items()))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     start = time.perf_counter()
     if not args.report:
