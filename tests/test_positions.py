@@ -102,3 +102,9 @@ def test_rotation_keeps_the_inputs_dtype_and_device(dtype):
 def test_no_packed_tokens_rotate_to_nothing():
     out = RotaryEmbedding(8).at(torch.empty(0, 2, 8), torch.empty(0, dtype=torch.long))
     assert out.shape == (0, 2, 8)
+
+
+def test_positions_start_at_zero_by_default():
+    x = torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(4))
+    rope = RotaryEmbedding(8)
+    assert torch.equal(rope(x), rope(x, start=0)) and not torch.allclose(rope(x), rope(x, start=1))

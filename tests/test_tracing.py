@@ -175,3 +175,12 @@ def test_sdpa_notes_say_what_was_fused_and_with_which_mask():
     assert notes[2] == (f"{fused} with a (1, 1, 1, 3) bool mask (causal, window, ALiBi folded in); rows with "
                         "nothing to attend zeroed")
     assert notes[3].startswith(f"{fused} with a (1, 2, 3, 3) float32 mask")
+
+
+def test_rotary_stage_names_its_base_and_first_position():
+    mha = headwise.MultiHeadAttention(32, 4, rope_base=500.0)
+    with headwise.trace() as t:
+        mha(torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(3)))
+    (stage,) = [s for s in t.stages if s.name == "rotary positions"]
+    assert stage.shape == (1, 4, 3, 8)
+    assert stage.note == "rotate q and k pairs (i, i + D/2) by position x 500^(-2i/D), positions from 0"
