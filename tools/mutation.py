@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "pytest_add_cli_args_test_selection": [t for t in TESTS if (work / t).exists()],
         "pytest_add_cli_args": ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
         "process_isolation": "forkserver",  # torch is not fork-safe after the stats run
+        "also_copy": ["docs/"],  # explain mode's generated page, which a test compares
     }
     if not args.report:  # (re)write the [tool.mutmut] section: a rerun takes today's test selection
         pyproject = work / "pyproject.toml"
