@@ -9,6 +9,18 @@ import headwise
 from headwise.kernels import varlen as varlen_kernel
 
 
+def check_float64(ref, q, k, v, mask, window):
+    """varlen's output and gradients equal the float64 reference to 1e-10: plain, causal,
+    with a ``window`` and with ALiBi."""
+    for kwargs in ({}, {"is_causal": True}, {"window": window}, {"alibi_slopes": headwise.masks.alibi_slopes(4)}):
+        out = headwise.attention(q, k, v, mask, backend="varlen", **kwargs)
+        expected, _ = ref(q, k, v, mask, **kwargs)
+        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
 @pytest.fixture(params=[10_000, 1], ids=["bucketed", "every-row-alone"])
 def direct(request, monkeypatch):
     """Run a test with short rows stacked in buckets, and again with every row alone on views."""
@@ -39,13 +51,7 @@ def test_right_padding_reads_key_prefixes(ref, lengths, direct):
     q = torch.randn(B, 4, 6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(B, 2, 10, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
     mask = headwise.masks.key_padding_mask(lengths, 10)  # real keys first: no gather
-    for kwargs in ({}, {"is_causal": True}, {"window": 3}, {"alibi_slopes": headwise.masks.alibi_slopes(4)}):
-        out = headwise.attention(q, k, v, mask, backend="varlen", **kwargs)
-        expected, _ = ref(q, k, v, mask, **kwargs)
-        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
-        grads = torch.autograd.grad(out.sum(), (q, k, v))
-        for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)), strict=True):
-            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    check_float64(ref, q, k, v, mask, window=3)
 
 
 @pytest.mark.parametrize("layout", ["3d_bool", "4d_bool", "4d_int_bcast_batch", "float_pad", "float_4d"])
@@ -71,13 +77,7 @@ def test_every_mask_drops_the_keys_nobody_attends_and_keeps_the_rest(ref, direct
     else:
         mask = torch.randn(B, 1, S, Sk, generator=gen, dtype=torch.float64).masked_fill(~keys[:, None, None],
                                                                                          float("-inf"))
-    for kwargs in ({}, {"is_causal": True}, {"window": 4}, {"alibi_slopes": headwise.masks.alibi_slopes(4)}):
-        out = headwise.attention(q, k, v, mask, backend="varlen", **kwargs)
-        expected, _ = ref(q, k, v, mask, **kwargs)
-        torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
-        grads = torch.autograd.grad(out.sum(), (q, k, v))
-        for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)), strict=True):
-            torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    check_float64(ref, q, k, v, mask, window=4)
 
 
 def test_dropout_reaches_buckets_that_need_no_mask(ref):
