@@ -342,3 +342,29 @@ def test_empty_inputs_forward_and_backward(backend, sizes, form, is_causal, drop
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     for g, t in zip(grads, (q, k, v), strict=True):
         assert g.shape == t.shape and (g == 0).all()
+
+
+def test_dropout_gradients_reach_a_float_bias(backend):
+    """Dropout and a learnable additive bias together: the bias's gradient replays the dropout too."""
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(2, 2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 1, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    bias = torch.randn(2, 1, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, bias):
+        torch.manual_seed(0)
+        return headwise.attention(q, k, v, bias, dropout_p=0.4, backend=backend)
+
+    assert_served(backend, q, k, v, bias, dropout_p=0.4)
+    assert torch.autograd.gradcheck(f, (q, k, v, bias))
+
+
+def test_sdpa_without_native_grouped_query_repeats_kv_heads(monkeypatch, ref):
+    """torch < 2.5 has no enable_gqa: the sdpa kernel then repeats the kv heads itself."""
+    from headwise.kernels import sdpa
+
+    monkeypatch.setattr(sdpa, "SDPA_HAS_GQA", False)
+    q, k, v, gen = _inputs(4, 2, 5, 6)
+    for mask in (None, make_mask("pad2d_bool", 4, 5, 6, gen)):
+        out = headwise.attention(q, k, v, mask, backend="sdpa")
+        torch.testing.assert_close(out.double(), ref(q, k, v, mask)[0], atol=1e-5, rtol=1e-5)
