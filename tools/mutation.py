@@ -141,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     start = time.perf_counter()
     if not args.report:
-        subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)], cwd=work, env=env,
-                       stdout=subprocess.DEVNULL, check=False)
+        done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)], cwd=work,
+                              env=env, capture_output=True, text=True, check=False)
+        if done.returncode:  # e.g. the unmutated tests fail there: every verdict would be stale
+            tail = (done.stdout + done.stderr).replace("\r", "\n").strip().splitlines()[-5:]
+            print(f"mutmut run failed (exit {done.returncode}) in {work}:", *tail, sep="\n", file=sys.stderr)
+            return 1
     minutes = (time.perf_counter() - start) / 60
 
     known = equivalents()
@@ -165,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         per_file[f][status] += 1
 
     total = Counter()
-    print(f"mutation testing: {minutes:.1f} min, tests: {len(TESTS)} files")
+    if args.report:
+        print(f"mutation testing: the results kept in {work}")
+    else:
+        selection = config["pytest_add_cli_args_test_selection"]
+        print(f"mutation testing: {minutes:.1f} min, tests: {len(selection)} files")
     print(f"{'file':<22} {'mutants':>7} {'killed':>7} {'equiv':>6} {'survived':>8} {'no tests':>8} {'other':>6}"
           f" {'kill rate':>9}")
     for f, counts in per_file.items():

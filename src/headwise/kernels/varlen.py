@@ -1,14 +1,14 @@
 """Key-padding-free attention for dense (B, H, S, D) inputs.
 
 Each batch row only needs its real keys: those that some query of some head may attend
-(with a key padding mask, the unpadded ones). A row with many
-(``DIRECT_MIN_LENGTH``) attends on its own, reading a view of its first keys when the
-padding is on the right (the usual layout) or gathering them otherwise; shorter rows are
-stacked into buckets of similar key counts, each run with only as many key columns as
-its longest row has real keys. Causality, windows and ALiBi are rebuilt from the keys'
-original positions, and the rest of a mask (3-D, 4-D, float) is gathered at the kept
-keys' columns, so the result is the dense result for every mask of the contract. Queries are all kept (the
-functional contract gives padded queries an output too); the module's packed path
+(with a key padding mask, the unpadded ones). A row with many (``DIRECT_MIN_LENGTH``)
+attends on its own, reading a view of its first keys when the padding is on the right
+(the usual layout) or gathering them otherwise; shorter rows are stacked into buckets of
+similar key counts, each run with only as many key columns as its longest row has real
+keys. Causality, windows and ALiBi are rebuilt from the keys' original positions, and the
+rest of a mask (3-D, 4-D, float) is gathered at the kept keys' columns, so the result is
+the dense result for every mask of the contract. Queries are all kept (the functional
+contract gives padded queries an output too); the module's packed path
 (:mod:`headwise.varlen`) also drops padded queries.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
