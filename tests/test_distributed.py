@@ -36,10 +36,14 @@ ROOT = HERE.parents[1]
 # ---------------------------------------------------------------- the cases
 
 def _case(name, dtype="float64", method="ring", layout="zigzag", *, mask=None, causal=False, window=None,
-          alibi=False, heads="mha", dS=0, tiles=(4, 3), tiny=False, fused=True, **extra):
+          alibi=False, heads="mha", dS=0, tiles=(4, 3), tiny=False, fused=True, passes=None, **extra):
+    # passes: "one" sends every kv head in one message, "per-head" one kv head per pass (ring.PASS_BYTES);
+    # None: one pass for the plain and causal cases, one pass per kv head for the rest
+    if passes is None:
+        passes = "one" if name.startswith(("plain", "causal")) else "per-head"
     return {"name": name, "dtype": dtype, "method": method, "layout": layout, "mask": mask, "causal": causal,
             "window": window, "alibi": alibi, "heads": heads, "dS": dS, "tiles": list(tiles), "tiny": tiny,
-            "fused": fused, **extra}
+            "fused": fused, "passes": passes, **extra}
 
 
 def cases() -> list[dict]:
@@ -188,6 +192,7 @@ def _run_case(hwd, case, world):
     ring.BLOCK_Q, ring.BLOCK_K = case["tiles"]
     ring.FUSED_ROWS = case["tiles"][0]  # fused calls split into parts too
     ring._FUSED_CPU = FUSED if case["fused"] else None  # unfused: the ring's own tiles on every block
+    ring.PASS_BYTES = 2**40 if case["passes"] == "one" else 1  # 1 byte: each kv head goes round alone
     t = make_inputs(case, world)
     lay = case["layout"]
     q, k, v = (hwd.shard(t[n], dim=2, layout=lay).detach().requires_grad_() for n in ("q", "k", "v"))

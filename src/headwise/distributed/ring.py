@@ -22,6 +22,13 @@ fully blocked (skipped) or exactly diagonal, and runs on PyTorch's fused flash k
 pair's share of the gradients given the merged output and lse), in parts of at most
 ``FUSED_ROWS`` rows.
 
+The kv heads go round in passes of at most ``PASS_BYTES`` of K/V per message (a pass
+takes whole kv heads with their G query heads, at least one). The backward pass holds
+four block-sized buffers at once (the K/V being used and the one arriving, the dK/dV
+being filled and the one arriving); passes divide them, so the ring's memory stays
+near that of one process at the local length while the bytes sent stay exactly
+(N - 1) x |local K, V| per pass over all passes (a key padding shard goes with each pass).
+
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S / Sk global query /
 key length, S_l / Sk_l this rank's lengths, Skb the length of the block at hand, D head
 dim, N world size, bq / bk the rows / columns of one tile.
@@ -29,6 +36,7 @@ dim, N world size, bq / bk the rows / columns of one tile.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -38,12 +46,13 @@ from torch.autograd.function import once_differentiable
 
 from headwise.distributed.layout import segments
 
-__all__ = ["BLOCK_Q", "BLOCK_K", "RingPlan", "Ring", "Traffic", "TRAFFIC", "ring_attention",
+__all__ = ["BLOCK_Q", "BLOCK_K", "PASS_BYTES", "RingPlan", "Ring", "Traffic", "TRAFFIC", "ring_attention",
            "block_forward", "merge"]
 
 BLOCK_Q = 256
 BLOCK_K = 512
 FUSED_ROWS = 1024
+PASS_BYTES = 4 << 20  # K and V of one block per message; set by benchmarks/context_parallel.py (weak scaling)
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -123,6 +132,20 @@ class RingPlan:
             hk, g = (Hkv, self.G) if h == H else (1, 1)
             m = dense.reshape(b, hk, g, s, Sk)
             self.dense5 = ~m if m.dtype == torch.bool else m.to(self.acc)
+        # whole kv heads per pass, as many as PASS_BYTES of one block's K and V allow (at least one)
+        per_head = 2 * B * max(self.k_lens) * D * k.element_size()
+        step = max(1, min(Hkv, PASS_BYTES // max(per_head, 1)))
+        self.passes = [(a, min(a + step, Hkv)) for a in range(0, Hkv, step)]
+
+    def heads(self, a: int, b: int) -> RingPlan:
+        """This plan for the kv heads ``a:b`` (and their query heads) alone: one pass."""
+        part = copy.copy(self)
+        part.Hkv, part.H = b - a, (b - a) * self.G
+        if self.dense5 is not None and self.dense5.shape[1] > 1:
+            part.dense5 = self.dense5[:, a:b]
+        if self.slopes5 is not None:
+            part.slopes5 = self.slopes5[:, a:b]
+        return part
 
     def fused_pairs(self, src: int, has_pad: bool) -> list[tuple[tuple, tuple, bool]] | None:
         """(query segment, key segment, top-left causal) pairs to run on the fused kernel for the block
@@ -256,38 +279,30 @@ def block_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, src: int,
     return None if out is None else (out, lse)
 
 
-def merge(out: Tensor | None, lse: Tensor | None, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge two partial results over disjoint key sets by log-sum-exp (in place on ``out``).
-
-    Rows with lse = -inf on both sides stay zero with lse = -inf.
+def merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Merge a partial result over other keys into ``(out, lse)`` by log-sum-exp, in place
+    (``out_b`` is overwritten). Zeros with lse = -inf merge as nothing; rows with lse = -inf
+    on both sides stay zero with lse = -inf.
     """
-    if out is None:
-        return out_b, lse_b
     new = torch.logaddexp(lse, lse_b)  # (B, Hkv, G, S_l, 1)
     safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-    out = out.mul_(torch.exp(lse - safe)).add_(out_b.mul_(torch.exp(lse_b - safe)))
-    return out, new
+    out.mul_(torch.exp(lse - safe)).add_(out_b.mul_(torch.exp(lse_b - safe)))
+    lse.copy_(new)
 
 
-def _fused_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, pairs, out: Tensor | None,
-                   lse: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+def _fused_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, pairs, out: Tensor, lse: Tensor) -> None:
     """The block on PyTorch's fused CPU kernel, one call per (query, key) segment pair, each
     result merged by log-sum-exp straight into the running ``(out, lse)`` (no block-sized copy)."""
     B, Hkv, G, S_l, D = q.shape
-    q4 = q.reshape(B, Hkv * G, S_l, D)  # (B, H, S_l, D)
+    q4 = q.reshape(B, Hkv * G, S_l, D)  # (B, H, S_l, D); a view, also for one pass's heads
     for (lq0, lq1, _), (lk0, lk1, _), causal in pairs:
-        if out is None:
-            out = q.new_zeros(B, Hkv, G, S_l, D)
-            lse = q.new_full((B, Hkv, G, S_l, 1), float("-inf"))
         bq = lq1 - lq0
         TRAFFIC.score_entries += G * bq * (lk1 - lk0) // (2 if causal else 1)
         o, s = _FUSED_CPU(q4[:, :, lq0:lq1], k[:, :, lk0:lk1], v[:, :, lk0:lk1], 0.0, causal, scale=plan.scale)
         # (B, H, bq, D), (B, H, bq): GQA without copies
         rows = slice(lq0, lq1)
-        _, new = merge(out[:, :, :, rows], lse[:, :, :, rows], o.reshape(B, Hkv, G, bq, D).to(q.dtype),
-                       s.reshape(B, Hkv, G, bq, 1).to(q.dtype))
-        lse[:, :, :, rows] = new  # merge wrote the output rows in place
-    return out, lse
+        merge(out[:, :, :, rows], lse[:, :, :, rows], o.reshape(B, Hkv, G, bq, D).to(q.dtype),
+              s.reshape(B, Hkv, G, bq, 1).to(q.dtype))
 
 
 def _fused_backward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, pairs, dout: Tensor, lse: Tensor,
@@ -413,9 +428,10 @@ def _empty_block(k: Tensor, pad: Tensor | None, length: int) -> list[Tensor]:
     return bufs
 
 
-def _ring_forward(plan: RingPlan, ring: Ring, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None):
+def _ring_forward(plan: RingPlan, ring: Ring, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None, out: Tensor,
+                  lse: Tensor) -> None:
+    """One pass around the ring, merged into ``out`` (zeros) and ``lse`` (-inf) in place."""
     N, r = ring.world, ring.rank
-    out = lse = None
     cur = [k.contiguous(), v.contiguous(), *_wire(pad)]  # what isend takes
     for step in range(N):
         src = (r - step) % N
@@ -426,24 +442,21 @@ def _ring_forward(plan: RingPlan, ring: Ring, q: Tensor, k: Tensor, v: Tensor, p
         kb, vb, pb = cur[0].to(plan.acc), cur[1].to(plan.acc), _unwire(cur[2:], pad)
         pairs = plan.fused_pairs(src, pad is not None)
         if pairs is not None:
-            out, lse = _fused_forward(plan, q, kb, vb, pairs, out, lse)
+            _fused_forward(plan, q, kb, vb, pairs, out, lse)
         else:
             block = block_forward(plan, q, kb, vb, src, pb)
-            if block is not None:
-                out, lse = merge(out, lse, *block)
+            if block is not None:  # None: the causal rule / window blocks the whole block
+                merge(out, lse, *block)
         if pending is not None:
             pending.wait()
             cur = nxt
-    if out is None:  # every key of every block is causally blocked for these queries
-        out = torch.zeros_like(q)
-        lse = q.new_full((*q.shape[:-1], 1), float("-inf"))
-    return out, lse
 
 
 def _ring_backward(plan: RingPlan, ring: Ring, q: Tensor, k: Tensor, v: Tensor, pad: Tensor | None,
-                   dout: Tensor, out: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+                   dout: Tensor, out: Tensor, lse: Tensor, dq: Tensor) -> Tensor:
+    """One pass around the ring: adds into ``dq`` and returns this rank's dK/dV (2, B, Hkv, Sk_l, D)."""
     N, r = ring.world, ring.rank
-    dq = torch.zeros_like(q)
+    delta = (dout * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O): (B, Hkv, G, S_l, 1)
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # dead rows: exp(-inf - 0) = 0
     cur = [k.contiguous(), v.contiguous(), *_wire(pad)]  # what isend takes
     incoming = None  # (exchange, buffer): the dK/dV the previous ranks accumulated for the next block
@@ -469,7 +482,7 @@ def _ring_backward(plan: RingPlan, ring: Ring, q: Tensor, k: Tensor, v: Tensor, 
             cur = nxt
     exchange, own = incoming
     exchange.wait()
-    return dq, own
+    return own
 
 
 class _RingAttention(torch.autograd.Function):
@@ -477,7 +490,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, pad, plan: RingPlan, ring: Ring):
         p = plan
         q5 = q.reshape(p.B, p.Hkv, p.G, p.S_l, p.D).to(p.acc)  # (B, H, S_l, D) -> (B, Hkv, G, S_l, D)
-        out, lse = _ring_forward(p, ring, q5, k, v, pad)  # K/V travel in the input dtype
+        out = torch.zeros_like(q5)
+        lse = q5.new_full((*q5.shape[:-1], 1), float("-inf"))  # (B, Hkv, G, S_l, 1); stays -inf where nothing
+        for a, b in p.passes:  # K/V travel in the input dtype
+            _ring_forward(p.heads(a, b), ring, q5[:, a:b], k[:, a:b], v[:, a:b], pad, out[:, a:b], lse[:, a:b])
         ctx.save_for_backward(q, k, v, pad, out, lse)
         ctx.plan, ctx.ring = plan, ring
         return out.reshape(p.B, p.H, p.S_l, p.D).to(q.dtype)  # (B, Hkv, G, S_l, D) -> (B, H, S_l, D)
@@ -489,8 +505,17 @@ class _RingAttention(torch.autograd.Function):
         p, ring = ctx.plan, ctx.ring
         q5 = q.reshape(p.B, p.Hkv, p.G, p.S_l, p.D).to(p.acc)
         dout = dout.reshape(out.shape).to(p.acc)  # (B, H, S_l, D) -> (B, Hkv, G, S_l, D)
-        delta = (dout * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O): (B, Hkv, G, S_l, 1)
-        dq, dkv = _ring_backward(p, ring, q5, k, v, pad, dout, out, lse, delta)
+        dq = torch.zeros_like(q5)
+        dkv = None  # (2, B, Hkv, Sk_l, D)
+        for a, b in p.passes:
+            own = _ring_backward(p.heads(a, b), ring, q5[:, a:b], k[:, a:b], v[:, a:b], pad, dout[:, a:b],
+                                 out[:, a:b], lse[:, a:b], dq[:, a:b])
+            if len(p.passes) == 1:
+                dkv = own
+            else:
+                if dkv is None:
+                    dkv = own.new_empty(2, *k.shape)
+                dkv[:, :, a:b] = own
         return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
