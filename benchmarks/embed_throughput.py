@@ -1,7 +1,7 @@
 """Sentence embeddings per second: the padding-free encoder vs ``SentenceTransformer.encode``.
 
 Embeds a generated corpus (2,000 sentences by default, from a few tokens to the model's
-256-token limit) with all-MiniLM-L6-v2 twice: through ``headwise.embed`` (tokens packed,
+256-token limit) with all-MiniLM-L6-v2 twice: through ``headwise.integrations.sentence_transformers`` (tokens packed,
 no compute on padding; see ``examples/packed_bert.py``) and through sentence-transformers
 (padded batches, which it sorts by length first to limit padding), with the same batch
 size. Runs alternate between the two so that a busy machine slows both alike; the table
@@ -32,7 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from headwise.embed import default_model_dir, load_encoder
+from headwise.integrations.sentence_transformers import default_model_dir, load_encoder
 
 WORDS = """
 the of and to in is that for it as was with be by on not he this are or his from at which but have

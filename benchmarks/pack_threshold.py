@@ -2,10 +2,10 @@
 
 Two decisions are measured on the same inputs, side by side, over padding shares:
 
-* module: ``MultiHeadAttention`` dense (``backend="sdpa"``) vs packed (``backend="varlen"``,
-  projections and attention on the real tokens only): sets ``PACK_MIN_PADDING``;
+* module: ``MultiHeadAttention`` dense (``backend="sdpa"``) vs packed (``packing=True``,
+  projections and attention on the real tokens only): sets ``policy.PACK_MIN_PADDING``;
 * kernel: ``headwise.attention`` with a key padding mask, ``sdpa`` vs ``varlen`` (padded
-  keys dropped per row): sets ``dispatch.VARLEN_MIN_PADDING``.
+  keys dropped per row): sets ``policy.VARLEN_MIN_PADDING``.
 
     python benchmarks/pack_threshold.py [--batch 32 --seq 512 --dim 512 --heads 8]
 """
@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     B, S, E, H = args.batch, args.seq, args.dim, args.heads
     gen = torch.Generator().manual_seed(0)
     dense = headwise.MultiHeadAttention(E, H, backend="sdpa")
-    packed = headwise.MultiHeadAttention(E, H, backend="varlen")
+    packed = headwise.MultiHeadAttention(E, H, packing=True)
     packed.load_state_dict(dense.state_dict())
     x = torch.randn(B, S, E, generator=gen, requires_grad=True)
     q, k, v = (torch.randn(B, H, S, E // H, generator=gen, requires_grad=True) for _ in range(3))

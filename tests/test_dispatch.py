@@ -53,7 +53,7 @@ def assert_covers_every_other_kernel(d: headwise.Dispatch) -> None:
 
 @pytest.fixture
 def tiny_budget(monkeypatch):
-    monkeypatch.setattr(headwise.dispatch, "SCORES_BUDGET_BYTES", 16)
+    monkeypatch.setattr(headwise.policy, "SCORES_BUDGET_BYTES", 16)
 
 
 def swap_kernel(monkeypatch, name, **changes):
@@ -124,7 +124,7 @@ def test_budget_is_read_when_deciding(monkeypatch):
     # The same request, asked before and after the budget changes: rule 3 must see the change.
     q, k, v = qkv()
     assert choose_backend(q, k, v, dropout_p=0.1).backend == "sdpa"
-    monkeypatch.setattr(headwise.dispatch, "SCORES_BUDGET_BYTES", 16)
+    monkeypatch.setattr(headwise.policy, "SCORES_BUDGET_BYTES", 16)
     assert choose_backend(q, k, v, dropout_p=0.1).backend == "chunked"
 
 
@@ -268,7 +268,7 @@ def test_heavy_key_padding_on_cpu_picks_varlen_and_says_why(monkeypatch):
     d = choose_backend(q, k, v, keys)
     assert d.backend == "varlen" and "of the keys are padding (>= VARLEN_MIN_PADDING 30%)" in d.reason
     assert d.request.key_padding == pytest.approx(0.5)
-    monkeypatch.setattr(headwise.dispatch, "VARLEN_MIN_PADDING", 0.99)
+    monkeypatch.setattr(headwise.policy, "VARLEN_MIN_PADDING", 0.99)
     assert choose_backend(q, k, v, keys).backend == "sdpa"  # the threshold is read at each decision
     assert choose_backend(q, k, v, keys, need_weights=True).backend == "matmul"
     assert choose_backend(q, k, v, torch.ones_like(keys)).backend == "sdpa"

@@ -37,7 +37,7 @@ ROOT = HERE.parents[1]
 
 def _case(name, dtype="float64", method="ring", layout="zigzag", *, mask=None, causal=False, window=None,
           alibi=False, heads="mha", dS=0, tiles=(4, 3), tiny=False, fused=True, passes=None, **extra):
-    # passes: "one" sends every kv head in one message, "per-head" one kv head per pass (ring.PASS_BYTES);
+    # passes: "one" sends every kv head in one message, "per-head" one kv head per pass (policy.RING_PASS_BYTES);
     # None: one pass for the plain and causal cases, one pass per kv head for the rest
     if passes is None:
         passes = "one" if name.startswith(("plain", "causal")) else "per-head"
@@ -188,11 +188,12 @@ FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 def _run_case(hwd, case, world):
     import headwise.distributed.ring as ring
+    from headwise import policy
 
-    ring.BLOCK_Q, ring.BLOCK_K = case["tiles"]
-    ring.FUSED_ROWS = case["tiles"][0]  # fused calls split into parts too
+    policy.RING_BLOCK_Q, policy.RING_BLOCK_K = case["tiles"]
+    policy.RING_FUSED_ROWS = case["tiles"][0]  # fused calls split into parts too
     ring._FUSED_CPU = FUSED if case["fused"] else None  # unfused: the ring's own tiles on every block
-    ring.PASS_BYTES = 2**40 if case["passes"] == "one" else 1  # 1 byte: each kv head goes round alone
+    policy.RING_PASS_BYTES = 2**40 if case["passes"] == "one" else 1  # 1 byte: each kv head goes round alone
     t = make_inputs(case, world)
     lay = case["layout"]
     q, k, v = (hwd.shard(t[n], dim=2, layout=lay).detach().requires_grad_() for n in ("q", "k", "v"))

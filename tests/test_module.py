@@ -8,6 +8,7 @@ D head dim, E embed dim.
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from headwise.masks import from_torch_masks
 from headwise.reference import MHSA, MultiHeadAttentionFormal, to_headwise_state_dict
 
 B, S, Sk, E, H = 2, 5, 3, 16, 4
-BACKENDS = available_backends()
+# Kernel names for the module: there backend="varlen" is still the deprecated name of packing=True
+# (see test_backend_varlen_is_the_deprecated_name_of_packing_true); the varlen kernel is tested in tests/kernels.
+BACKENDS = [name for name in available_backends() if name != "varlen"]
 WEIGHT_BACKENDS = [n for n in BACKENDS if get_kernel(n).supports_weights]
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -541,13 +544,86 @@ def test_dispatch_of_the_packed_path_in_full():
     x = torch.randn(3, 4, E)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])  # 2 of 12 tokens: 17% padding
     d = mha.dispatch(x, mask)
-    assert (d.backend, dict(d.passed_over), d.request) == ("varlen", {"dense path": "pays for the padding"}, None)
-    assert d.reason == ("module packed path: 17% of the batch is padding (>= PACK_MIN_PADDING 10%); projections "
-                        "and feed-through run on the real tokens only, attention per length bucket ('auto' inside "
-                        "each bucket)")
-    assert str(d).splitlines()[1] == "  passed over 'dense path': pays for the padding"
-    forced = MultiHeadAttention(E, H, backend="varlen").dispatch(x, torch.ones(3, 4, dtype=torch.bool))
-    assert forced.reason.startswith("module packed path: backend='varlen' packs the real tokens; projections")
+    assert (d.path, d.backend, dict(d.passed_over)) == ("packed", "sdpa", {"dense path": "pays for 2 padded positions"})
+    assert d.path_reason == "17% of the batch is padding (>= PACK_MIN_PADDING 10%)"
+    assert d.reason == ("attention per length bucket (sequences x length): 2 x 4 -> 'sdpa', 1 x 2 -> 'sdpa'; "
+                        "projections and the output projection run on the 10 real tokens of 3 x 4")
+    assert d.request.batch == 2 and d.request.q_len == d.request.k_len == 4  # the bucket with the most tokens
+    assert str(d).splitlines()[:2] == ["path 'packed': 17% of the batch is padding (>= PACK_MIN_PADDING 10%)",
+                                       "backend 'sdpa': " + d.reason]
+    assert str(d).splitlines()[2] == "  passed over 'dense path': pays for 2 padded positions"
+    forced = MultiHeadAttention(E, H, packing=True).dispatch(x, torch.ones(3, 4, dtype=torch.bool))
+    assert (forced.path, forced.path_reason) == ("packed", "packing=True packs the real tokens")
+    assert forced.reason.startswith("attention per length bucket (sequences x length): 3 x 4 -> 'sdpa';")
+    assert mha.plan(x, mask).path == "packed" and mha.plan(x, mask).padding.sum() == 10
+
+
+@pytest.mark.parametrize("kwargs, mask, path, why", [
+    ({}, None, "dense", "no 2-D padding mask of x's own tokens (self-attention) to pack by"),
+    ({}, "pad", "packed", "17% of the batch is padding (>= PACK_MIN_PADDING 10%)"),
+    ({}, "full", "dense", "0% of the batch is padding (< PACK_MIN_PADDING 10%)"),
+    ({"packing": False}, "pad", "dense", "packing=False"),
+    ({"packing": True}, "full", "packed", "packing=True packs the real tokens"),
+    ({"backend": "matmul"}, "pad", "dense", "backend='matmul' runs on the (B, S) batch (packing=True packs for it)"),
+    ({"window": 2}, "pad", "dense", "window / ALiBi count positions, which change for tokens after a hole once packed"),
+])
+def test_plan_names_the_path_and_forward_follows_it(kwargs, mask, path, why):
+    mha = MultiHeadAttention(E, H, **kwargs)
+    x = torch.randn(3, 4, E)
+    masks = {None: None, "pad": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]]),
+             "full": torch.ones(3, 4, dtype=torch.bool)}
+    plan = mha.plan(x, masks[mask])
+    assert (plan.path, plan.why) == (path, why)
+    assert mha.dispatch(x, masks[mask]).path == path
+    with headwise_trace() as t:
+        mha(x, masks[mask])
+    assert ("pack" in t.names()) == (path == "packed")
+
+
+def test_dispatch_runs_no_projection(monkeypatch):
+    mha = MultiHeadAttention(E, H)
+    calls = []
+    for proj in (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj):
+        monkeypatch.setattr(proj, "forward", lambda *a: calls.append(a))
+    x = torch.randn(3, 4, E)
+    for mask in (None, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])):
+        assert mha.dispatch(x, mask).backend == "sdpa"
+    assert mha.dispatch(x, context=torch.randn(3, 6, E)).request.k_len == 6
+    assert calls == []
+
+
+def test_backend_varlen_is_the_deprecated_name_of_packing_true(monkeypatch):
+    import headwise.deprecation
+
+    monkeypatch.setattr(headwise.deprecation, "_warned", set())
+    with pytest.warns(FutureWarning, match=r"MultiHeadAttention\(backend='varlen'\) is now packing=True"):
+        old = MultiHeadAttention(E, H, backend="varlen")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        again = MultiHeadAttention(E, H, backend="varlen")
+    assert (old.backend, old.packing, again.packing) == ("auto", True, True)
+    new = MultiHeadAttention(E, H, packing=True)
+    new.load_state_dict(old.state_dict())
+    x = torch.randn(3, 4, E)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    torch.testing.assert_close(old(x, mask), new(x, mask), rtol=0, atol=0)
+    kernel = MultiHeadAttention(E, H, backend="varlen", packing=False)  # packing= given: the kernel's name
+    kernel.load_state_dict(old.state_dict())
+    assert (kernel.backend, kernel.packing, kernel.dispatch(x, mask).backend) == ("varlen", False, "varlen")
+    torch.testing.assert_close(kernel(x, mask), new(x, mask))
+    with pytest.raises(ValueError, match=r"packing must be 'auto', True or False, got 1"):
+        MultiHeadAttention(E, H, packing=1)
+
+
+def test_old_threshold_name_warns_and_reads_the_policy(monkeypatch):
+    import headwise.deprecation
+    import headwise.module
+    import headwise.policy
+
+    monkeypatch.setattr(headwise.deprecation, "_warned", set())
+    monkeypatch.setattr(headwise.policy, "PACK_MIN_PADDING", 0.5)
+    with pytest.warns(FutureWarning, match=r"module.PACK_MIN_PADDING moved to headwise.policy.PACK_MIN_PADDING"):
+        assert headwise.module.PACK_MIN_PADDING == 0.5
 
 
 def test_dispatch_checks_and_uses_context_and_cache_like_forward():

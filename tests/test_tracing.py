@@ -126,18 +126,35 @@ def test_hooks_only_read_the_active_counter_when_idle(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("module_backend", ["varlen", "auto"])
-def test_packed_path_is_traced_as_such(module_backend):
-    mha = headwise.MultiHeadAttention(32, 4, backend=module_backend)
+@pytest.mark.parametrize("packing", [True, "auto"])
+def test_packed_path_is_traced_as_such(packing):
+    mha = headwise.MultiHeadAttention(32, 4, num_kv_heads=2, packing=packing)
     x = torch.randn(3, 6, 32)
     mask = headwise.masks.key_padding_mask([6, 2, 1], 6)  # half the batch is padding: auto packs
     with headwise.trace() as t:
         mha(x, mask)
-    names = t.names()
-    assert names[0] == "input (packed)" and names[-1] == "output projection (packed)"
-    assert t.stages[0].shape == (9, 32)  # T = 6 + 2 + 1 real tokens, no padding
-    assert "kernel" in names
-    assert mha.dispatch(x, mask).backend == "varlen"
+    shapes = {s.name: s.shape for s in t.stages}
+    assert t.names()[:2] == ["input", "pack"] and t.names()[-3:] == ["merge heads", "output projection", "unpack"]
+    assert shapes["input"] == (3, 6, 32) and shapes["unpack"] == (3, 6, 32)
+    T = 9  # 6 + 2 + 1 real tokens, no padding
+    assert (shapes["pack"], shapes["q projection"], shapes["k projection"], shapes["v projection"]) == (
+        (T, 32), (T, 32), (T, 16), (T, 16))
+    assert (shapes["split heads q"], shapes["split heads k, v"]) == ((T, 4, 8), (T, 2, 8))
+    assert shapes["merge heads"] == (T, 32) and shapes["output projection"] == (T, 32)
+    assert "kernel" in t.names()
+    assert mha.dispatch(x, mask).path == "packed"
+
+
+def test_the_documents_example_traces_every_projection_under_default_settings():
+    """The first document's batch (3 rows, S=2, E=128, H=8, mask [[1, 1], [1, 0], [1, 0]]: 33% padding)."""
+    mha = headwise.MultiHeadAttention(128, 8)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0]])
+    with headwise.trace() as t:
+        mha(torch.randn(3, 2, 128), mask)
+    assert mha.plan(torch.randn(3, 2, 128), mask).path == "packed"
+    projections = [s for s in t.stages if s.name.endswith("projection")]
+    assert [s.name for s in projections] == ["q projection", "k projection", "v projection", "output projection"]
+    assert all(s.shape == (4, 128) for s in projections)  # the 4 real tokens
 
 
 def test_varlen_kernel_is_one_fused_stage():
@@ -148,16 +165,17 @@ def test_varlen_kernel_is_one_fused_stage():
     assert t.names() == ["mask layout", "kernel", "varlen"] and t.stages[-1].fused
 
 
-def test_the_packed_path_records_its_input_and_output_projection():
+def test_forward_packed_records_its_input_and_every_stage():
     mha = headwise.MultiHeadAttention(32, 4)
-    x = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(1))
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(1))
     with headwise.trace() as t:
-        mha(x, mask)
+        mha.forward_packed(x, torch.tensor([0, 4, 6, 7]))
     by_name = {s.name: s for s in t.stages}
-    packed_in, packed_out = by_name["input (packed)"], by_name["output projection (packed)"]
-    assert (packed_in.shape, packed_in.note) == ((7, 32), "x: (T, E), 3 sequences, no padding")
-    assert (packed_out.shape, packed_out.note) == ((7, 32), "out_proj on (T, E); attention ran per length bucket")
+    assert (by_name["input (packed)"].shape, by_name["input (packed)"].note) == (
+        (7, 32), "x: (T, E), 3 sequences end to end, no padding")
+    assert (by_name["output projection"].shape, by_name["output projection"].note) == (
+        (7, 32), "out_proj: (T, E) x (E, E)^T + b, on the real tokens only")
+    assert by_name["q projection"].note == "q_proj(x): (T, E) x (E, E)^T + b"
 
 
 def test_sdpa_notes_say_what_was_fused_and_with_which_mask():

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import headwise
 from headwise import varlen
-from headwise.module import PACK_MIN_PADDING
+from headwise.policy import PACK_MIN_PADDING
 
 E, H = 32, 4
 

@@ -91,10 +91,10 @@ class Result:
 IMPLS = ("headwise auto", "SDPA module", "torch MHA", "reference")
 
 
-def headwise_module(case: Case, backend: str = "auto") -> headwise.MultiHeadAttention:
+def headwise_module(case: Case, backend: str = "auto", packing: bool | str = "auto") -> headwise.MultiHeadAttention:
     """The case's headwise module; its weights, seeded, are the ones every implementation uses."""
     torch.manual_seed(0)
-    return headwise.MultiHeadAttention(case.E, case.H, case.dropout, backend=backend)
+    return headwise.MultiHeadAttention(case.E, case.H, case.dropout, backend=backend, packing=packing)
 
 
 def build(impl: str, case: Case) -> Callable[[Tensor, Tensor | None], Tensor]:
@@ -105,6 +105,9 @@ def build(impl: str, case: Case) -> Callable[[Tensor, Tensor | None], Tensor]:
     with like.
     """
     E, H = case.E, case.H
+    if impl == "headwise packed":  # the padding-free path, whatever the padding share
+        m = headwise_module(case, packing=True)
+        return lambda x, mask: m(x, mask)
     if impl.startswith("headwise"):
         m = headwise_module(case, impl.split()[1])
         return lambda x, mask: m(x, mask)
@@ -138,7 +141,7 @@ def inputs(case: Case, requires_grad: bool) -> tuple[Tensor, Tensor | None]:
 
 def predicted_peak_gib(impl: str, case: Case) -> float:
     """A lower bound on the (B, H, S, S) memory an implementation that materialises scores needs."""
-    if impl == "headwise auto" or impl in ("headwise chunked", "headwise varlen"):
+    if impl == "headwise auto" or impl in ("headwise chunked", "headwise packed"):
         return 0.0
     scores = case.B * case.H * case.S * case.S * 4 / 2**30
     if impl == "SDPA module" and case.dropout == 0 and case.lengths is None:
@@ -323,7 +326,7 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
     for case in cases(quick):
         impls = list(IMPLS) + (["headwise sdpa", "headwise chunked"] if case.group != "long" else [])
         if case.group == "padded":
-            impls.append("headwise varlen")
+            impls.append("headwise packed")
         if case.group == "long":
             impls = ["headwise auto", "SDPA module", "reference"]
         done: dict[str, Result] = {}

@@ -72,8 +72,64 @@ class KVCache:
                 f"cannot take {new} more; make a larger one or call cache.reset()"
             )
 
+    def mask_for(self, mask: Tensor | None, new: int) -> Tensor | None:
+        """The mask over every cached position for a step of ``new`` positions (changes nothing).
+
+        Args:
+            mask: the step's mask: a 2-D bool/integer padding mask over the ``new`` positions
+                or over all ``len(cache) + new``; a 3-D / 4-D mask (passed on as it is); or None.
+            new: T, the positions this step appends.
+
+        Returns:
+            (B, L) bool, True = real token, once any step gave a padding mask (earlier
+            padding is remembered); the 3-D / 4-D mask as given; else None.
+
+        Raises:
+            TypeError: a floating 2-D mask (an additive bias cannot be remembered).
+            ValueError: a 2-D mask whose batch differs from the cache's.
+        """
+        start, total = self._length, self._length + new
+        if mask is None:
+            return self.key_mask[:, :total] if self.padded else None  # (B, L)
+        if mask.dim() != 2 or mask.shape[-1] not in (new, total):
+            return mask  # 3-D / 4-D masks already cover (S, Sk); normalize_mask checks them
+        if mask.is_floating_point():
+            raise TypeError(
+                "with a cache, give the 2-D padding mask as bool or integer (True / 1 = token); "
+                "a floating (B, Sk) bias cannot be remembered across steps"
+            )
+        if mask.shape[0] != self.batch_size:
+            raise ValueError(f"attention_mask batch ({mask.shape[0]}) differs from the cache's "
+                             f"batch_size ({self.batch_size})")
+        mask = mask.to(self.key_mask.device) != 0
+        if mask.shape[-1] == new:
+            mask = torch.cat([self.key_mask[:, :start], mask], dim=1)  # (B, L)
+        return mask
+
+    def update(self, k: Tensor, v: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Append T new positions with their mask; return every cached key, value and the mask.
+
+        Args:
+            k, v: (B, Hkv, T, D) new keys and values.
+            mask: the step's mask, as :meth:`mask_for` takes it; a 2-D padding mask is
+                remembered for later steps.
+
+        Returns:
+            ``(k, v, mask)``: (B, Hkv, L, D) views of the buffers (L = len(cache) after
+            appending) and the mask over all L positions (see :meth:`mask_for`).
+        """
+        B, _, T, _ = k.shape
+        self.check(B, T)
+        given, mask = mask, self.mask_for(mask, T)
+        total = self._length + T
+        if given is not None and mask.dim() == 2 and mask.shape[-1] == total:  # a padding mask: remember it
+            self.key_mask[:, :total] = mask
+            self.padded = True
+        k, v = self.append(k, v)
+        return k, v, mask
+
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store ``T`` new positions and return every cached key and value.
+        """Store ``T`` new positions and return every cached key and value (no mask bookkeeping).
 
         Args:
             k, v: (B, Hkv, T, D) new keys and values.

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 import headwise
-from headwise.embed import add_embed_parser
+from headwise.apps.embed import add_embed_parser
 from headwise.equivalences import measure
 from headwise.explain import ExplainConfig, explain, markdown_page
 from headwise.plot import plot_attention
@@ -56,14 +56,18 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     table.add_column("max |difference| (real tokens)", justify="right")
     table.add_column("padding -> 0")
     table.add_column("note")
-    for name in ["auto", *headwise.available_backends()]:
-        mha = headwise.MultiHeadAttention(E, H, backend=name).eval()
+    # every kernel on the dense path, then "auto" and the padding-free path (packing=True)
+    rows = [(name, {"backend": name, "packing": False}) for name in headwise.available_backends()]
+    rows += [("auto", {}), ("packing=True", {"packing": True})]
+    for name, kwargs in rows:
+        mha = headwise.MultiHeadAttention(E, H, **kwargs).eval()
         mha.load_state_dict(to_headwise_state_dict(reference))
         with torch.no_grad():
             out = mha(x, mask)
         real = mask.bool()  # padded positions: ours are zeros, the document's are unused values
         diff = (out[real] - expected[real]).abs().max().item()
-        note = f"chose {mha.dispatch(x, mask).backend!r}" if name == "auto" else ""
+        d = mha.dispatch(x, mask)
+        note = f"{d.path} path, kernel {d.backend!r}" if name in ("auto", "packing=True") else ""
         zeros = "yes" if bool((out[~real] == 0).all()) else "no"
         table.add_row(name, str(tuple(out.shape)), f"{diff:.2e}", zeros, note)
     console.print(table)

@@ -3,7 +3,8 @@
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim.
 
-The rules, measured on a 2-core CPU with torch 2.13 (see ``headwise bench``):
+The rules, measured on a 2-core CPU with torch 2.13 (see ``headwise bench``); every
+threshold they read lives in :mod:`headwise.policy` with the benchmark that sets it:
 
 1. ``need_weights=True``: only kernels that materialise the probabilities can serve;
    ``matmul`` is the plainest of them and as fast as the other textbook forms.
@@ -29,26 +30,20 @@ from types import MappingProxyType
 
 import torch
 
+from headwise import policy
+from headwise.deprecation import moved
 from headwise.kernels.registry import Kernel, Request, get_kernel, kernels
 
 logger = logging.getLogger(__name__)
 
-# Above this many bytes of (B, H, S, Sk) scores, an unfused path risks memory more than
-# the chunked kernel costs in speed.
-SCORES_BUDGET_BYTES = 256 * 2**20
+__getattr__ = moved(__name__, {name: (policy, f"headwise.policy.{name}") for name in (
+    "SCORES_BUDGET_BYTES", "VARLEN_MIN_PADDING", "VARLEN_SHORT_KEYS", "VARLEN_MIN_PADDING_SHORT")})
 
 _WEIGHT_ORDER = ("matmul", "einsum", "einops", "bmm")
 _DEFAULT_ORDER = ("sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _LOW_MEMORY_ORDER = ("chunked", "sdpa", "matmul", "einsum", "einops", "bmm")
 _CUDA_STRUCTURED_ORDER = ("triton", "sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _VARLEN_ORDER = ("varlen", "sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
-# Padded-key share from which "varlen" beats SDPA with the mask, measured by
-# benchmarks/pack_threshold.py (B=32, H=8, D=64, forward and forward + backward). Where
-# rows are short its per-bucket work weighs more: the crossover was about 10% at
-# Sk=2048, 20% at 512, 25% at 256, but 55-70% at 128.
-VARLEN_MIN_PADDING = 0.3
-VARLEN_SHORT_KEYS = 256  # below this many keys, VARLEN_MIN_PADDING_SHORT applies
-VARLEN_MIN_PADDING_SHORT = 0.7
 _COST = {
     "varlen": "attends per row or per length bucket: pays off only when many keys are padding",
     "triton": "fused on CUDA for masks, windows and ALiBi; SDPA's flash kernel is kept for the plain cases",
@@ -66,23 +61,33 @@ class Dispatch:
     """The outcome of backend selection for one request.
 
     Attributes:
-        backend: the kernel that runs.
+        backend: the kernel that runs (for the module's context-parallel path: the method,
+            ``"ring"`` or ``"ulysses"``).
         reason: why it was chosen.
         passed_over: every other registered kernel with the reason it was not chosen.
         request: what was asked for.
+        path: for :meth:`headwise.MultiHeadAttention.dispatch`, the module's path around
+            the kernel: ``"dense"``, ``"packed"`` or ``"context parallel"`` (see
+            :class:`headwise.module.Plan`); ``"dense"`` for the function.
+        path_reason: why that path ("" for the function).
     """
 
     backend: str
     reason: str
     passed_over: Mapping[str, str] = field(default_factory=dict)
     request: Request | None = None
+    path: str = "dense"
+    path_reason: str = ""
 
     @property
-    def kernel(self) -> Kernel:
-        return get_kernel(self.backend)
+    def kernel(self) -> Kernel | None:
+        """The registered kernel that runs; None where ``backend`` names no kernel (a
+        context-parallel method)."""
+        return kernels().get(self.backend)
 
     def __str__(self) -> str:
-        lines = [f"backend {self.backend!r}: {self.reason}"]
+        lines = [f"path {self.path!r}: {self.path_reason}"] if self.path_reason else []
+        lines += [f"backend {self.backend!r}: {self.reason}"]
         lines += [f"  passed over {name!r}: {why}" for name, why in self.passed_over.items()]
         return "\n".join(lines)
 
@@ -136,8 +141,8 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
         ValueError: unknown backend, or a named backend that cannot serve the request
             (the message says why and which backends can).
     """
-    dispatch = _select(request, backend, tuple(kernels().values()), SCORES_BUDGET_BYTES,
-                       (VARLEN_MIN_PADDING, VARLEN_SHORT_KEYS, VARLEN_MIN_PADDING_SHORT))
+    dispatch = _select(request, backend, tuple(kernels().values()), policy.SCORES_BUDGET_BYTES,
+                       (policy.VARLEN_MIN_PADDING, policy.VARLEN_SHORT_KEYS, policy.VARLEN_MIN_PADDING_SHORT))
     if backend == "auto" and logger.isEnabledFor(logging.DEBUG):
         logger.debug("auto chose %s", dispatch)
     return dispatch

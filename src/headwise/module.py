@@ -17,26 +17,62 @@ State dict (separate projections, as the documents and Hugging Face models keep 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 from torch import Tensor, nn
 
+from headwise import convert, policy, varlen
 from headwise import tracing as trace
-from headwise import varlen
 from headwise.cache import KVCache
+from headwise.deprecation import moved, warn_once
 from headwise.dispatch import Dispatch
 from headwise.functional import attend, choose_backend
+from headwise.kernels.common import length_buckets
 from headwise.kernels.registry import get_kernel
 from headwise.masks import alibi_slopes
 from headwise.positions import RotaryEmbedding, apply_rotary
 
-__all__ = ["MultiHeadAttention", "PACK_MIN_PADDING"]
+__all__ = ["MultiHeadAttention", "Plan"]
 
-# "auto" packs a self-attention batch (drops its padding before the projections) when at
-# least this fraction of it is padding; benchmarks/pack_threshold.py measured packing
-# 1.06-1.25x faster at 10% padding (forward and forward + backward, S=128 and 512).
-PACK_MIN_PADDING = 0.1
+__getattr__ = moved(__name__, {"PACK_MIN_PADDING": (policy, "headwise.policy.PACK_MIN_PADDING")})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call of the module runs, decided before any arithmetic.
+
+    :meth:`MultiHeadAttention.forward` follows it and :meth:`MultiHeadAttention.dispatch`
+    reports it, so the two cannot disagree.
+
+    Attributes:
+        path: ``"dense"`` (the (B, S) batch, padding included), ``"packed"`` (only the real
+            tokens: projections on (T, E), attention per length bucket) or
+            ``"context parallel"`` (this rank's shard of the sequence).
+        why: why this path, in one sentence.
+        is_causal: the causal flag in effect (the call's, else the constructor's).
+        padding: (B, S) bool, True where x holds a real token, when a 2-D mask describes
+            x's tokens; else None.
+    """
+
+    path: str
+    why: str
+    is_causal: bool
+    padding: Tensor | None
+
+
+def _bucket_shapes(lengths: list[int]) -> list[tuple[int, int, bool]]:
+    """(sequences, length, padded) of each attention call the packed path makes for these
+    lengths: long sequences alone, short ones stacked per length bucket."""
+    shapes = []
+    for bucket in length_buckets(lengths):
+        L = lengths[bucket[0]]  # the longest comes first
+        if L >= policy.DIRECT_MIN_LENGTH:
+            shapes += [(1, lengths[i], False) for i in bucket]
+        else:
+            shapes.append((len(bucket), L, any(lengths[i] < L for i in bucket)))
+    return shapes
 
 
 def _divisors_near(n: int, around: int) -> str:
@@ -60,7 +96,13 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: Hkv, the number of key/value heads (None: H, plain multi-head;
             1: multi-query; otherwise grouped-query with ``H % Hkv == 0``).
         is_causal: default causal flag for :meth:`forward`.
-        backend: ``"auto"`` or a name from :func:`headwise.available_backends`.
+        backend: the kernel: ``"auto"`` or a name from :func:`headwise.available_backends`.
+        packing: the padding-free path for self-attention with a 2-D padding mask: ``True``
+            always takes it (projections on the real tokens only, attention per length
+            bucket), ``False`` never, ``"auto"`` where ``policy.PACK_MIN_PADDING`` of the
+            batch is padding and the kernel is ``"auto"``. (``backend="varlen"`` used to
+            mean ``packing=True``; without ``packing=`` it still does, with a warning; with
+            ``packing=`` given it names the kernel.)
         context_parallel: a :class:`headwise.distributed.ContextParallel`: :meth:`forward`
             then takes this rank's shard (B, S_l, E) of the sequence (and of a 2-D mask)
             and attends over every rank's keys (rotary positions are global); no cache,
@@ -68,7 +110,8 @@ class MultiHeadAttention(nn.Module):
         device, dtype: where and how to create the parameters.
 
     Raises:
-        ValueError: sizes that do not divide, dropout outside [0, 1), unknown backend.
+        ValueError: sizes that do not divide, dropout outside [0, 1), unknown backend,
+            packing not "auto" / True / False.
         TypeError: sizes that are not integers.
 
     >>> mha = MultiHeadAttention(128, 8)
@@ -87,6 +130,7 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,  # None: num_heads (no grouping)
         is_causal: bool = False,
         backend: str = "auto",
+        packing: bool | str = "auto",  # "auto": by the padding share (policy.PACK_MIN_PADDING)
         rope: bool = False,
         rope_base: float | None = None,  # None: 10000 when rope=True; a value turns rope on
         alibi: bool = False,
@@ -115,7 +159,15 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        if backend not in ("auto", "varlen"):
+        if not (packing == "auto" or packing is True or packing is False):
+            raise ValueError(f"packing must be 'auto', True or False, got {packing!r}")
+        if backend == "varlen" and packing == "auto":  # the module's old name for its packed path
+            warn_once("MultiHeadAttention(backend='varlen')",
+                      "MultiHeadAttention(backend='varlen') is now packing=True: 'varlen' names the kernel that "
+                      "drops padded keys, and the module's padding-free path is packing=; backend='varlen' keeps "
+                      "meaning packing=True with 'auto' kernels for now (with packing= given, 'varlen' is the kernel)")
+            backend, packing = "auto", True
+        if backend != "auto":
             get_kernel(backend)  # ValueError listing the known backends
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be a positive int (keys per query, its own included), got {window!r}")
@@ -126,6 +178,7 @@ class MultiHeadAttention(nn.Module):
         self.dropout = float(dropout)
         self.is_causal = bool(is_causal)
         self.backend = backend
+        self.packing = packing
         kv_dim = num_kv_heads * self.head_dim
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -158,7 +211,8 @@ class MultiHeadAttention(nn.Module):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, "
             f"head_dim={self.head_dim}, dropout={self.dropout}, is_causal={self.is_causal}, "
-            f"backend={self.backend!r}{extras}"
+            f"backend={self.backend!r}" + (f", packing={self.packing!r}" if self.packing != "auto" else "")
+            + extras
         )
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
@@ -211,13 +265,19 @@ class MultiHeadAttention(nn.Module):
             )
 
     def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """The three projections of (B, S, E) inputs, or of packed (T, E) tokens."""
         source = x if context is None else context
-        q, k, v = self.q_proj(x), self.k_proj(source), self.v_proj(source)  # (B, S, E), (B, Sk, Hkv*D)
+        q, k, v = self.q_proj(x), self.k_proj(source), self.v_proj(source)  # (.., E), (.., Hkv*D)
         if trace.ACTIVE:
+            rows, keys = ("B, S", "B, Sk") if x.dim() == 3 else ("T", "T")
             src = "x" if context is None else "context"
-            trace.record("q projection", q, "q_proj(x): (B, S, E) x (E, E)^T + b")
-            trace.record("k projection", k, f"k_proj({src}): (B, Sk, E) x (Hkv*D, E)^T + b")
-            trace.record("v projection", v, f"v_proj({src}): (B, Sk, E) x (Hkv*D, E)^T + b")
+            trace.record("q projection", q, f"q_proj(x): ({rows}, E) x (E, E)^T + b")
+            trace.record("k projection", k, f"k_proj({src}): ({keys}, E) x (Hkv*D, E)^T + b")
+            trace.record("v projection", v, f"v_proj({src}): ({keys}, E) x (Hkv*D, E)^T + b")
+        return q, k, v
+
+    def _split_heads(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, S, E) -> (B, H, S, D) and (B, Sk, Hkv*D) -> (B, Hkv, Sk, D)."""
         # Plain views, not einops.rearrange: its recipe lookup costs ~20 us a call, a quarter of
         # a small forward (measured at B=1, S=8, E=64); `headwise equivalences` checks they agree.
         q = q.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, S, E) -> (B, S, H, D) -> (B, H, S, D)
@@ -239,29 +299,57 @@ class MultiHeadAttention(nn.Module):
                          f"{self.rope.base:g}^(-2i/D), positions from {start}")
         return q, k
 
-    @staticmethod
-    def _cache_mask(cache: KVCache, mask: Tensor | None, new: int, *, remember: bool = True) -> Tensor | None:
-        """The mask over every cached position for this step; remembers 2-D padding masks."""
-        start, total = len(cache), len(cache) + new
-        if mask is None:
-            return cache.key_mask[:, :total] if cache.padded else None  # (B, Sk)
-        if mask.dim() != 2 or mask.shape[-1] not in (new, total):
-            return mask  # 3-D / 4-D masks already cover (S, Sk); normalize_mask checks them
-        if mask.is_floating_point():
-            raise TypeError(
-                "with a cache, give the 2-D padding mask as bool or integer (True / 1 = token); "
-                "a floating (B, Sk) bias cannot be remembered across steps"
-            )
-        if mask.shape[0] != cache.batch_size:
-            raise ValueError(f"attention_mask batch ({mask.shape[0]}) differs from the cache's "
-                             f"batch_size ({cache.batch_size})")
-        mask = mask.to(cache.key_mask.device) != 0
-        if mask.shape[-1] == new:
-            mask = torch.cat([cache.key_mask[:, :start], mask], dim=1)  # (B, Sk)
-        if remember:
-            cache.key_mask[:, :total] = mask
-            cache.padded = True
-        return mask
+    def plan(
+        self,
+        x: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        context: Tensor | None = None,
+        is_causal: bool | None = None,
+        need_weights: bool = False,
+        cache: KVCache | None = None,
+    ) -> Plan:
+        """Which path :meth:`forward` takes on these inputs, and why (checks them; computes nothing).
+
+        Takes :meth:`forward`'s arguments. :meth:`dispatch` adds the kernel.
+
+        Raises:
+            ValueError / TypeError: inputs that :meth:`forward` would refuse.
+
+        >>> mha = MultiHeadAttention(32, 4)
+        >>> mha.plan(torch.rand(2, 4, 32), torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])).path
+        'packed'
+        """
+        self._check(x, context, cache)
+        causal = self.is_causal if is_causal is None else bool(is_causal)
+        if self.context_parallel is not None:
+            return Plan("context parallel", f"context_parallel={self.context_parallel}: x is this rank's shard of "
+                        "the sequence, attention runs across the ranks", causal, None)
+        padding = self._query_padding(x, attention_mask, context, cache)  # (B, S) or None
+        path, why = self._packing(padding, cache, need_weights)
+        return Plan(path, why, causal, padding)
+
+    def _packing(self, padding: Tensor | None, cache: KVCache | None, need_weights: bool) -> tuple[str, str]:
+        """("packed" or "dense", why): by request, or where "auto" measured that packing pays."""
+        if padding is None:
+            return "dense", "no 2-D padding mask of x's own tokens (self-attention) to pack by"
+        if cache is not None:
+            return "dense", "decoding with a cache keeps the (B, S) layout"
+        if need_weights:
+            return "dense", "need_weights=True returns (B, H, S, Sk) weights over the padded layout"
+        if self.window is not None or self.alibi_slopes is not None:
+            return "dense", "window / ALiBi count positions, which change for tokens after a hole once packed"
+        if self.packing is True:
+            return "packed", "packing=True packs the real tokens"
+        if self.packing is False:
+            return "dense", "packing=False"
+        if self.backend != "auto":
+            return "dense", f"backend={self.backend!r} runs on the (B, S) batch (packing=True packs for it)"
+        share = 1.0 - float(padding.float().mean())
+        limit = policy.PACK_MIN_PADDING
+        if share >= limit:
+            return "packed", f"{share:.0%} of the batch is padding (>= PACK_MIN_PADDING {limit:.0%})"
+        return "dense", f"{share:.0%} of the batch is padding (< PACK_MIN_PADDING {limit:.0%})"
 
     def forward(
         self,
@@ -290,36 +378,41 @@ class MultiHeadAttention(nn.Module):
                 Sk positions. Decode under ``torch.no_grad()``.
 
         Returns:
-            (B, S, E), or ``(output, weights)`` when ``need_weights``.
+            (B, S, E), or ``(output, weights)`` when ``need_weights``. Padded positions of
+            a 2-D self-attention mask output zeros, whichever path runs (see :meth:`plan`).
 
         Raises:
             ValueError / TypeError: inputs or mask that do not fit; see the messages.
         """
-        self._check(x, context, cache)
-        causal = self.is_causal if is_causal is None else is_causal
-        if self.context_parallel is not None:
-            return self._forward_context_parallel(x, attention_mask, context, causal, need_weights, cache)
-        padding = self._query_padding(x, attention_mask, context, cache)  # (B, S) or None
-        if self._packs(padding, cache, need_weights):
-            packed, info = varlen.pack(x, padding)  # (T, E): the real tokens only
-            out = self.forward_packed(packed, info.cu_seqlens, is_causal=causal, positions=info.positions,
-                                      lengths=info.lengths)
-            return varlen.unpack(out, info)  # (B, S, E), zeros at the padding
+        plan = self.plan(x, attention_mask, context=context, is_causal=is_causal, need_weights=need_weights,
+                         cache=cache)
+        if plan.path == "context parallel":
+            return self._forward_context_parallel(x, attention_mask, context, plan.is_causal, need_weights, cache)
         if trace.ACTIVE:
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
-        q, k, v = self._project(x, context)
+        if plan.path == "packed":
+            packed, info = varlen.pack(x, plan.padding)  # (T, E): the real tokens only
+            if trace.ACTIVE:
+                B, S = plan.padding.shape
+                trace.record("pack", packed, f"keep the {info.tokens} real tokens of {B} x {S} positions "
+                             f"(drop {B * S - info.tokens} padded), {B} sequences end to end")
+            out = self._attend_packed(packed, info.cu_seqlens, info.lengths, info.positions, plan.is_causal)
+            out = varlen.unpack(out, info)  # (B, S, E), zeros at the padding
+            if trace.ACTIVE:
+                trace.record("unpack", out, "scatter the tokens back to (B, S, E); padded positions output zeros")
+            return out
+        q, k, v = self._split_heads(*self._project(x, context))  # (B, H, S, D), (B, Hkv, Sk, D)
         q, k = self._rotate(q, k, 0 if cache is None else len(cache))
         if cache is not None:
-            attention_mask = self._cache_mask(cache, attention_mask, x.shape[1])
-            k, v = cache.append(k, v)  # (B, Hkv, Sk, D): every cached position
+            k, v, attention_mask = cache.update(k, v, attention_mask)  # (B, Hkv, Sk, D): every cached position
             if trace.ACTIVE:
                 trace.record("kv cache", k, f"append {x.shape[1]} positions; attend to all {len(cache)} cached")
         out = attend(
             q, k, v, attention_mask,
-            is_causal=causal,
+            is_causal=plan.is_causal,
             dropout_p=self.dropout if self.training else 0.0,
-            backend=self._kernel_backend(),
+            backend=self.backend,
             need_weights=need_weights,
             window=self.window,
             alibi_slopes=self.alibi_slopes,
@@ -332,8 +425,8 @@ class MultiHeadAttention(nn.Module):
         out = self.out_proj(out)  # (B, S, E)
         if trace.ACTIVE:
             trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b")
-        if padding is not None:  # padded query positions output zeros, as the packed path gives
-            out = out.masked_fill(~padding[..., None], 0.0)
+        if plan.padding is not None:  # padded query positions output zeros, as the packed path gives
+            out = out.masked_fill(~plan.padding[..., None], 0.0)
             if trace.ACTIVE:
                 trace.record("zero padding", out, "padded positions (2-D mask False) output zeros")
         return (out, weights) if need_weights else out
@@ -347,7 +440,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("context_parallel attends sharded whole sequences: it takes no cache= and no "
                              "need_weights=True; build the module without context_parallel for decoding")
         cp = self.context_parallel
-        q, k, v = self._project(x, context)  # (B, H, S_l, D), (B, Hkv, Sk_l, D)
+        q, k, v = self._split_heads(*self._project(x, context))  # (B, H, S_l, D), (B, Hkv, Sk_l, D)
         if self.rope is not None:  # rotate by global positions
             S = hwd.global_length(x.shape[1], cp.group, x.device)
             cos, sin = self.rope.angles(0, S, q.dtype, x.device)  # (S, D)
@@ -360,11 +453,6 @@ class MultiHeadAttention(nn.Module):
         out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, S_l, D) -> (B, S_l, E)
         padding = self._query_padding(x, attention_mask, context, None)
         return out if padding is None else out.masked_fill(~padding[..., None], 0.0)
-
-    def _kernel_backend(self) -> str:
-        # "varlen" names the module's packed path; inside it (and when it does not apply),
-        # the kernels are chosen by "auto".
-        return "auto" if self.backend == "varlen" else self.backend
 
     def _query_padding(self, x: Tensor, mask: Tensor | None, context: Tensor | None,
                        cache: KVCache | None) -> Tensor | None:
@@ -380,18 +468,6 @@ class MultiHeadAttention(nn.Module):
         if cache is None:
             return (mask != 0) if mask.shape == x.shape[:2] else None
         return (mask[:, -S:] != 0) if mask.shape[0] == x.shape[0] else None
-
-    def _packs(self, padding: Tensor | None, cache: KVCache | None, need_weights: bool) -> bool:
-        """Whether the padding-free path runs: by request, or where "auto" measured it pays."""
-        if padding is None or cache is not None or need_weights:
-            return False  # nothing to pack, decoding, or weights over the padded layout
-        if self.window is not None or self.alibi_slopes is not None:
-            return False  # positions of tokens after a hole differ once packed
-        if self.backend == "varlen":
-            return True
-        if self.backend != "auto":
-            return False
-        return 1.0 - float(padding.float().mean()) >= PACK_MIN_PADDING
 
     def forward_packed(
         self,
@@ -428,25 +504,41 @@ class MultiHeadAttention(nn.Module):
             lengths = tuple(torch.diff(cu_seqlens).tolist())
         if trace.ACTIVE:
             trace.begin_call()
-            trace.record("input (packed)", x, f"x: (T, E), {len(lengths)} sequences, no padding")
+            trace.record("input (packed)", x, f"x: (T, E), {len(lengths)} sequences end to end, no padding")
+        return self._attend_packed(x, cu_seqlens, tuple(lengths), positions,
+                                   self.is_causal if is_causal is None else bool(is_causal))
+
+    def _attend_packed(self, x: Tensor, cu_seqlens: Tensor, lengths: tuple[int, ...], positions: Tensor | None,
+                       causal: bool) -> Tensor:
+        """The packed path from (T, E) tokens to (T, E) outputs, every stage traced."""
         T = x.shape[0]
-        q = self.q_proj(x).reshape(T, self.num_heads, self.head_dim)  # (T, E) -> (T, H, D)
-        k = self.k_proj(x).reshape(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).reshape(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x, None)  # (T, E), (T, Hkv*D)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # (T, E) -> (T, H, D)
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (T, Hkv*D) -> (T, Hkv, D)
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if trace.ACTIVE:
+            trace.record("split heads q", q, "unflatten(-1, (H, D)): packed rows need no transpose")
+            trace.record("split heads k, v", k, "the same with H = Hkv")
         if self.rope is not None:
             if positions is None:
                 starts = torch.repeat_interleave(cu_seqlens[:-1], torch.tensor(lengths, device=x.device))
                 positions = torch.arange(T, device=x.device) - starts  # (T,) position within each sequence
             q, k = self.rope.at(q, positions), self.rope.at(k, positions)
+            if trace.ACTIVE:
+                trace.record("rotary positions", q, f"rotate q and k pairs (i, i + D/2) by each token's position "
+                             f"in its sequence x {self.rope.base:g}^(-2i/D)")
         out = varlen.packed_attention(
             q, k, v, cu_seqlens, lengths=lengths,
-            is_causal=self.is_causal if is_causal is None else is_causal,
+            is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
-            backend=self._kernel_backend(), window=self.window, alibi_slopes=self.alibi_slopes,
+            backend=self.backend, window=self.window, alibi_slopes=self.alibi_slopes,
         )  # (T, H, D)
-        out = self.out_proj(out.reshape(T, self.embed_dim))  # (T, E)
+        out = out.flatten(1)  # (T, H, D) -> (T, E)
         if trace.ACTIVE:
-            trace.record("output projection (packed)", out, "out_proj on (T, E); attention ran per length bucket")
+            trace.record("merge heads", out, "flatten(1): (T, H, D) -> (T, E), a view")
+        out = self.out_proj(out)  # (T, E)
+        if trace.ACTIVE:
+            trace.record("output projection", out, "out_proj: (T, E) x (E, E)^T + b, on the real tokens only")
         return out
 
     def dispatch(
@@ -459,108 +551,92 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
         cache: KVCache | None = None,
     ) -> Dispatch:
-        """Which kernel :meth:`forward` would run on these inputs, and why (runs nothing).
+        """Which path and kernel :meth:`forward` would run on these inputs, and why.
+
+        Decides from :meth:`plan` and the shapes alone: no projection or attention runs.
+        ``.path`` names the path, ``.backend`` the kernel inside it (on the packed path: the
+        kernel of the bucket with the most tokens; the reason lists every bucket's).
 
         >>> print(MultiHeadAttention(64, 4).dispatch(torch.rand(1, 3, 64)).backend)
         sdpa
         """
-        self._check(x, context, cache)
-        padding = self._query_padding(x, attention_mask, context, cache)
-        if self._packs(padding, cache, need_weights):
-            share = 1.0 - float(padding.float().mean())
-            why = ("backend='varlen' packs the real tokens" if self.backend == "varlen" else
-                   f"{share:.0%} of the batch is padding (>= PACK_MIN_PADDING {PACK_MIN_PADDING:.0%})")
-            return Dispatch("varlen", f"module packed path: {why}; projections and feed-through run on the "
-                            "real tokens only, attention per length bucket ('auto' inside each bucket)",
-                            MappingProxyType({"dense path": "pays for the padding"}), None)
-        with torch.no_grad():
-            q, k, v = self._project(x, context)
-            if cache is not None:  # what forward would attend to, without appending
-                L = len(cache)
-                attention_mask = self._cache_mask(cache, attention_mask, x.shape[1], remember=False)
-                k = torch.cat([cache.k[:, :, :L], k], dim=2)  # (B, Hkv, L + T, D)
-                v = torch.cat([cache.v[:, :, :L], v], dim=2)
-        return choose_backend(
-            q, k, v, attention_mask,
-            is_causal=self.is_causal if is_causal is None else is_causal,
+        plan = self.plan(x, attention_mask, context=context, is_causal=is_causal, need_weights=need_weights,
+                         cache=cache)
+        if plan.path == "context parallel":
+            return self._dispatch_context_parallel(x, attention_mask, plan)
+        if plan.path == "packed":
+            return self._dispatch_packed(x, plan)
+        B, S = x.shape[:2]
+        Sk = S if context is None else context.shape[1]
+        if cache is not None:  # what forward would attend to, without appending
+            attention_mask = cache.mask_for(attention_mask, S)
+            Sk = len(cache) + S
+        q, k = self._shaped(x, B, self.num_heads, S), self._shaped(x, B, self.num_kv_heads, Sk)
+        d = choose_backend(
+            q, k, k, attention_mask,
+            is_causal=plan.is_causal,
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights,
             backend=self.backend,
             window=self.window,
             alibi_slopes=self.alibi_slopes,
         )
+        return Dispatch(d.backend, d.reason, d.passed_over, d.request, path="dense", path_reason=plan.why)
+
+    def _shaped(self, x: Tensor, B: int, heads: int, length: int) -> Tensor:
+        """A (B, heads, length, D) stand-in for a projection's output: the dtype, device and
+        grad flag it would have, no storage (one element, expanded)."""
+        dtype = self.q_proj.weight.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.q_proj.weight.requires_grad)
+        return torch.zeros((), dtype=dtype, device=x.device, requires_grad=grad).expand(B, heads, length,
+                                                                                         self.head_dim)
+
+    def _dispatch_packed(self, x: Tensor, plan: Plan) -> Dispatch:
+        lengths = plan.padding.sum(1).tolist()
+        B, S = plan.padding.shape
+        T = sum(lengths)
+        per_bucket = []  # (tokens, Dispatch) of each length bucket
+        for n, L, padded in _bucket_shapes(lengths):
+            q, k = self._shaped(x, n, self.num_heads, L), self._shaped(x, n, self.num_kv_heads, L)
+            mask = torch.ones(n, L, dtype=torch.bool, device=x.device) if padded else None
+            if padded:
+                mask[0, -1] = False  # a key padding mask of this shape: what the bucket passes on
+            d = choose_backend(q, k, k, mask, is_causal=plan.is_causal,
+                               dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
+                               window=self.window, alibi_slopes=self.alibi_slopes)
+            per_bucket.append((n * L, n, L, d))
+        if not per_bucket:  # no real token at all
+            return Dispatch("none", "no real token: nothing to attend", MappingProxyType({}), None,
+                            path="packed", path_reason=plan.why)
+        main = max(per_bucket, key=lambda b: b[0])[3]
+        buckets = ", ".join(f"{n} x {L} -> {d.backend!r}" for _, n, L, d in per_bucket)
+        reason = (f"attention per length bucket (sequences x length): {buckets}; "
+                  f"projections and the output projection run on the {T} real tokens of {B} x {S}")
+        passed = MappingProxyType({"dense path": f"pays for {B * S - T} padded positions"})
+        return Dispatch(main.backend, reason, passed, main.request, path="packed", path_reason=plan.why)
+
+    def _dispatch_context_parallel(self, x: Tensor, attention_mask: Tensor | None, plan: Plan) -> Dispatch:
+        import torch.distributed as dist
+
+        from headwise.distributed import choose_method
+
+        cp = self.context_parallel
+        if cp.method != "auto":
+            method, why = cp.method, f"method={cp.method!r} was requested"
+        else:
+            world = dist.get_world_size(cp.group) if dist.is_available() and dist.is_initialized() else 1
+            dense = isinstance(attention_mask, Tensor) and attention_mask.dim() > 2
+            choice = choose_method(self.num_heads, self.num_kv_heads, world, dense_mask=dense)
+            method, why = choice.method, choice.reason
+        return Dispatch(method, why, MappingProxyType({}), None, path="context parallel", path_reason=plan.why)
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention, **kwargs) -> MultiHeadAttention:
-        """Build one from a ``torch.nn.MultiheadAttention`` (either ``batch_first``), copying weights.
-
-        The result is always batch-first: inputs (B, S, E). Translate torch's masks with
-        :func:`headwise.masks.from_torch_masks` (torch's bool True means *ignore*).
-
-        Args:
-            m: the torch module.
-            **kwargs: ``is_causal`` / ``backend`` for the new module.
-
-        Raises:
-            TypeError: ``m`` is not an ``nn.MultiheadAttention``.
-            ValueError: features headwise does not model (``kdim``/``vdim`` other than
-                ``embed_dim``, ``add_bias_kv``, ``add_zero_attn``).
-        """
-        if not isinstance(m, nn.MultiheadAttention):
-            raise TypeError(f"from_torch expects torch.nn.MultiheadAttention, got {type(m).__name__}")
-        if not m._qkv_same_embed_dim:
-            raise ValueError(
-                f"kdim ({m.kdim}) and vdim ({m.vdim}) must equal embed_dim ({m.embed_dim}); "
-                "headwise projects keys and values from embed_dim-wide inputs"
-            )
-        if m.bias_k is not None or m.add_zero_attn:
-            raise ValueError(
-                "add_bias_kv=True and add_zero_attn=True are not supported; "
-                "append the extra key/value position to the inputs instead"
-            )
-        w = m.in_proj_weight
-        bias = m.in_proj_bias is not None
-        out = cls(m.embed_dim, m.num_heads, m.dropout, bias=bias, device=w.device, dtype=w.dtype,
-                  **kwargs)
-        E = m.embed_dim
-        with torch.no_grad():
-            for i, proj in enumerate((out.q_proj, out.k_proj, out.v_proj)):
-                proj.weight.copy_(w[i * E:(i + 1) * E])
-                if bias:
-                    proj.bias.copy_(m.in_proj_bias[i * E:(i + 1) * E])
-            out.out_proj.weight.copy_(m.out_proj.weight)
-            if bias:
-                out.out_proj.bias.copy_(m.out_proj.bias)
-        return out.train(m.training)
+        """Build one from a ``torch.nn.MultiheadAttention``; see :func:`headwise.convert.from_torch`."""
+        return convert.from_torch(m, module_class=cls, **kwargs)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """The equivalent ``torch.nn.MultiheadAttention``, weights copied.
-
-        Raises:
-            ValueError: grouped-query modules (torch has no kv-head count).
-        """
-        if self.num_kv_heads != self.num_heads:
-            raise ValueError(
-                f"torch.nn.MultiheadAttention has no grouped-query attention; this module has "
-                f"num_kv_heads={self.num_kv_heads} < num_heads={self.num_heads}"
-            )
-        extras = [name for name, on in (("rope", self.rope is not None),
-                                        ("alibi", self.alibi_slopes is not None),
-                                        ("window", self.window is not None)) if on]
-        if extras:
-            raise ValueError(f"torch.nn.MultiheadAttention has no {', '.join(extras)}; "
-                             "build this module without them to convert it")
-        w = self.q_proj.weight
-        bias = self.q_proj.bias is not None
-        m = nn.MultiheadAttention(self.embed_dim, self.num_heads, self.dropout, bias=bias,
-                                  batch_first=batch_first, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            m.in_proj_weight.copy_(torch.cat([self.q_proj.weight, self.k_proj.weight,
-                                              self.v_proj.weight]))
-            if bias:
-                m.in_proj_bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias,
-                                                self.v_proj.bias]))
-            m.out_proj.weight.copy_(self.out_proj.weight)
-            if bias:
-                m.out_proj.bias.copy_(self.out_proj.bias)
-        return m.train(self.training)
+        """The equivalent ``torch.nn.MultiheadAttention``; see :func:`headwise.convert.to_torch`."""
+        return convert.to_torch(self, batch_first=batch_first)

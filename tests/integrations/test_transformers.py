@@ -81,7 +81,9 @@ def test_register_without_transformers(monkeypatch):
 
 
 def test_register_with_old_transformers(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    # the module `import transformers` finds now: importing sentence_transformers (another test)
+    # replaces sys.modules["transformers"] with a new module object
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
     with pytest.raises(ImportError, match=r"transformers 4\.57\.1 is installed.*--upgrade"):
         register()
 

@@ -13,21 +13,21 @@ probabilities are recomputed from the saved (out, lse), ``dS = P * (dP - rowsum(
 each block's dK/dV accumulator travels with the block and arrives back at its owner after
 N hops.
 
-Inside a block the work is tiled (``BLOCK_Q`` queries x ``BLOCK_K`` keys), so memory stays
-O(S_local x block); a tile that the causal rule or the window blocks entirely, decided from
-global positions alone, is skipped in both passes. On the CPU, when no mask, window or
-ALiBi is involved, each (query segment, key segment) pair of a block is fully allowed,
-fully blocked (skipped) or exactly diagonal, and runs on PyTorch's fused flash kernel
-(``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which returns exactly the
-pair's share of the gradients given the merged output and lse), in parts of at most
-``FUSED_ROWS`` rows.
+Inside a block the work is tiled (``policy.RING_BLOCK_Q`` queries x ``RING_BLOCK_K`` keys),
+so memory stays O(S_local x block); a tile that the causal rule or the window blocks
+entirely, decided from global positions alone, is skipped in both passes. On the CPU, when
+no mask, window or ALiBi is involved, each (query segment, key segment) pair of a block is
+fully allowed, fully blocked (skipped) or exactly diagonal, and runs on PyTorch's fused
+flash kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which
+returns exactly the pair's share of the gradients given the merged output and lse), in
+parts of at most ``policy.RING_FUSED_ROWS`` rows.
 
-The kv heads go round in passes of at most ``PASS_BYTES`` of K/V per message (a pass
-takes whole kv heads with their G query heads, at least one). The backward pass holds
+The kv heads go round in passes of at most ``policy.RING_PASS_BYTES`` of K/V per message (a
+pass takes whole kv heads with their G query heads, at least one). The backward pass holds
 four block-sized buffers at once (the K/V being used and the one arriving, the dK/dV
 being filled and the one arriving); passes divide them, so the ring's memory stays
 near that of one process at the local length while the bytes sent stay exactly
-(N - 1) x |local K, V| per pass over all passes (a key padding shard goes with each pass).
+(N - 1) x |local K, V| summed over the passes (a key padding shard goes with each pass).
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S / Sk global query /
 key length, S_l / Sk_l this rank's lengths, Skb the length of the block at hand, D head
@@ -44,15 +44,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from headwise import policy
+from headwise.deprecation import moved
 from headwise.distributed.layout import segments
 
-__all__ = ["BLOCK_Q", "BLOCK_K", "PASS_BYTES", "RingPlan", "Ring", "Traffic", "TRAFFIC", "ring_attention",
+__all__ = ["RingPlan", "Ring", "Traffic", "TRAFFIC", "ring_attention",
            "block_forward", "merge"]
 
-BLOCK_Q = 256
-BLOCK_K = 512
-FUSED_ROWS = 1024
-PASS_BYTES = 4 << 20  # K and V of one block per message; set by benchmarks/context_parallel.py (weak scaling)
+__getattr__ = moved(__name__, {old: (policy, f"headwise.policy.RING_{old}")
+                               for old in ("BLOCK_Q", "BLOCK_K", "FUSED_ROWS", "PASS_BYTES")})
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -104,7 +104,7 @@ class RingPlan:
 
     def __init__(self, q: Tensor, k: Tensor, *, S: int, Sk: int, rank: int, world: int, layout: str,
                  dense: Tensor | None, is_causal: bool, window: int | None, slopes: Tensor | None,
-                 scale: float, block_q: int | None = None, block_k: int | None = None):  # None: BLOCK_Q / BLOCK_K
+                 scale: float, block_q: int | None = None, block_k: int | None = None):  # None: the policy's
         B, H, S_l, D = q.shape
         Hkv = k.shape[1]
         self.B, self.H, self.Hkv, self.G, self.S_l, self.D = B, H, Hkv, H // Hkv, S_l, D
@@ -115,7 +115,7 @@ class RingPlan:
         self.window = window
         self.scale = scale
         self.slopes5 = None if slopes is None else slopes.to(self.acc).reshape(1, Hkv, self.G, 1, 1)
-        block_q, block_k = block_q or BLOCK_Q, block_k or BLOCK_K
+        block_q, block_k = block_q or policy.RING_BLOCK_Q, block_k or policy.RING_BLOCK_K
         self.q_tiles = _tiles(segments(S, world, rank, layout), block_q)
         self.q_segs = _tiles(segments(S, world, rank, layout), max(S, 1))  # (local start, stop, global start)
         k_segs = [segments(Sk, world, r, layout) for r in range(world)]
@@ -132,9 +132,9 @@ class RingPlan:
             hk, g = (Hkv, self.G) if h == H else (1, 1)
             m = dense.reshape(b, hk, g, s, Sk)
             self.dense5 = ~m if m.dtype == torch.bool else m.to(self.acc)
-        # whole kv heads per pass, as many as PASS_BYTES of one block's K and V allow (at least one)
+        # whole kv heads per pass, as many as RING_PASS_BYTES of one block's K and V allow (at least one)
         per_head = 2 * B * max(self.k_lens) * D * k.element_size()
-        step = max(1, min(Hkv, PASS_BYTES // max(per_head, 1)))
+        step = max(1, min(Hkv, policy.RING_PASS_BYTES // max(per_head, 1)))
         self.passes = [(a, min(a + step, Hkv)) for a in range(0, Hkv, step)]
 
     def heads(self, a: int, b: int) -> RingPlan:
@@ -161,10 +161,10 @@ class RingPlan:
                     continue
                 if blocked is not None and not (bq == bk and qseg[2] + self.offset == kseg[2]):
                     return None  # neither fully allowed nor the exact diagonal
-                # Calls of at most FUSED_ROWS queries / keys: the kernel's backward allocates about
+                # Calls of at most RING_FUSED_ROWS queries / keys: the kernel's backward allocates about
                 # four query-sized buffers per call, so smaller calls keep the peak down.
-                q_parts, k_parts = _tiles([(qseg[2], qseg[2] + bq)], FUSED_ROWS), _tiles([(kseg[2], kseg[2] + bk)],
-                                                                                          FUSED_ROWS)
+                q_parts, k_parts = _tiles([(qseg[2], qseg[2] + bq)], policy.RING_FUSED_ROWS), _tiles(
+                    [(kseg[2], kseg[2] + bk)], policy.RING_FUSED_ROWS)
                 for i, (a0, a1, ga) in enumerate(q_parts):
                     for j, (b0, b1, gb) in enumerate(k_parts):
                         if blocked is None or j < i:
