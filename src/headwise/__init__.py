@@ -10,6 +10,7 @@ from headwise import masks, reference
 from headwise.dispatch import Dispatch
 from headwise.functional import attention, available_backends, choose_backend
 from headwise.module import MultiHeadAttention
+from headwise.packing import packed_attention
 from headwise.tracing import Trace, trace
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "available_backends",
     "choose_backend",
     "masks",
+    "packed_attention",
     "reference",
     "trace",
     "Trace",

@@ -23,13 +23,12 @@ from types import MappingProxyType
 import torch
 from torch import Tensor, nn
 
-from headwise import convert, policy, varlen
+from headwise import convert, packing, policy
 from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.deprecation import moved, warn_once
 from headwise.dispatch import Dispatch
 from headwise.functional import attend, choose_backend
-from headwise.kernels.common import length_buckets
 from headwise.kernels.registry import get_kernel
 from headwise.masks import alibi_slopes
 from headwise.positions import RotaryEmbedding, apply_rotary
@@ -60,19 +59,6 @@ class Plan:
     why: str
     is_causal: bool
     padding: Tensor | None
-
-
-def _bucket_shapes(lengths: list[int]) -> list[tuple[int, int, bool]]:
-    """(sequences, length, padded) of each attention call the packed path makes for these
-    lengths: long sequences alone, short ones stacked per length bucket."""
-    shapes = []
-    for bucket in length_buckets(lengths):
-        L = lengths[bucket[0]]  # the longest comes first
-        if L >= policy.DIRECT_MIN_LENGTH:
-            shapes += [(1, lengths[i], False) for i in bucket]
-        else:
-            shapes.append((len(bucket), L, any(lengths[i] < L for i in bucket)))
-    return shapes
 
 
 def _divisors_near(n: int, around: int) -> str:
@@ -392,13 +378,13 @@ class MultiHeadAttention(nn.Module):
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
         if plan.path == "packed":
-            packed, info = varlen.pack(x, plan.padding)  # (T, E): the real tokens only
+            packed, info = packing.pack(x, plan.padding)  # (T, E): the real tokens only
             if trace.ACTIVE:
                 B, S = plan.padding.shape
                 trace.record("pack", packed, f"keep the {info.tokens} real tokens of {B} x {S} positions "
                              f"(drop {B * S - info.tokens} padded), {B} sequences end to end")
             out = self._attend_packed(packed, info.cu_seqlens, info.lengths, info.positions, plan.is_causal)
-            out = varlen.unpack(out, info)  # (B, S, E), zeros at the padding
+            out = packing.unpack(out, info)  # (B, S, E), zeros at the padding
             if trace.ACTIVE:
                 trace.record("unpack", out, "scatter the tokens back to (B, S, E); padded positions output zeros")
             return out
@@ -527,12 +513,12 @@ class MultiHeadAttention(nn.Module):
             if trace.ACTIVE:
                 trace.record("rotary positions", q, f"rotate q and k pairs (i, i + D/2) by each token's position "
                              f"in its sequence x {self.rope.base:g}^(-2i/D)")
-        out = varlen.packed_attention(
-            q, k, v, cu_seqlens, lengths=lengths,
+        out = packing.attend_packed(
+            q, k, v, lengths, lengths,
             is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend, window=self.window, alibi_slopes=self.alibi_slopes,
-        )  # (T, H, D)
+        )  # (T, H, D), attention within each sequence
         out = out.flatten(1)  # (T, H, D) -> (T, E)
         if trace.ACTIVE:
             trace.record("merge heads", out, "flatten(1): (T, H, D) -> (T, E), a view")
@@ -594,15 +580,17 @@ class MultiHeadAttention(nn.Module):
                                                                                          self.head_dim)
 
     def _dispatch_packed(self, x: Tensor, plan: Plan) -> Dispatch:
-        lengths = plan.padding.sum(1).tolist()
+        lengths = tuple(plan.padding.sum(1).tolist())
         B, S = plan.padding.shape
         T = sum(lengths)
-        per_bucket = []  # (tokens, Dispatch) of each length bucket
-        for n, L, padded in _bucket_shapes(lengths):
+        per_bucket = []  # (tokens, n, L, Dispatch) of each length bucket
+        for n, L, _, keys in packing.bucket_shapes(lengths, lengths):
             q, k = self._shaped(x, n, self.num_heads, L), self._shaped(x, n, self.num_kv_heads, L)
-            mask = torch.ones(n, L, dtype=torch.bool, device=x.device) if padded else None
-            if padded:
-                mask[0, -1] = False  # a key padding mask of this shape: what the bucket passes on
+            mask = None  # the bucket's (n, L) key mask, as many real keys: all "auto" reads of it
+            if keys < n * L:
+                mask = torch.ones(n * L, dtype=torch.bool, device=x.device)
+                mask[keys:] = False
+                mask = mask.reshape(n, L)
             d = choose_backend(q, k, k, mask, is_causal=plan.is_causal,
                                dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
                                window=self.window, alibi_slopes=self.alibi_slopes)

@@ -1,81 +1,27 @@
-"""Padding-free attention: pack the real tokens, attend per length bucket, scatter back.
+"""The old home of the padding-free path, kept importable: see :mod:`headwise.packing`.
 
-A padded batch costs dense attention as much as a full one. Here the valid tokens of a
-(B, S) batch are packed into (T, ...) with T = the real token count, so projections and
-feed-forward layers run on T rows, and attention runs per *length bucket*: sequences of
-similar length are gathered into a small padded batch (at most ``BUCKET_SLACK`` of it
-padding), or a long one attends on its own, and handed to
-:func:`headwise.functional.attend`, so every mask rule, causal, dropout and GQA work as
-everywhere else.
+``pack``, ``unpack`` and ``Packed`` are re-exported unchanged. ``packed_attention`` keeps
+its old self-attention signature (one offsets tensor) and runs
+:func:`headwise.packing.attend_packed`; called from outside headwise it warns once that
+:func:`headwise.packed_attention` (separate query and key offsets, as flash-attn's
+``flash_attn_varlen_func``) replaces it.
 
-Legend: B batch, S padded length, T real tokens, H query heads, Hkv key/value heads,
-D head dim, E embed dim, n sequences in a bucket, L a bucket's length.
+Legend: B sequences, T packed tokens, H query heads, Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+import warnings
 
-import torch
 from torch import Tensor
 
-from headwise.functional import attend
 from headwise.kernels.common import BUCKET_SLACK, DIRECT_MIN_LENGTH, length_buckets
+from headwise.packing import Packed, _check_inputs, _lengths, attend_packed, pack, unpack
 
-__all__ = ["Packed", "pack", "unpack", "packed_attention", "BUCKET_SLACK", "DIRECT_MIN_LENGTH"]
+__all__ = ["Packed", "pack", "unpack", "packed_attention", "length_buckets", "BUCKET_SLACK", "DIRECT_MIN_LENGTH"]
 
-
-@dataclass(frozen=True)
-class Packed:
-    """Where the real tokens of a padded batch went.
-
-    Attributes:
-        index: (T,) positions of the real tokens in the flattened (B * S) batch.
-        cu_seqlens: (B + 1,) int64 offsets: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1].
-        positions: (T,) each token's position in its padded sequence (for rotary angles).
-        lengths: the B lengths as Python ints.
-        batch, seq: B and S of the padded batch.
-    """
-
-    index: Tensor
-    cu_seqlens: Tensor
-    positions: Tensor
-    lengths: tuple[int, ...]
-    batch: int
-    seq: int
-
-    @property
-    def tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
-
-
-def pack(x: Tensor, mask: Tensor) -> tuple[Tensor, Packed]:
-    """Keep the rows of ``x`` (B, S, ...) where ``mask`` (B, S) is True / nonzero.
-
-    Returns:
-        ``(packed (T, ...), Packed)``; sequence order and token order are kept.
-
-    >>> x = torch.arange(6.).reshape(2, 3, 1)
-    >>> packed, info = pack(x, torch.tensor([[1, 1, 0], [1, 0, 0]]))
-    >>> packed.flatten().tolist(), info.lengths
-    ([0.0, 1.0, 3.0], (2, 1))
-    """
-    B, S = mask.shape
-    keep = mask.reshape(-1) != 0  # (B * S,)
-    index = keep.nonzero().squeeze(1)  # (T,)
-    lengths = (mask != 0).sum(1)  # (B,)
-    cu = torch.zeros(B + 1, dtype=torch.int64, device=mask.device)
-    cu[1:] = lengths.cumsum(0)
-    info = Packed(index, cu, index % S, tuple(lengths.tolist()), B, S)
-    packed = x.reshape(B * S, *x.shape[2:]).index_select(0, index)  # (T, ...)
-    return packed, info
-
-
-def unpack(packed: Tensor, info: Packed) -> Tensor:
-    """Scatter packed rows (T, ...) back to (B, S, ...), zeros at the padding."""
-    out = packed.new_zeros(info.batch * info.seq, *packed.shape[1:])
-    out = out.index_copy(0, info.index, packed)  # differentiable scatter
-    return out.reshape(info.batch, info.seq, *packed.shape[1:])
+_warned = False  # the deprecation warns once per process
 
 
 def packed_attention(
@@ -84,15 +30,15 @@ def packed_attention(
     v: Tensor,
     cu_seqlens: Tensor,
     *,
-    lengths: tuple[int, ...] | None = None,
+    lengths: tuple[int, ...] | None = None,  # None: read from cu_seqlens
     is_causal: bool = False,
     dropout_p: float = 0.0,
-    scale: float | None = None,
+    scale: float | None = None,  # None: 1 / sqrt(D)
     backend: str = "auto",
-    window: int | None = None,
-    alibi_slopes: Tensor | None = None,
+    window: int | None = None,  # None: unlimited
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi bias
 ) -> Tensor:
-    """Self-attention within each packed sequence.
+    """Self-attention within each packed sequence (deprecated: use :func:`headwise.packed_attention`).
 
     Args:
         q: (T, H, D) packed queries.
@@ -106,54 +52,28 @@ def packed_attention(
         (T, H, D) outputs.
 
     Raises:
-        ValueError: shapes that do not fit ``cu_seqlens``.
+        ValueError / TypeError: as :func:`headwise.packed_attention`.
+
+    >>> import torch
+    >>> q = k = v = torch.randn(5, 2, 4)
+    >>> packed_attention(q, k, v, torch.tensor([0, 2, 5]), is_causal=True).shape
+    torch.Size([5, 2, 4])
     """
-    T = q.shape[0]
-    if lengths is None:
-        lengths = tuple(torch.diff(cu_seqlens).tolist())
-    if k.shape[0] != T or v.shape[0] != T or sum(lengths) != T:
-        raise ValueError(
-            f"packed q ({T}), k ({k.shape[0]}) and v ({v.shape[0]}) rows must all equal the "
-            f"sum of the sequence lengths ({sum(lengths)})"
+    global _warned
+    # headwise's own modules (the module's packed path, until it calls attend_packed) do not
+    # warn: the warning is for code that can change its call, and it must not spend the once.
+    if not _warned and not sys._getframe(1).f_globals.get("__name__", "").startswith("headwise."):
+        _warned = True
+        warnings.warn(
+            "headwise.varlen.packed_attention(q, k, v, cu_seqlens) is deprecated; call "
+            "headwise.packed_attention(q, k, v, cu_seqlens, cu_seqlens) (separate query and key offsets, "
+            "as flash-attn's flash_attn_varlen_func)",
+            DeprecationWarning,
+            stacklevel=2,
         )
-    # split() views are cheap in both directions: its backward is one concatenation, where
-    # slicing each sequence out of the packed rows would cost a (T, H, D) zero fill apiece.
-    qs, ks, vs = (t.split(list(lengths)) for t in (q, k, v))  # B x (L_i, H|Hkv, D)
-    pieces: list[Tensor | None] = [None] * len(lengths)  # each sequence's (L_i, H, D) output
-    for bucket in length_buckets(list(lengths)):
-        L = lengths[bucket[0]]
-        if L >= DIRECT_MIN_LENGTH:  # long sequences attend on their own: no padding and no mask
-            for i in bucket:
-                qi, ki, vi = (t[i].transpose(0, 1)[None] for t in (qs, ks, vs))  # (1, H|Hkv, L_i, D)
-                oi = attend(qi, ki, vi, is_causal=is_causal, dropout_p=dropout_p, scale=scale, backend=backend,
-                            window=window, alibi_slopes=alibi_slopes)  # (1, H, L_i, D)
-                pieces[i] = oi[0].transpose(0, 1)  # (L_i, H, D)
-            continue
-        n = len(bucket)
-        qb, kb, vb = (_pad_bucket([t[i] for i in bucket], L).transpose(1, 2) for t in (qs, ks, vs))  # (n, H|Hkv, L, D)
-        size = torch.tensor([lengths[i] for i in bucket], device=q.device)  # (n,)
-        valid = torch.arange(L, device=q.device)[None, :] < size[:, None]  # (n, L) True = token
-        mask = None if bool(valid.all()) else valid  # equal lengths: no mask, the fastest path
-        ob = attend(qb, kb, vb, mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-                    backend=backend, window=window, alibi_slopes=alibi_slopes)  # (n, H, L, D)
-        ob = ob.transpose(1, 2).reshape(n * L, ob.shape[1], ob.shape[-1])  # (n * L, H, D)
-        parts = ob.split([m for i in bucket for m in (lengths[i], L - lengths[i])])  # token, padding, ...
-        for j, i in enumerate(bucket):
-            pieces[i] = parts[2 * j]  # (L_i, H, D)
-    kept = [p for p in pieces if p is not None]  # empty sequences have no rows
-    if not kept:  # no tokens at all: (0, H, D), still in the graph so backward reaches x
-        return q.new_zeros(T, q.shape[1], v.shape[-1]) + (q.sum() + k.sum() + v.sum())
-    return torch.cat(kept)  # (T, H, D), in the packed order
-
-
-def _pad_bucket(seqs: list[Tensor], L: int) -> Tensor:
-    """Stack sequences (L_i, ...) into (n, L, ...), zero rows after each one.
-
-    A single concatenation, so the backward hands each sequence a view of its gradient.
-    """
-    rows = []
-    for t in seqs:
-        rows.append(t)
-        if t.shape[0] < L:
-            rows.append(t.new_zeros(L - t.shape[0], *t.shape[1:]))
-    return torch.cat(rows).reshape(len(seqs), L, *seqs[0].shape[1:])  # (n, L, ...)
+    kwargs = {"is_causal": is_causal, "window": window, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
+              "scale": scale, "backend": backend}
+    if lengths is None:
+        _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes)  # before reading q's rows
+        lengths = _lengths(cu_seqlens, "cu_seqlens", q.shape[0], "q")
+    return attend_packed(q, k, v, lengths, lengths, **kwargs)

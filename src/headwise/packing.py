@@ -1,0 +1,464 @@
+"""Padding-free attention: pack the real tokens, attend per length bucket, scatter back.
+
+A padded batch costs dense attention as much as a full one. Here the valid tokens of a
+(B, S) batch are packed into (T, ...) with T = the real token count, so projections and
+feed-forward layers run on T rows, and attention runs per *length bucket*: sequences of
+similar query and key lengths are gathered into a small padded batch (at most
+``BUCKET_SLACK`` of each side padding), or a long one attends on its own, and handed to
+:func:`headwise.functional.attend`, so every mask rule, causal, dropout and GQA work as
+everywhere else.
+
+:func:`packed_attention` is the public entry (flash-attn's ``flash_attn_varlen_func``:
+offsets tensors for queries and keys); :func:`attend_packed` takes the lengths as Python
+ints (the module knows them) and reads no offsets.
+
+Legend: B sequences, S padded length, T real tokens (Tq queries, Tk keys), H query heads,
+Hkv key/value heads, D head dim, E embed dim, n sequences in a bucket, Lq / Lk a bucket's
+query / key length.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from headwise import tracing as trace
+from headwise.functional import _check_structure, attend
+from headwise.kernels.common import BUCKET_SLACK, DIRECT_MIN_LENGTH, attached_zeros, length_buckets
+from headwise.kernels.registry import get_kernel
+
+__all__ = ["Packed", "pack", "unpack", "packed_attention", "attend_packed", "bucket_shapes", "BUCKET_SLACK",
+           "DIRECT_MIN_LENGTH"]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Where the real tokens of a padded batch went.
+
+    Attributes:
+        index: (T,) positions of the real tokens in the flattened (B * S) batch.
+        cu_seqlens: (B + 1,) int64 offsets: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1].
+        positions: (T,) each token's position in its padded sequence (for rotary angles).
+        lengths: the B lengths as Python ints.
+        batch, seq: B and S of the padded batch.
+    """
+
+    index: Tensor
+    cu_seqlens: Tensor
+    positions: Tensor
+    lengths: tuple[int, ...]
+    batch: int
+    seq: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+
+def pack(x: Tensor, mask: Tensor) -> tuple[Tensor, Packed]:
+    """Keep the rows of ``x`` (B, S, ...) where ``mask`` (B, S) is True / nonzero.
+
+    Returns:
+        ``(packed (T, ...), Packed)``; sequence order and token order are kept.
+
+    >>> x = torch.arange(6.).reshape(2, 3, 1)
+    >>> packed, info = pack(x, torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    >>> packed.flatten().tolist(), info.lengths
+    ([0.0, 1.0, 3.0], (2, 1))
+    """
+    B, S = mask.shape
+    keep = mask.reshape(-1) != 0  # (B * S,)
+    index = keep.nonzero().squeeze(1)  # (T,)
+    lengths = (mask != 0).sum(1)  # (B,)
+    cu = torch.zeros(B + 1, dtype=torch.int64, device=mask.device)
+    cu[1:] = lengths.cumsum(0)
+    info = Packed(index, cu, index % S, tuple(lengths.tolist()), B, S)
+    packed = x.reshape(B * S, *x.shape[2:]).index_select(0, index)  # (T, ...)
+    return packed, info
+
+
+def unpack(packed: Tensor, info: Packed) -> Tensor:
+    """Scatter packed rows (T, ...) back to (B, S, ...), zeros at the padding.
+
+    >>> x = torch.arange(6.).reshape(2, 3, 1)
+    >>> packed, info = pack(x, torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    >>> unpack(packed, info).flatten().tolist()
+    [0.0, 1.0, 0.0, 3.0, 0.0, 0.0]
+    """
+    out = packed.new_zeros(info.batch * info.seq, *packed.shape[1:])
+    out = out.index_copy(0, info.index, packed)  # differentiable scatter
+    return out.reshape(info.batch, info.seq, *packed.shape[1:])
+
+
+def packed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | None = None,  # None: not given (the offsets say it)
+    max_seqlen_k: int | None = None,
+    *,
+    is_causal: bool = False,
+    window: int | None = None,  # None: unlimited
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi bias
+    dropout_p: float = 0.0,
+    scale: float | None = None,  # None: 1 / sqrt(D)
+    backend: str = "auto",
+) -> Tensor:
+    """Attention within each of B packed sequences, without padding: the CPU/GPU
+    counterpart of flash-attn's ``flash_attn_varlen_func``.
+
+    Sequence ``b``'s queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of ``q``, its
+    keys and values rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of ``k`` and ``v``; it
+    attends only to its own keys. Self-attention passes the same offsets twice. Positions
+    count within each sequence, with :func:`headwise.attention`'s bottom-right alignment:
+    query ``i`` of a sequence with ``Lq`` queries and ``Lk`` keys sits at key position
+    ``i + Lk - Lq``. Sequences may be empty on either side: no queries, no rows; no keys,
+    zero rows for its queries (and zero gradients), never NaN.
+
+    Args:
+        q: (Tq, H, D) packed queries, Tq = ``cu_seqlens_q[-1]``.
+        k: (Tk, Hkv, D) packed keys, Tk = ``cu_seqlens_k[-1]``; ``H % Hkv == 0`` (Hkv < H:
+            grouped-query attention, query head ``h`` reads kv head ``h // (H // Hkv)``).
+        v: (Tk, Hkv, D) packed values.
+        cu_seqlens_q: (B + 1,) integer offsets of the query sequences: 0, then the
+            cumulative lengths (``F.pad(lengths.cumsum(0), (1, 0))``).
+        cu_seqlens_k: (B + 1,) integer offsets of the key/value sequences.
+        max_seqlen_q: optional bound on the query lengths, as flash-attn takes it; checked.
+        max_seqlen_k: optional bound on the key lengths; checked.
+        is_causal: query ``i`` may attend key ``j`` of its sequence iff ``j <= i + Lk - Lq``.
+        window: sliding window: only keys ``j`` with ``i + Lk - Lq - window < j <=
+            i + Lk - Lq`` (implies causal).
+        alibi_slopes: (H,) slopes; adds ``-slope_h * |i + Lk - Lq - j|`` to the scores.
+        dropout_p: dropout on the attention probabilities (always applied when > 0).
+        scale: multiplier of ``q k^T``.
+        backend: ``"auto"`` or a name from :func:`headwise.available_backends`; it runs
+            each length bucket.
+
+    Returns:
+        (Tq, H, D) outputs, in the packed order of ``q``.
+
+    Raises:
+        TypeError: non-tensor or non-floating q/k/v, dtypes that differ, offsets that are
+            not integer tensors, a ``max_seqlen_*`` that is not an int.
+        ValueError: ranks, heads, head dims or devices that do not fit; offsets that do not
+            start at 0, decrease, end elsewhere than the rows of q / k, or count different
+            numbers of sequences; a ``max_seqlen_*`` below the longest sequence; dropout
+            outside [0, 1); an unknown backend.
+
+    >>> q = torch.randn(5, 4, 8)  # sequences of 2 and 3 queries
+    >>> k = v = torch.randn(7, 2, 8)  # ... of 4 and 3 keys (GQA: 2 kv heads)
+    >>> cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 4, 7])
+    >>> packed_attention(q, k, v, cu_q, cu_k, is_causal=True).shape
+    torch.Size([5, 4, 8])
+    """
+    if trace.ACTIVE:
+        trace.begin_call()
+    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes)
+    lengths_q = _lengths(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q")
+    if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0]:
+        lengths_k = lengths_q  # self-attention passes one tensor twice: read it once (a device sync)
+    else:
+        lengths_k = _lengths(cu_seqlens_k, "cu_seqlens_k", k.shape[0], "k")
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(
+            f"cu_seqlens_q has {len(lengths_q) + 1} offsets ({len(lengths_q)} sequences) but cu_seqlens_k has "
+            f"{len(lengths_k) + 1} ({len(lengths_k)} sequences); give both the same B + 1 offsets, an empty "
+            "sequence as a repeated offset"
+        )
+    _check_longest(max_seqlen_q, "max_seqlen_q", lengths_q, "query")
+    _check_longest(max_seqlen_k, "max_seqlen_k", lengths_k, "key")
+    return _attend_buckets(q, k, v, lengths_q, lengths_k, is_causal=is_causal, window=window,
+                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend)
+
+
+def attend_packed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths_q: tuple[int, ...],
+    lengths_k: tuple[int, ...],
+    *,
+    is_causal: bool = False,
+    window: int | None = None,  # None: unlimited
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi bias
+    dropout_p: float = 0.0,
+    scale: float | None = None,  # None: 1 / sqrt(D)
+    backend: str = "auto",
+) -> Tensor:
+    """:func:`packed_attention` with the sequence lengths as Python ints: reads no offsets
+    and opens no new call in an active trace (the module's packed path opens it).
+
+    Args:
+        q: (Tq, H, D) packed queries, Tq = ``sum(lengths_q)``.
+        k, v: (Tk, Hkv, D) packed keys and values, Tk = ``sum(lengths_k)``.
+        lengths_q, lengths_k: the B query and key lengths (self-attention: the same twice).
+        is_causal, window, alibi_slopes, dropout_p, scale, backend: as in
+            :func:`packed_attention`.
+
+    Returns:
+        (Tq, H, D) outputs.
+
+    Raises:
+        ValueError / TypeError: as :func:`packed_attention`, with lengths whose counts
+        differ or whose sums are not the rows of q / k in place of bad offsets.
+
+    >>> q = k = v = torch.randn(5, 2, 4)
+    >>> attend_packed(q, k, v, (2, 3), (2, 3), is_causal=True).shape
+    torch.Size([5, 2, 4])
+    """
+    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes)
+    lengths_q, lengths_k = tuple(lengths_q), tuple(lengths_k)
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(f"lengths_q has {len(lengths_q)} sequences but lengths_k has {len(lengths_k)}; "
+                         "give both sides the same sequences, an empty one as length 0")
+    for name, lengths, t in (("lengths_q", lengths_q, "q"), ("lengths_k", lengths_k, "k")):
+        rows = (q if t == "q" else k).shape[0]
+        if sum(lengths) != rows or any(n < 0 for n in lengths):
+            raise ValueError(f"{name} {lengths} must be >= 0 and sum to the {rows} packed rows of {t} "
+                             f"(they sum to {sum(lengths)})")
+    return _attend_buckets(q, k, v, lengths_q, lengths_k, is_causal=is_causal, window=window,
+                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend)
+
+
+# --- validation ---------------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes) -> None:
+    """What attend would check per bucket, checked once up front (and also where no bucket runs)."""
+    for name, t, shape in (("q", q, "(Tq, H, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, D)")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"packed {name} must be 3-D {shape}, got shape {tuple(t.shape)}; pack a padded (B, S, H, D) "
+                "batch with headwise.packing.pack(x, mask)"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); "
+                         "move them to one device")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (Tk, Hkv, D)")
+    H, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    if k.shape[2] != D:
+        raise ValueError(f"q head dim ({D}) differs from k/v head dim ({k.shape[2]}); "
+                         "project q, k and v to the same head_dim")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"q has {H} heads, which is not a multiple of k/v's {Hkv} heads; "
+                         "grouped-query attention needs num_heads % num_kv_heads == 0")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if backend != "auto":
+        get_kernel(backend)  # raises ValueError listing the known names
+    _check_structure(q, window, alibi_slopes)  # q.shape[1] is H in (T, H, D) as in (B, H, S, D)
+
+
+_REMEDY = "offsets are 0 then the cumulative lengths: F.pad(lengths.cumsum(0), (1, 0))"
+
+
+def _lengths(cu: Tensor, name: str, rows: int, side: str) -> tuple[int, ...]:
+    """The B lengths that offsets ``cu`` (B + 1,) give ``rows`` packed rows, checked."""
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be a 1-D integer tensor of B + 1 offsets, got {type(cu).__name__}; "
+                        f"wrap it: torch.tensor({name}, dtype=torch.int32)")
+    if cu.dim() != 1 or cu.numel() == 0:
+        raise ValueError(f"{name} must be 1-D with B + 1 >= 1 offsets, got shape {tuple(cu.shape)}; "
+                         f"{_REMEDY}")
+    if cu.dtype == torch.bool or cu.is_floating_point() or cu.is_complex():
+        raise TypeError(f"{name} must hold integers, got {cu.dtype}; cast it: {name}.to(torch.int32)")
+    offsets = cu.tolist()  # the one read of the offsets (a device sync on an accelerator)
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}; {_REMEDY}")
+    for b in range(len(offsets) - 1):
+        if offsets[b + 1] < offsets[b]:
+            raise ValueError(f"{name} must not decrease, but {name}[{b + 1}] = {offsets[b + 1]} < "
+                             f"{name}[{b}] = {offsets[b]}; {_REMEDY}")
+    if offsets[-1] != rows:
+        raise ValueError(f"{name} ends at {offsets[-1]} but {side} has {rows} rows; the last offset must be "
+                         f"the number of packed rows ({side}.shape[0])")
+    return tuple(b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True))
+
+
+def _check_longest(hint, name: str, lengths: tuple[int, ...], side: str) -> None:
+    """A ``max_seqlen_*`` hint, when given, must bound every sequence (flash-attn trusts it)."""
+    if hint is None:
+        return
+    try:
+        if isinstance(hint, bool):
+            raise TypeError
+        value = operator.index(hint)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or None, got {type(hint).__name__} ({hint!r})") from None
+    longest = max(lengths, default=0)
+    if value < longest:
+        b = lengths.index(longest)
+        raise ValueError(f"{name} ({value}) is less than the longest {side} sequence ({longest}, sequence {b}); "
+                         f"pass {name}={longest} or None")
+
+
+# --- the buckets --------------------------------------------------------------------------
+
+
+def _groups(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...]) -> list[list[int]]:
+    """Sequences to attend together, long ones first and alone.
+
+    Sequences with queries and keys are bucketed by key length, then each bucket by query
+    length, so both sides waste at most ``BUCKET_SLACK`` in padding. A sequence whose
+    lengths have a harmonic mean of ``DIRECT_MIN_LENGTH`` or more attends alone. For
+    self-attention that is the measured rule (length >= ``DIRECT_MIN_LENGTH``); for
+    Lq != Lk it keeps the same ratio of gathered rows (``Lq + Lk``) to scores (``Lq * Lk``),
+    unmeasured, so a single query against many keys (decoding) stays in a bucket.
+    """
+    buckets = []
+    for by_k in length_buckets([lk if lq else 0 for lq, lk in zip(lengths_q, lengths_k, strict=True)]):
+        buckets += [[by_k[j] for j in by_q] for by_q in length_buckets([lengths_q[b] for b in by_k])]
+
+    def alone(b: int) -> bool:  # 2 Lq Lk / (Lq + Lk) >= DIRECT_MIN_LENGTH, in integers
+        return 2 * lengths_q[b] * lengths_k[b] >= DIRECT_MIN_LENGTH * (lengths_q[b] + lengths_k[b])
+
+    groups = [[b] for bucket in buckets for b in bucket if alone(b)]
+    groups += [[b for b in bucket if not alone(b)] for bucket in buckets]
+    return [g for g in groups if g]
+
+
+def _layout(group: list[int], lengths_q, lengths_k, positional: bool) -> tuple[int, int, list[int], list[int], bool]:
+    """A bucket's padded lengths (Lq, Lk), each sequence's first query / key row, and
+    whether its keys need a mask (some sequence does not fill the Lk key rows from row 0)."""
+    Lq, Lk = max(lengths_q[b] for b in group), max(lengths_k[b] for b in group)
+    # Bottom-right alignment per sequence: query i sits at key position i + Lk_b - Lq_b,
+    # the bucket puts row r at r + Lk - Lq. Shifting a sequence's queries (shift > 0) or
+    # its keys (shift < 0) to later rows makes the two agree, so attend's own causal,
+    # window and ALiBi rules hold for every sequence with no extra padding.
+    shift = [(lengths_k[b] - lengths_q[b]) - (Lk - Lq) if positional else 0 for b in group]
+    q_at, k_at = [max(s, 0) for s in shift], [max(-s, 0) for s in shift]  # first row of each sequence
+    masked = any(k_at) or any(lengths_k[b] < Lk for b in group)
+    return Lq, Lk, q_at, k_at, masked
+
+
+def bucket_shapes(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """The attention calls the packed path makes for these lengths, without making them.
+
+    Args:
+        lengths_q, lengths_k: the B query and key lengths.
+
+    Returns:
+        ``(n, Lq, Lk, keys)`` per call: n sequences padded to Lq queries and Lk keys, of
+        which ``keys`` are real; ``keys < n * Lk`` means the call carries an (n, Lk) key
+        mask. :meth:`headwise.MultiHeadAttention.dispatch` asks ``"auto"`` about each.
+
+    >>> bucket_shapes((200, 7, 6, 1), (200, 7, 6, 1))
+    [(1, 200, 200, 200), (2, 7, 7, 13), (1, 1, 1, 1)]
+    """
+    shapes = []
+    for group in _groups(tuple(lengths_q), tuple(lengths_k)):
+        Lq, Lk = max(lengths_q[b] for b in group), max(lengths_k[b] for b in group)
+        shapes.append((len(group), Lq, Lk, sum(lengths_k[b] for b in group)))
+    return shapes
+
+
+def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_slopes, dropout_p, scale,
+                    backend) -> Tensor:
+    """Attend each group of sequences (checked inputs), and put the rows back in packed order."""
+    kwargs = {"is_causal": is_causal, "window": window, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
+              "scale": scale, "backend": backend}
+    H, D = q.shape[1], v.shape[-1]
+    # Where a sequence's queries and keys sit in a padded bucket only matters to a rule that
+    # reads positions; without one, both sides are right-padded (the layout the varlen
+    # kernel reads as key prefixes).
+    positional = is_causal or window is not None or alibi_slopes is not None
+    # split() views are cheap in both directions: its backward is one concatenation, where
+    # slicing each sequence out of the packed rows would cost a (T, H, D) zero fill apiece.
+    qs = q.split(list(lengths_q))  # B x (Lq_b, H, D)
+    ks, vs = k.split(list(lengths_k)), v.split(list(lengths_k))  # B x (Lk_b, Hkv, D)
+    pieces: list[Tensor | None] = [None] * len(lengths_q)  # each sequence's (Lq_b, H, D) output
+    groups = _groups(lengths_q, lengths_k)
+    for number, group in enumerate(groups, 1):
+        if len(group) == 1:  # alone: views of its rows, no padding and no mask
+            b = group[0]
+            qb, kb, vb = (t[b].transpose(0, 1)[None] for t in (qs, ks, vs))  # (1, H|Hkv, Lq_b|Lk_b, D)
+            if trace.ACTIVE:
+                trace.record(f"attention, bucket {number} of {len(groups)}", qb,
+                             _note(group, lengths_q, lengths_k, alone=True))
+            ob = attend(qb, kb, vb, **kwargs)  # (1, H, Lq_b, D)
+            pieces[b] = ob[0].transpose(0, 1)  # (Lq_b, H, D)
+            continue
+        n = len(group)
+        Lq, Lk, q_at, k_at, masked = _layout(group, lengths_q, lengths_k, positional)
+        qb = _pad_bucket([qs[b] for b in group], q_at, Lq).transpose(1, 2)  # (n, Lq, H, D) -> (n, H, Lq, D)
+        kb, vb = (_pad_bucket([t[b] for b in group], k_at, Lk).transpose(1, 2) for t in (ks, vs))  # (n, Hkv, Lk, D)
+        mask = None  # equal key lengths in place: no mask, the fastest path
+        if masked:
+            first = torch.tensor(k_at, device=q.device)[:, None]  # (n, 1)
+            last = first + torch.tensor([lengths_k[b] for b in group], device=q.device)[:, None]  # (n, 1)
+            span = torch.arange(Lk, device=q.device)[None, :]  # (1, Lk)
+            mask = (span >= first) & (span < last)  # (n, Lk) True = one of the sequence's keys
+        if trace.ACTIVE:
+            trace.record(f"attention, bucket {number} of {len(groups)}", qb,
+                         _note(group, lengths_q, lengths_k, alone=False, Lq=Lq, Lk=Lk, shifted=any(q_at + k_at)))
+        ob = attend(qb, kb, vb, mask, **kwargs)  # (n, H, Lq, D)
+        ob = ob.transpose(1, 2).reshape(n * Lq, H, D)  # (n, H, Lq, D) -> (n * Lq, H, D)
+        sizes = [m for b, s in zip(group, q_at, strict=True) for m in (s, lengths_q[b], Lq - s - lengths_q[b])]
+        parts = ob.split(sizes)  # padding, queries, padding, ... per sequence
+        for j, b in enumerate(group):
+            pieces[b] = parts[3 * j + 1]  # (Lq_b, H, D)
+    keyless = [b for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k, strict=True)) if lq and not lk]
+    for b in keyless:  # no key to attend: the contract's zero rows (q's rows get zero gradients)
+        pieces[b] = q.new_zeros(lengths_q[b], H, D)
+    if not groups:  # no sequence attends: zeros still in the graph of q, k and v
+        out = attached_zeros(q, k, v)  # (Tq, H, D)
+    else:
+        out = torch.cat([p for p in pieces if p is not None])  # (Tq, H, D), in the packed order
+    if trace.ACTIVE:
+        note = f"{sum(len(g) for g in groups)} sequences' query rows back in packed order, padding dropped"
+        if keyless:
+            note += f"; {len(keyless)} without keys output zeros"
+        trace.record("merge buckets", out, note + ": (Tq, H, D)")
+    return out
+
+
+def _pad_bucket(seqs: list[Tensor], starts: list[int], L: int) -> Tensor:
+    """Stack sequences (L_i, ...) into (n, L, ...), sequence i from row ``starts[i]``,
+    zeros around it.
+
+    A single concatenation, so the backward hands each sequence a view of its gradient.
+    """
+    rows = []
+    for t, s in zip(seqs, starts, strict=True):
+        after = L - s - t.shape[0]
+        rows += [t.new_zeros(s, *t.shape[1:])] if s else []
+        rows.append(t)
+        rows += [t.new_zeros(after, *t.shape[1:])] if after else []
+    return torch.cat(rows).reshape(len(seqs), L, *seqs[0].shape[1:])  # (n, L, ...)
+
+
+def _note(group: list[int], lengths_q, lengths_k, *, alone: bool, Lq: int = 0, Lk: int = 0,
+          shifted: bool = False) -> str:
+    """One line for explain mode: which sequences a bucket holds and how it pads them."""
+    lq, lk = [lengths_q[b] for b in group], [lengths_k[b] for b in group]
+    if alone:
+        if lq == lk:
+            return f"1 sequence of length {lq[0]}, alone, no padding"
+        return f"1 sequence of {lq[0]} queries and {lk[0]} keys, alone, no padding"
+    if lq == lk:
+        if len(set(lq)) == 1:
+            return f"{len(group)} sequences of length {Lq}, no padding"
+        return f"{len(group)} sequences of lengths {_listed(lq)} padded to {Lq}"
+    note = (f"{len(group)} sequences: queries of lengths {_listed(lq)} padded to {Lq}, keys of lengths "
+            f"{_listed(lk)} padded to {Lk}")
+    if shifted:
+        note += "; sequences shifted within the padding to keep each one's causal alignment"
+    return note
+
+
+def _listed(lengths: list[int], most: int = 6) -> str:
+    if len(lengths) <= most:
+        return ", ".join(map(str, lengths))
+    return f"{', '.join(map(str, lengths[:most - 1]))}, ..., {lengths[-1]}"
