@@ -4,7 +4,7 @@ Kernels hold no trace hooks. Each declares a ``stages(call)`` function next to i
 ``KERNEL``, written with these helpers, and :func:`headwise.functional.attend` records
 what it returns. Every note is computed from the call (the scale actually used, the
 mask's real shape and how it broadcasts, the group size), so it says what this call did;
-``tests/kernels/test_stages.py`` checks the textbook kernels' shapes and dtypes against
+``tests/kernels/test_describe.py`` checks the textbook kernels' shapes and dtypes against
 the tensors they really produce.
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S query length,

@@ -72,7 +72,7 @@ class Request:
         return self.mask_shape is not None and self.mask_shape[1:3] == (1, 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: identity equality
 class Call:
     """One kernel call, as :func:`headwise.functional.attend` made it: what ``stages`` describe.
 
