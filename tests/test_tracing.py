@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import headwise
 from headwise import tracing as trace_module
+from headwise.kernels import registry
 
 BACKENDS = headwise.available_backends()
 MODULE_STAGES = ["input", "q projection", "k projection", "v projection", "split heads q",
@@ -102,19 +107,105 @@ def test_no_recording_outside_a_block_and_blocks_nest():
     assert outer.names() == ["kernel", "sdpa"]
 
 
-def test_other_threads_do_not_write_into_this_trace():
+def test_each_thread_records_only_its_own_calls():
+    """Two threads trace while a third calls attention untraced, all at the same time."""
+    rounds = 5
+    barrier = threading.Barrier(3, timeout=30)
+    results, errors = {}, []
+    gen = torch.Generator().manual_seed(4)
+    shapes = {"matmul": (1, 2, 3, 4), "einsum": (2, 4, 5, 8), None: (3, 2, 7, 4)}  # None: the untraced thread
+    inputs = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+    def work(backend):
+        try:
+            q = inputs[backend]
+            if backend is None:  # no trace open in this thread: its calls must land nowhere
+                barrier.wait()
+                for _ in range(rounds):
+                    headwise.attention(q, q, q, backend="matmul")
+                    results[None] = trace_module.recording()
+                barrier.wait()
+                return
+            with headwise.trace() as t:
+                barrier.wait()  # every thread is inside its block (or running untraced) from here ...
+                for _ in range(rounds):
+                    headwise.attention(q, q, q, backend=backend)
+                barrier.wait()  # ... to here
+            results[backend] = t
+        except Exception as exc:  # surfaced below: an assertion in a thread would be lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(backend,)) for backend in shapes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert trace_module.ACTIVE == 0 and results[None] is False
+    for backend in ("matmul", "einsum"):
+        t, (b, h, s, d) = results[backend], shapes[backend]
+        assert t.calls == rounds and {st.call for st in t.stages} == set(range(rounds))
+        assert t.names() == ["kernel", *TEXTBOOK_STAGES] * rounds
+        assert all(st.note == f"backend {backend!r}: requested explicitly" for st in t.stages if st.name == "kernel")
+        assert {st.shape for st in t.stages} == {(b, h, s, d), (b, h, s, s)}  # no stage of another thread's shapes
+
+
+def test_a_trace_entered_in_one_thread_ignores_another_threads_copy_of_its_context():
+    """A context copied into a worker (asyncio.to_thread does this) still records nothing there."""
+    import contextvars
+
     q = torch.randn(1, 2, 3, 4)
-    seen = []
-
-    def elsewhere():
-        headwise.attention(q, q, q, backend="matmul")
-        seen.append(True)
-
     with headwise.trace() as t:
-        worker = threading.Thread(target=elsewhere)
+        context = contextvars.copy_context()
+        worker = threading.Thread(target=context.run, args=(headwise.attention, q, q, q))
         worker.start()
         worker.join()
-    assert seen and t.stages == []
+        assert trace_module.recording()
+    assert t.stages == [] and t.calls == 0
+    assert not trace_module.recording()
+
+
+def test_importing_headwise_loads_neither_rich_nor_matplotlib():
+    code = ("import sys, torch, headwise; "
+            "loaded = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'rich', 'matplotlib'}); "
+            "print(loaded()); "
+            "t = headwise.trace(); t.__enter__(); "
+            "headwise.attention(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4)); "
+            "t.__exit__(None, None, None); print(loaded()); "
+            "text = str(t); print(loaded(), 'sdpa (fused)' in text)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[]", "[]", "['rich'] True"]  # rich only once a trace is printed
+
+
+def test_a_registered_kernel_without_stages_is_one_opaque_stage(monkeypatch):
+    def doubled(q, k, v, **kwargs):
+        return 2 * q, None
+
+    monkeypatch.setitem(registry._KERNELS, "doubled", registry.Kernel("doubled", doubled, "a test kernel"))
+    q = torch.randn(1, 2, 3, 4)
+    with headwise.trace() as t:
+        headwise.attention(q, q, q, backend="doubled")
+    assert t.names() == ["kernel", "doubled"]
+    assert t.stages[-1].note == "backend 'doubled' describes no stages (Kernel.stages); its output"
+    assert not t.stages[-1].fused and t.stages[-1].shape == (1, 2, 3, 4)
+
+    def stages(call):
+        return [registry.KernelStage("doubling", tuple(call.q.shape), call.q.dtype, f"2 x q, scale {call.scale}")]
+
+    described = dataclasses.replace(registry.get_kernel("doubled"), stages=stages)
+    monkeypatch.setitem(registry._KERNELS, "doubled", described)
+    with headwise.trace() as t:
+        headwise.attention(q, q, q, backend="doubled", scale=0.5)
+    assert t.names() == ["kernel", "doubling"] and t.stages[-1].note == "2 x q, scale 0.5"
+    assert t.stages[-1].dtype == torch.float32
+
+
+def test_no_keys_is_recorded_and_no_kernel_runs():
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 0, 4)
+    with headwise.trace() as t:
+        out = headwise.attention(q, k, k, backend="matmul")
+    assert t.names() == ["kernel", "no keys"] and t.stages[-1].shape == tuple(out.shape)
 
 
 def test_hooks_only_read_the_active_counter_when_idle(monkeypatch):
@@ -178,21 +269,45 @@ def test_forward_packed_records_its_input_and_every_stage():
     assert by_name["q projection"].note == "q_proj(x): (T, E) x (E, E)^T + b"
 
 
-def test_sdpa_notes_say_what_was_fused_and_with_which_mask():
+def test_sdpa_notes_say_what_was_fused_with_which_mask_and_what_never_existed():
     q = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(2))
-    fused = "scores, scaling, mask, softmax, dropout, weighted sum in F.scaled_dot_product_attention"
+    sdpa = "in F.scaled_dot_product_attention"
     notes = []
     for kwargs in ({}, {"is_causal": True}, {"attention_mask": torch.tensor([[1, 1, 0]])},
-                   {"alibi_slopes": torch.tensor([0.5, 0.25])}):
+                   {"alibi_slopes": torch.tensor([0.5, 0.25])},
+                   {"attention_mask": torch.tensor([[0, 0, 0]]), "window": 2}):
         with headwise.trace() as t:
             out = headwise.attention(q, q, q, backend="sdpa", **kwargs)
         (stage,) = [s for s in t.stages if s.name == "sdpa"]
         assert stage.fused and stage.shape == tuple(out.shape)
-        notes.append(stage.note)
-    assert notes[:2] == [fused, fused + " (causal)"]
-    assert notes[2] == (f"{fused} with a (1, 1, 1, 3) bool mask (causal, window, ALiBi folded in); rows with "
-                        "nothing to attend zeroed")
-    assert notes[3].startswith(f"{fused} with a (1, 2, 3, 3) float32 mask")
+        flash = "; scores (1, 2, 3, 3) not materialised (torch's flash attention backend)"
+        assert stage.note.endswith(flash)
+        notes.append(stage.note.removesuffix(flash))
+    assert notes == [
+        f"scaling, scores, softmax, weighted sum {sdpa}",
+        f"scaling, scores, mask, softmax, weighted sum {sdpa}(is_causal=True)",
+        f"scaling, scores, mask, softmax, weighted sum {sdpa} with one (1, 1, 1, 3) bool mask (the caller's mask)",
+        f"scaling, scores, alibi, softmax, weighted sum {sdpa} with one (1, 2, 3, 3) float32 mask (ALiBi)",
+        f"scaling, scores, mask, softmax, weighted sum {sdpa} with one (1, 1, 3, 3) bool mask (the caller's mask, "
+        "causal window 2: i - 2 < j <= i); rows with nothing to attend unblocked for the call and zeroed after it",
+    ]
+
+
+def test_sdpa_note_follows_the_backend_torch_picks():
+    q = torch.randn(2, 4, 3, 8, generator=torch.Generator().manual_seed(5))
+    k = torch.randn(2, 2, 5, 8, generator=torch.Generator().manual_seed(6))
+    with headwise.trace() as t, sdpa_kernel(SDPBackend.MATH):
+        headwise.attention(q, k, k, backend="sdpa", dropout_p=0.1)
+    assert t.stages[-1].note == (
+        "scaling, scores, softmax, dropout, weighted sum in F.scaled_dot_product_attention; H = 4 query heads read "
+        "Hkv = 2 kv heads, no copy (enable_gqa); scores (2, 4, 3, 5) materialised inside torch's math backend")
+
+
+def test_varlen_note_without_a_mask_is_sdpas():
+    q = torch.randn(1, 2, 3, 4)
+    with headwise.trace() as t:
+        headwise.attention(q, q, q, backend="varlen", is_causal=True)
+    assert t.names() == ["kernel", "sdpa"] and "(is_causal=True)" in t.stages[-1].note
 
 
 def test_rotary_stage_names_its_base_and_first_position():

@@ -134,8 +134,10 @@ def markdown_page(explained: Explained) -> str:
 
 This page is generated from a traced run by
 `{command(c)} --markdown > docs/how-attention-works.md`
-(the test suite regenerates it and fails if this file differs), so the shapes below are
-the shapes the code really produces.
+(the test suite regenerates it and fails if this file differs). The module's stages are
+recorded from the tensors themselves, the kernel's from the stages the kernel declares,
+which the tests check against every tensor the kernel produces: the shapes below are the
+shapes the code really produces.
 
 The example is the second teaching document's: a batch of B = {c.batch} sequences of
 S = {c.seq} tokens, embed dim E = {c.dim}, H = {c.heads} heads of D = E / H = {head_dim}

@@ -15,7 +15,7 @@ from headwise import kernels as _kernels  # noqa: F401  (registers the built-in 
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch, select
 from headwise.kernels.common import attached_zeros
-from headwise.kernels.registry import Request, get_kernel, kernels
+from headwise.kernels.registry import Call, Kernel, Request, get_kernel, kernels
 from headwise.masks import normalize_mask
 
 __all__ = ["attention", "available_backends", "choose_backend"]
@@ -201,22 +201,28 @@ def attention(
 
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
            backend="auto", need_weights=False, window=None, alibi_slopes=None):
-    """:func:`attention` without opening a new call in an active trace (the module opens it)."""
+    """:func:`attention` without opening a new call in an active trace (the module opens it).
+
+    In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
+    stages the kernel declares for this call (kernels hold no hooks of their own).
+    """
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                               backend, window, alibi_slopes)
     B, H, S, D = q.shape
-    if trace.ACTIVE:
+    if trace.ACTIVE and trace.recording():
         if attention_mask is not None:
             trace.record("mask layout", mask, f"{attention_mask.dim()}-D {tuple(attention_mask.shape)} "
                          f"{str(attention_mask.dtype).removeprefix('torch.')} -> {tuple(mask.shape)}: "
                          "broadcasts over (B, H, S, Sk), no copy")
         trace.record("kernel", q, f"backend {dispatch.backend!r}: {dispatch.reason}")
+    scale_given = scale is not None
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
         out = attached_zeros(q, k, v)  # (B, H, S, D), in q's graph: zero gradients
+        if trace.ACTIVE:
+            trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
         return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
-    out, weights = dispatch.kernel.fn(
-        q, k, v,
+    args = dict(
         attention_mask=mask,
         is_causal=dispatch.request.is_causal,
         dropout_p=float(dropout_p),
@@ -225,7 +231,20 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         window=window,
         alibi_slopes=alibi_slopes,
     )
+    out, weights = dispatch.kernel.fn(q, k, v, **args)
+    if trace.ACTIVE and trace.recording():
+        _record_kernel_stages(dispatch.kernel, Call(q, k, v, **args, scale_given=scale_given), out)
     return (out, weights) if need_weights else out
+
+
+def _record_kernel_stages(kernel: Kernel, call: Call, out: Tensor) -> None:
+    """Explain mode: record the stages ``kernel`` declares for ``call``, in its order."""
+    if kernel.stages is None:  # a registered kernel that describes nothing: its output, opaque
+        trace.record(kernel.name, out, f"backend {kernel.name!r} describes no stages (Kernel.stages); "
+                     "its output", fused=kernel.fused)
+        return
+    for stage in kernel.stages(call):
+        trace.record(stage.name, stage.shape, stage.note, fused=stage.fused, dtype=stage.dtype)
 
 
 def choose_backend(

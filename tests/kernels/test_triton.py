@@ -323,6 +323,22 @@ def test_custom_op_registration_passes_opcheck(interpreter):
 
 
 @needs_triton
+def test_trace_names_what_the_kernel_fused_and_never_materialised(interpreter):
+    q, k, v, gen = make_inputs(2, 4, 2, 5, 21, 16)
+    mask = key_mask("right_pad", 2, 21, gen).to(DEVICE)  # (B, Sk)
+    with headwise.trace() as t:
+        out = headwise.attention(q, k, v, mask, is_causal=True, backend="triton")
+    assert t.names() == ["mask layout", "kernel", "triton"]
+    stage = t.stages[-1]
+    assert stage.fused and stage.shape == tuple(out.shape) and stage.dtype == out.dtype
+    assert stage.note == (
+        "scaling, scores, mask, softmax, weighted sum tile by tile in one Triton kernel (FlashAttention-2); "
+        "the (2, 1, 1, 21) key mask read as one bias per key, key tiles that are all padding skipped; "
+        "causal: key j <= i + 16, tiles it blocks entirely skipped; H = 4 query heads read Hkv = 2 kv heads, "
+        "no copy; scores (2, 4, 5, 21) not materialised")
+
+
+@needs_triton
 def test_empty_query_and_single_query(interpreter):
     q, k, v, gen = make_inputs(1, 2, 2, 0, 9, 16)
     assert headwise.attention(q, k, v, backend="triton").shape == (1, 2, 0, 16)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout, scale_queries
-from headwise.kernels.registry import Kernel
+from headwise.kernels import describe
+from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.registry import Call, Kernel, KernelStage
 
 
 def bmm_attention(
@@ -35,23 +35,29 @@ def bmm_attention(
     if Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
-        if trace.ACTIVE:
-            trace.record("repeat kv heads", k, f"k, v.repeat_interleave({H // Hkv}, dim=1): "
-                         "(B, Hkv, Sk, D) -> (B, H, Sk, D), a copy (bmm cannot broadcast)")
-    q = scale_queries(q, scale)  # (B, H, S, D): before the product, where q k^T could overflow fp16
+    q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     q3 = q.reshape(B * H, S, D)  # (B, H, S, D) -> (B*H, S, D)
     k3 = k.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
     v3 = v.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
     scores = torch.bmm(q3, k3.transpose(1, 2))  # (B*H, S, D) x (B*H, D, Sk) -> (B*H, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B*H, S, Sk) -> (B, H, S, Sk)
-    if trace.ACTIVE:
-        trace.record("scores", scores, "torch.bmm on (B*H, S, D) x (B*H, D, Sk), reshaped to (B, H, S, Sk)")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, D) -> (B*H, S, D)
     out = out.reshape(B, H, S, D)  # (B*H, S, D) -> (B, H, S, D)
-    if trace.ACTIVE:
-        trace.record("weighted sum", out, "torch.bmm on (B*H, S, Sk) x (B*H, Sk, D), reshaped to (B, H, S, D)")
     return out, weights if need_weights else None
+
+
+def bmm_stages(call: Call) -> list[KernelStage]:
+    """Explain mode's stages of :func:`bmm_attention` for one call (recorded by headwise.functional)."""
+    B, H, _, S, Sk, D = call.sizes
+    return describe.textbook(
+        call,
+        copies_kv="a copy (bmm cannot broadcast)",
+        scores=f"torch.bmm on (B*H, S, D) x (B*H, D, Sk) = ({B * H}, {S}, {D}) x ({B * H}, {D}, {Sk}), "
+               "reshaped to (B, H, S, Sk)",
+        weighted_sum=f"torch.bmm on (B*H, S, Sk) x (B*H, Sk, D) = ({B * H}, {S}, {Sk}) x ({B * H}, {Sk}, {D}), "
+                     "reshaped to (B, H, S, D)",
+    )
 
 
 KERNEL = Kernel(
@@ -59,4 +65,5 @@ KERNEL = Kernel(
     fn=bmm_attention,
     summary="torch.bmm on (B*H, S, D); copies k/v to H heads for grouped-query attention",
     supports_weights=True,
+    stages=bmm_stages,
 )

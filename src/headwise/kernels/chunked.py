@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from headwise import tracing as trace
-from headwise.kernels.registry import Kernel
+from headwise.kernels import describe
+from headwise.kernels.registry import Call, Kernel, KernelStage
 
 BLOCK_Q = 256
 BLOCK_K = 512
@@ -264,11 +264,27 @@ def chunked_attention(
         q, k, v, attention_mask, is_causal, window, alibi_slopes, dropout_p, scale, seed,
         block_q or BLOCK_Q, block_k or BLOCK_K,
     )
-    if trace.ACTIVE:
-        trace.record("chunked", out, f"scores, scaling, mask, softmax, dropout, weighted sum tile by tile "
-                     f"({block_q or BLOCK_Q} queries x {block_k or BLOCK_K} keys) with a running max and sum; "
-                     "the (S, Sk) matrix never exists", fused=True)
     return out.to(dtype), None
+
+
+def chunked_stages(call: Call) -> list[KernelStage]:
+    """Explain mode's stage of :func:`chunked_attention` for one call (the default blocks, as
+    :func:`headwise.functional.attend` calls it): one fused stage with the real tiling."""
+    B, H, Hkv, S, Sk, _ = call.sizes
+    plan = _Plan(call.q, call.k, call.attention_mask, call.is_causal, call.window, call.alibi_slopes,
+                 BLOCK_Q, BLOCK_K)
+    computed = sum(1 for _ in plan.tiles())
+    total = len(plan.q_blocks) * len(plan.k_blocks)
+    how = (f"tile by tile with a running max and sum: {computed} of {total} tiles of up to "
+           f"{BLOCK_Q} queries x {BLOCK_K} keys")
+    if computed < total:
+        how += " (tiles the causal rule blocks entirely are skipped)"
+    how += describe.shared_kv(call)
+    if call.q.dtype in (torch.float16, torch.bfloat16):
+        how += "; accumulated in float32"
+    tile = (B, Hkv, H // Hkv, min(S, BLOCK_Q), min(Sk, BLOCK_K))
+    unmaterialised = f"scores {describe.scores_shape(call)} not materialised, one (B, Hkv, G, bq, bk) = {tile} tile"
+    return [describe.fused(call, "chunked", how, unmaterialised + " at a time")]
 
 
 KERNEL = Kernel(
@@ -277,4 +293,5 @@ KERNEL = Kernel(
     summary="blockwise online softmax in plain PyTorch; O(S) memory forward and backward",
     native_gqa=True,
     fused=True,
+    stages=chunked_stages,
 )

@@ -1,4 +1,8 @@
-"""Steps shared by the kernels that materialise the score matrix.
+"""Steps shared by the kernels: the middle of attention for those that materialise the
+score matrix, and the zeros and length buckets of those that drop padding.
+
+Explain mode describes :func:`mask_softmax_dropout`'s stages in
+:func:`headwise.kernels.describe.middle`; nothing here records anything.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim.
@@ -10,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from headwise import tracing as trace
 from headwise.masks import alibi_bias, combined_mask, masked_scores, safe_softmax
 
 
@@ -37,50 +40,13 @@ def mask_softmax_dropout(
         nothing may be attended) and the same after dropout.
     """
     S, Sk = scores.shape[-2:]
-    mask = combined_mask(attention_mask, is_causal, S, Sk, scores.device, window)
+    mask = combined_mask(attention_mask, is_causal, S, Sk, scores.device, window)  # (B|1, H|1, S|1, Sk)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes.to(scores.dtype), S, Sk)  # + (1, H, S, Sk)
-        if trace.ACTIVE:
-            trace.record("alibi", scores, "+ -slope_h * |i + Sk - S - j| (per-head linear distance bias)")
-    scores = masked_scores(scores, mask)
-    if trace.ACTIVE:
-        trace.record("mask", scores, _mask_note(mask, attention_mask, is_causal, window))
+    scores = masked_scores(scores, mask)  # (B, H, S, Sk)
     weights = safe_softmax(scores)  # (B, H, S, Sk)
-    if trace.ACTIVE:
-        trace.record("softmax", weights, "softmax over Sk; a row with nothing to attend -> zeros, not NaN")
-    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    if trace.ACTIVE:
-        trace.record("dropout", dropped, f"p = {dropout_p}: zero weights at random, scale the rest by "
-                     f"1/(1-p)" if dropout_p > 0 else "p = 0: identity")
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights  # (B, H, S, Sk)
     return weights, dropped
-
-
-def scale_queries(q: Tensor, scale: float) -> Tensor:
-    """``q * scale`` (B, H, S, D), recorded as explain mode's scaling stage.
-
-    Scaling q before the product equals scaling the scores, and it cannot overflow fp16
-    where the scaled scores fit, while an unscaled ``q k^T`` can pass 65504.
-    """
-    q = q * scale  # (B, H, S, D)
-    if trace.ACTIVE:
-        default = abs(scale - q.shape[-1] ** -0.5) <= 1e-12 * max(1.0, scale)
-        trace.record("scaling", q, f"q x scale = {scale:.4g} " + ("(1 / sqrt(D))" if default else "(given scale=)")
-                     + " before the product")
-    return q
-
-
-def _mask_note(mask: Tensor | None, user_mask: Tensor | None, is_causal: bool,
-               window: int | None) -> str:
-    """One line saying what the mask step did (for explain mode only)."""
-    if mask is None:
-        return "no mask: every key visible"
-    parts = []
-    if user_mask is not None:
-        how = "masked_fill(~mask, -inf)" if user_mask.dtype == torch.bool else "+ additive bias"
-        parts.append(f"{how}, mask {tuple(user_mask.shape)} broadcast to (B, H, S, Sk)")
-    if is_causal or window is not None:
-        parts.append("causal j <= i + Sk - S" + (f", window {window}" if window else ""))
-    return "; ".join(parts)
 
 
 def attached_zeros(like: Tensor, *also: Tensor) -> Tensor:

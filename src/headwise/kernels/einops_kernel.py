@@ -9,9 +9,9 @@ from __future__ import annotations
 import einops
 from torch import Tensor
 
-from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout, scale_queries
-from headwise.kernels.registry import Kernel
+from headwise.kernels import describe
+from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.registry import Call, Kernel, KernelStage
 
 
 def einops_attention(
@@ -27,21 +27,27 @@ def einops_attention(
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
 ) -> tuple[Tensor, Tensor | None]:
-    q = scale_queries(q, scale)  # (B, H, S, D): before the product, where q k^T could overflow fp16
+    q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     hkv = k.shape[1]
     qg = einops.rearrange(q, "b (hkv g) s d -> b hkv g s d", hkv=hkv)
     scores = einops.einsum(qg, k, "b hkv g s d, b hkv k d -> b hkv g s k")
     scores = einops.rearrange(scores, "b hkv g s k -> b (hkv g) s k")  # (B, H, S, Sk)
-    if trace.ACTIVE:
-        trace.record("scores", scores, "einops.einsum 'b hkv g s d, b hkv k d -> b hkv g s k', "
-                     "rearranged 'b hkv g s k -> b (hkv g) s k'")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     dropped = einops.rearrange(dropped, "b (hkv g) s k -> b hkv g s k", hkv=hkv)
     out = einops.einsum(dropped, v, "b hkv g s k, b hkv k d -> b hkv g s d")
     out = einops.rearrange(out, "b hkv g s d -> b (hkv g) s d")  # (B, H, S, D)
-    if trace.ACTIVE:
-        trace.record("weighted sum", out, "einops.einsum 'b hkv g s k, b hkv k d -> b hkv g s d' -> (B, H, S, D)")
     return out, weights if need_weights else None
+
+
+def einops_stages(call: Call) -> list[KernelStage]:
+    """Explain mode's stages of :func:`einops_attention` for one call (recorded by headwise.functional)."""
+    _, H, Hkv, _, _, _ = call.sizes
+    return describe.textbook(
+        call,
+        scores=f"einops.einsum 'b hkv g s d, b hkv k d -> b hkv g s k' with g = {H // Hkv}, "
+               "rearranged 'b hkv g s k -> b (hkv g) s k'",
+        weighted_sum="einops.einsum 'b hkv g s k, b hkv k d -> b hkv g s d', rearranged 'b hkv g s d -> b (hkv g) s d'",
+    )
 
 
 KERNEL = Kernel(
@@ -50,4 +56,5 @@ KERNEL = Kernel(
     summary="einops.rearrange and einops.einsum with named axes; grouped-query without copies",
     supports_weights=True,
     native_gqa=True,
+    stages=einops_stages,
 )

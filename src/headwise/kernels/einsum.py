@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout, scale_queries
-from headwise.kernels.registry import Kernel
+from headwise.kernels import describe
+from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.registry import Call, Kernel, KernelStage
 
 
 def einsum_attention(
@@ -29,19 +29,25 @@ def einsum_attention(
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    q = scale_queries(q, scale)  # (B, H, S, D): before the product, where q k^T could overflow fp16
+    q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     qg = q.reshape(B, Hkv, H // Hkv, S, D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
     scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k)  # -> (B, Hkv, G, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B, Hkv, G, S, Sk) -> (B, H, S, Sk)
-    if trace.ACTIVE:
-        trace.record("scores", scores, "einsum('bhgsd,bhkd->bhgsk', q, k): query groups G = H // Hkv "
-                     "share a kv head, no copy")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     dropped = dropped.reshape(B, Hkv, H // Hkv, S, Sk)  # (B, H, S, Sk) -> (B, Hkv, G, S, Sk)
     out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v).reshape(B, H, S, D)  # -> (B, H, S, D)
-    if trace.ACTIVE:
-        trace.record("weighted sum", out, "einsum('bhgsk,bhkd->bhgsd', weights, v) -> (B, H, S, D)")
     return out, weights if need_weights else None
+
+
+def einsum_stages(call: Call) -> list[KernelStage]:
+    """Explain mode's stages of :func:`einsum_attention` for one call (recorded by headwise.functional)."""
+    _, H, Hkv, _, _, _ = call.sizes
+    groups = f"G = H // Hkv = {H // Hkv} query heads share each kv head, no copy" if Hkv != H else "G = 1"
+    return describe.textbook(
+        call,
+        scores=f"einsum('bhgsd,bhkd->bhgsk', q, k), {groups}; reshaped to (B, H, S, Sk)",
+        weighted_sum="einsum('bhgsk,bhkd->bhgsd', weights, v), reshaped to (B, H, S, D)",
+    )
 
 
 KERNEL = Kernel(
@@ -50,4 +56,5 @@ KERNEL = Kernel(
     summary="torch.einsum index notation; grouped-query heads without copying k/v",
     supports_weights=True,
     native_gqa=True,
+    stages=einsum_stages,
 )

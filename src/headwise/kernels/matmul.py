@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from headwise import tracing as trace
-from headwise.kernels.common import mask_softmax_dropout, scale_queries
-from headwise.kernels.registry import Kernel
+from headwise.kernels import describe
+from headwise.kernels.common import mask_softmax_dropout
+from headwise.kernels.registry import Call, Kernel, KernelStage
 
 
 def matmul_attention(
@@ -36,19 +36,21 @@ def matmul_attention(
         # Readable, but it copies k and v to H heads; einsum/sdpa/chunked do not.
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
-        if trace.ACTIVE:
-            trace.record("repeat kv heads", k, f"k, v.repeat_interleave({H // Hkv}, dim=1): "
-                         "(B, Hkv, Sk, D) -> (B, H, Sk, D), a copy")
-    q = scale_queries(q, scale)  # (B, H, S, D): before the product, where q k^T could overflow fp16
+    q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     scores = torch.matmul(q, k.transpose(-2, -1))  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
-    if trace.ACTIVE:
-        trace.record("scores", scores, "torch.matmul(q, k.transpose(-2, -1)): "
-                     "(B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)")
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
     out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)
-    if trace.ACTIVE:
-        trace.record("weighted sum", out, "torch.matmul(weights, v): (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)")
     return out, weights if need_weights else None
+
+
+def matmul_stages(call: Call) -> list[KernelStage]:
+    """Explain mode's stages of :func:`matmul_attention` for one call (recorded by headwise.functional)."""
+    return describe.textbook(
+        call,
+        copies_kv="a copy",
+        scores="torch.matmul(q, k.transpose(-2, -1)): (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)",
+        weighted_sum="torch.matmul(weights, v): (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)",
+    )
 
 
 KERNEL = Kernel(
@@ -56,4 +58,5 @@ KERNEL = Kernel(
     fn=matmul_attention,
     summary="torch.matmul, the documents' formula; the reference the others are tested against",
     supports_weights=True,
+    stages=matmul_stages,
 )

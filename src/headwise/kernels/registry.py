@@ -20,6 +20,13 @@ A kernel is a function with one keyword-only signature::
 Kernels never own parameters and never validate caller input: :func:`headwise.attention`
 has done that. The built-in kernels are listed in one place, ``headwise.kernels.BUILTIN``;
 :func:`register` adds your own.
+
+Kernels hold no explain-mode hooks either. Each declares, next to its ``KERNEL``, a
+``stages`` function: given one :class:`Call` (the real tensors, scale, mask and flags the
+kernel was handed) it returns the :class:`KernelStage` list that explain mode shows, and
+:func:`headwise.functional.attend` records that list when a trace is open. A test runs the
+textbook kernels under a capture of every tensor they produce and checks each described
+shape and dtype against it, so a description cannot drift from its kernel.
 """
 
 from __future__ import annotations
@@ -65,6 +72,68 @@ class Request:
         return self.mask_shape is not None and self.mask_shape[1:3] == (1, 1)
 
 
+@dataclass(frozen=True, eq=False)  # holds tensors: identity equality
+class Call:
+    """One kernel call, as :func:`headwise.functional.attend` made it: what ``stages`` describe.
+
+    The fields are the kernel's own arguments (same names, same values), plus
+    ``scale_given``.
+
+    Attributes:
+        q: queries (B, H, S, D).
+        k: keys (B, Hkv, Sk, D).
+        v: values (B, Hkv, Sk, D).
+        attention_mask: the normalised mask (B|1, H|1, S|1, Sk), bool or additive float, or None.
+        is_causal: the causal rule is applied (True also when a window is set).
+        dropout_p: dropout probability on the weights.
+        scale: the multiplier of ``q k^T`` actually used.
+        need_weights: the probabilities are returned too.
+        window: causal sliding window length (None: unlimited).
+        alibi_slopes: (H,) ALiBi slopes (None: no positional bias).
+        scale_given: True when the caller passed ``scale=``; False when it is ``1 / sqrt(D)``.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    attention_mask: Tensor | None
+    is_causal: bool
+    dropout_p: float
+    scale: float
+    need_weights: bool
+    window: int | None = None  # None: unlimited
+    alibi_slopes: Tensor | None = None  # None: no ALiBi
+    scale_given: bool = False
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int, int, int]:
+        """``(B, H, Hkv, S, Sk, D)``."""
+        B, H, S, D = self.q.shape
+        return B, H, self.k.shape[1], S, self.k.shape[2], D
+
+
+@dataclass(frozen=True)
+class KernelStage:
+    """One stage a kernel does, as explain mode shows it (see ``headwise.tracing.Stage``).
+
+    Attributes:
+        name: the stage, e.g. ``"scores"``.
+        shape: the shape of the tensor the stage produces.
+        dtype: its dtype.
+        note: what happens, with the call's real values.
+        fused: True when the stage stands for several done at once, without materialising them.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    note: str
+    fused: bool = False
+
+
+StagesFn = Callable[[Call], list[KernelStage]]
+
+
 @dataclass(frozen=True, eq=False)  # identity equality and hash: one object per registration
 class Kernel:
     """A registered kernel and what it can do.
@@ -79,6 +148,8 @@ class Kernel:
             (explain mode shows those stages as one).
         available: returns None when usable on this machine, else the reason it is not.
         refuses: returns None when the kernel can serve a request, else the reason.
+        stages: explain mode's description of one call, in the order the kernel does the
+            stages (None: the trace shows the kernel's output as one opaque stage).
     """
 
     name: str
@@ -89,6 +160,7 @@ class Kernel:
     fused: bool = False
     available: Callable[[], str | None] = field(default=lambda: None)
     refuses: Callable[[Request], str | None] = field(default=lambda request: None)
+    stages: StagesFn | None = None
 
     def why_not(self, request: Request) -> str | None:
         """None if this kernel can serve ``request``, else a short reason."""
@@ -120,6 +192,7 @@ def register(
     fused: bool = False,
     available: Callable[[], str | None] | None = None,
     refuses: Callable[[Request], str | None] | None = None,
+    stages: StagesFn | None = None,
 ) -> Callable[[KernelFn], KernelFn]:
     """Decorator: register your own ``fn`` as backend ``name`` (the arguments are :class:`Kernel`'s).
 
@@ -141,6 +214,7 @@ def register(
             fused=fused,
             available=available or (lambda: None),
             refuses=refuses or (lambda request: None),
+            stages=stages,
         ))
         return fn
 

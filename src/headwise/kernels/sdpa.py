@@ -21,11 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from headwise import tracing as trace
-from headwise.kernels.registry import Kernel
+from headwise.kernels import describe
+from headwise.kernels.registry import Call, Kernel, KernelStage
 from headwise.masks import alibi_bias, combined_mask, row_is_dead
-
-_FUSED_NOTE = "scores, scaling, mask, softmax, dropout, weighted sum in F.scaled_dot_product_attention"
 
 # enable_gqa arrived in torch 2.5; before it, kv heads are repeated (a copy).
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -63,6 +61,28 @@ def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict]:
     return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), {}
 
 
+def _own_arguments(attention_mask: Tensor | None, is_causal: bool, window: int | None,
+                   alibi_slopes: Tensor | None, S: int, Sk: int) -> bool:
+    """True when SDPA's own arguments express the call: no mask, no window, no ALiBi, and
+    causal only where S == Sk (SDPA's causal is top-left aligned, ours bottom-right)."""
+    return attention_mask is None and window is None and alibi_slopes is None and (not is_causal or S == Sk)
+
+
+def _folded_mask(q: Tensor, k: Tensor, attention_mask: Tensor | None, is_causal: bool, window: int | None,
+                 alibi_slopes: Tensor | None) -> Tensor | None:
+    """The one mask SDPA gets (B|1, H|1, S|1, Sk): the caller's, with causal, window and ALiBi folded in."""
+    S, Sk = q.shape[-2], k.shape[-2]
+    mask = combined_mask(attention_mask, is_causal, S, Sk, q.device, window)  # (B|1, H|1, S|1, Sk)
+    if alibi_slopes is None:
+        return mask
+    bias = alibi_bias(alibi_slopes.to(q.dtype), S, Sk)  # (1, H, S, Sk)
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return mask + bias
+
+
 def sdpa_attention(
     q: Tensor,
     k: Tensor,
@@ -76,31 +96,74 @@ def sdpa_attention(
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
 ) -> tuple[Tensor, Tensor | None]:
-    S, Sk = q.shape[-2], k.shape[-2]
-    structured = window is not None or alibi_slopes is not None
-    if attention_mask is None and not structured and (not is_causal or S == Sk):
+    if _own_arguments(attention_mask, is_causal, window, alibi_slopes, q.shape[-2], k.shape[-2]):
         k, v, extra = _grouped(q, k, v)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )  # (B, H, S, D)
-        if trace.ACTIVE:
-            trace.record("sdpa", out, _FUSED_NOTE + (" (causal)" if is_causal else ""), fused=True)
         return out, None
-    mask = combined_mask(attention_mask, is_causal, S, Sk, q.device, window)  # (B|1, H|1, S|1, Sk)
-    if alibi_slopes is not None:
-        bias = alibi_bias(alibi_slopes.to(q.dtype), S, Sk)  # (1, H, S, Sk)
-        if mask is None:
-            mask = bias
-        elif mask.dtype == torch.bool:
-            mask = bias.masked_fill(~mask, float("-inf"))
-        else:
-            mask = mask + bias
-    out = sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale)  # (B, H, S, D)
-    if trace.ACTIVE:
+    mask = _folded_mask(q, k, attention_mask, is_causal, window, alibi_slopes)  # (B|1, H|1, S|1, Sk)
+    return sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale), None  # (B, H, S, D)
+
+
+_TORCH_BACKENDS = {0: "math", 1: "flash attention", 2: "memory-efficient", 3: "cuDNN", 4: "overrideable"}
+
+
+def torch_backend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float, is_causal: bool,
+                  scale: float) -> str | None:
+    """The backend ``F.scaled_dot_product_attention`` picks for these arguments, for explain mode.
+
+    Asks torch's private ``torch._fused_sdp_choice`` (it honours ``sdpa_kernel`` contexts);
+    None where torch lacks it or it fails.
+    """
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return None
+    k, v, extra = _grouped(q, k, v)
+    try:
+        choice = choose(q, k, v, mask, dropout_p, is_causal, scale=scale, **extra)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return _TORCH_BACKENDS.get(int(choice))
+
+
+def unmaterialised(call: Call, backend: str | None, scores: str = "scores") -> str:
+    """What SDPA's choice of backend means for the (B, H, S, Sk) scores of ``call``."""
+    shape = describe.scores_shape(call)
+    if backend == "math":
+        return f"{scores} {shape} materialised inside torch's math backend"
+    if backend is None:
+        return f"{scores} {shape} not materialised where torch has a fused backend"
+    return f"{scores} {shape} not materialised (torch's {backend} backend)"
+
+
+def sdpa_stages(call: Call) -> list[KernelStage]:
+    """Explain mode's stage of :func:`sdpa_attention` for one call: one fused stage that names
+    SDPA's arguments, the mask it was given and what it did not materialise."""
+    q, k, v = call.q, call.k, call.v
+    _, H, Hkv, S, Sk, _ = call.sizes
+    grouped = ""
+    if Hkv != H:
+        grouped = (describe.shared_kv(call) + " (enable_gqa)" if SDPA_HAS_GQA
+                   else f"; k, v repeated to H = {H} heads first (a copy; torch < 2.5 has no enable_gqa)")
+    if _own_arguments(call.attention_mask, call.is_causal, call.window, call.alibi_slopes, S, Sk):
+        mask = None
+        how = "in F.scaled_dot_product_attention" + ("(is_causal=True)" if call.is_causal else "") + grouped
+    else:
+        mask = _folded_mask(q, k, call.attention_mask, call.is_causal, call.window, call.alibi_slopes)
+        folded = ["the caller's mask"] if call.attention_mask is not None else []
+        if call.is_causal:
+            folded.append(describe.causal_rule(call))
+        if call.alibi_slopes is not None:
+            folded.append("ALiBi")
         kind = str(mask.dtype).removeprefix("torch.")
-        trace.record("sdpa", out, f"{_FUSED_NOTE} with a {tuple(mask.shape)} {kind} mask "
-                     "(causal, window, ALiBi folded in); rows with nothing to attend zeroed", fused=True)
-    return out, None
+        how = (f"in F.scaled_dot_product_attention with one {tuple(mask.shape)} {kind} mask "
+               f"({', '.join(folded)}){grouped}")
+        if bool(row_is_dead(mask).any()):
+            how += "; rows with nothing to attend unblocked for the call and zeroed after it"
+    backend = torch_backend(q, k, v, mask, dropout_p=call.dropout_p, scale=call.scale,
+                            is_causal=mask is None and call.is_causal)
+    return [describe.fused(call, "sdpa", how, unmaterialised(call, backend))]
 
 
 KERNEL = Kernel(
@@ -109,4 +172,5 @@ KERNEL = Kernel(
     summary="torch.nn.functional.scaled_dot_product_attention (fused where torch can)",
     native_gqa=SDPA_HAS_GQA,
     fused=True,
+    stages=sdpa_stages,
 )

@@ -54,9 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from headwise import tracing as trace
+from headwise.kernels import describe
 from headwise.kernels.common import attached_zeros
-from headwise.kernels.registry import Kernel, Request
+from headwise.kernels.registry import Call, Kernel, KernelStage, Request
 
 if TYPE_CHECKING:  # the device code's ``tl``; at run time it lives in _compiled()'s namespace
     import triton.language as tl
@@ -861,11 +861,22 @@ def triton_attention(
     key_bias = _key_bias(attention_mask, Sk)  # (B|1, Sk) fp32 or None
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()  # (H,)
     out, _ = _flash_forward(q, k, v, key_bias, slopes, float(scale), bool(is_causal), window)
-    if trace.ACTIVE:
-        trace.record("triton", out, "scores, scaling, key padding, causal/window, ALiBi, softmax and weighted sum "
-                     "tile by tile in one Triton kernel (FlashAttention-2); padded key tiles skipped",
-                     fused=True)
     return out, None
+
+
+def triton_stages(call: Call) -> list[KernelStage]:
+    """Explain mode's stage of :func:`triton_attention` for one call: one fused stage."""
+    B, H, _, S, Sk, D = call.sizes
+    if S == 0 or Sk == 0:
+        return [KernelStage("triton", (B, H, S, D), call.q.dtype, "nothing to compute: zeros", fused=True)]
+    how = "tile by tile in one Triton kernel (FlashAttention-2)"
+    if call.attention_mask is not None:
+        how += (f"; the {tuple(call.attention_mask.shape)} key mask read as one bias per key, key tiles that "
+                "are all padding skipped")
+    if call.is_causal:
+        how += f"; {describe.causal_rule(call)}, tiles it blocks entirely skipped"
+    how += describe.shared_kv(call)
+    return [describe.fused(call, "triton", how, f"scores {describe.scores_shape(call)} not materialised")]
 
 
 KERNEL = Kernel(
@@ -876,4 +887,5 @@ KERNEL = Kernel(
     fused=True,
     available=_available,
     refuses=_refuses,
+    stages=triton_stages,
 )

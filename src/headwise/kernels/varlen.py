@@ -20,10 +20,37 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from headwise import tracing as trace
+from headwise.kernels import describe
 from headwise.kernels.common import DIRECT_MIN_LENGTH, attached_zeros, length_buckets
-from headwise.kernels.registry import Kernel
-from headwise.kernels.sdpa import sdpa_attention, sdpa_masked
+from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages
+
+
+def _real_keys(m: Tensor, B: int, Sk: int) -> tuple[Tensor, Tensor, list[int]]:
+    """The keys each batch row needs: those some query of some head may attend.
+
+    Args:
+        m: the normalised mask (B|1, H|1, S|1, Sk).
+        B: batch size.
+        Sk: key length.
+
+    Returns:
+        ``(keys, sizes, lengths)``: keys (B, Sk) bool, True = kept; sizes (B,) kept keys
+        per row; lengths the same as a list.
+    """
+    attend = m if m.dtype == torch.bool else ~torch.isneginf(m)
+    keys = attend.any(dim=2).any(dim=1).expand(B, Sk)  # (B, Sk) True = some query may attend the key
+    sizes = keys.sum(1)  # (B,)
+    return keys, sizes, sizes.tolist()
+
+
+def _groups(lengths: list[int]) -> list[list[int]]:
+    """Rows attended together, one SDPA call each: a long row (``DIRECT_MIN_LENGTH`` real keys)
+    alone, the short rows of one length bucket together; rows with no real key in none."""
+    buckets = length_buckets(lengths)
+    groups = [[r] for rows in buckets for r in rows if lengths[r] >= DIRECT_MIN_LENGTH]  # long rows: alone
+    groups += [[r for r in rows if lengths[r] < DIRECT_MIN_LENGTH] for rows in buckets]
+    return [rows for rows in groups if rows]
 
 
 def varlen_attention(
@@ -45,19 +72,13 @@ def varlen_attention(
     B, H, S, D = q.shape
     Sk = k.shape[2]
     m = attention_mask  # (B|1, H|1, S|1, Sk)
-    attend = m if m.dtype == torch.bool else ~torch.isneginf(m)
-    keys = attend.any(dim=2).any(dim=1).expand(B, Sk)  # (B, Sk) True = some query may attend the key
+    keys, sizes, lengths = _real_keys(m, B, Sk)  # (B, Sk), (B,), list
     # What the kept keys' columns still need beyond dropping the others: nothing for a key
     # padding mask; the mask itself for 3-D / 4-D masks and additive biases.
     rest = None if m.dtype == torch.bool and m.shape[1:3] == (1, 1) else m.expand(B, -1, -1, -1)  # (B, H|1, S|1, Sk)
-    sizes = keys.sum(1)  # (B,)
-    lengths = sizes.tolist()
-    buckets = length_buckets(lengths)
-    if not buckets:  # no row has a key: the contract's zero rows, in the graph of q, k and v
-        out = attached_zeros(q, k, v)  # (B, H, S, D)
-        if trace.ACTIVE:
-            trace.record("varlen", out, "no real key in any row: zeros", fused=True)
-        return out, None
+    groups = _groups(lengths)
+    if not groups:  # no row has a key: the contract's zero rows, in the graph of q, k and v
+        return attached_zeros(q, k, v), None  # (B, H, S, D)
     span = torch.arange(Sk, device=q.device)  # (Sk,)
     # Right padding (real keys first, the usual layout) needs no gather: a row reads k[b, :, :L, :].
     prefix = bool((keys == (span[None, :] < sizes[:, None])).all())
@@ -67,9 +88,7 @@ def varlen_attention(
     # would cost a (B, H, S, D) zero fill per index.
     q_rows, k_rows, v_rows = q.unbind(0), k.unbind(0), v.unbind(0)  # B x (H|Hkv, S|Sk, D)
     out_rows: list[Tensor | None] = [None] * B  # None: a row with no real key
-    groups = [[r] for rows in buckets for r in rows if lengths[r] >= DIRECT_MIN_LENGTH]  # long rows: alone
-    groups += [[r for r in rows if lengths[r] < DIRECT_MIN_LENGTH] for rows in buckets]
-    for rows in filter(None, groups):
+    for rows in groups:
         L = max(lengths[r] for r in rows)
         idx = torch.tensor(rows, device=q.device)  # (n,)
         if prefix:
@@ -110,12 +129,23 @@ def varlen_attention(
     if any(o is None for o in out_rows):  # rows with no real key output zeros (zero gradients reach q through unbind)
         zeros = q.new_zeros(H, S, v.shape[-1])
         out_rows = [zeros if o is None else o for o in out_rows]
-    out = torch.stack(out_rows)  # (B, H, S, D)
-    if trace.ACTIVE:
-        trace.record("varlen", out, f"scores, mask, softmax, dropout, weighted sum per bucket of rows with "
-                     f"similar real-key counts ({len(buckets)} buckets, keys kept: {sum(lengths)} of {B * Sk})",
-                     fused=True)
-    return out, None
+    return torch.stack(out_rows), None  # (B, H, S, D)
+
+
+def varlen_stages(call: Call) -> list[KernelStage]:
+    """Explain mode's stage of :func:`varlen_attention` for one call: one fused stage with the
+    real groups and kept keys (without a mask the call is SDPA's, described as such)."""
+    if call.attention_mask is None:
+        return sdpa_stages(call)
+    B, H, _, S, Sk, D = call.sizes
+    _, _, lengths = _real_keys(call.attention_mask, B, Sk)
+    groups = _groups(lengths)
+    if not groups:
+        return [KernelStage("varlen", (B, H, S, D), call.q.dtype, "no real key in any row: zeros", fused=True)]
+    how = (f"per group of rows with similar real-key counts: {len(groups)} F.scaled_dot_product_attention "
+           f"call{'s' if len(groups) > 1 else ''} on {sum(lengths)} of {B * Sk} keys, the widest {max(lengths)} "
+           f"keys{describe.shared_kv(call)}")
+    return [describe.fused(call, "varlen", how, f"the dense scores {describe.scores_shape(call)} never exist")]
 
 
 KERNEL = Kernel(
@@ -124,4 +154,5 @@ KERNEL = Kernel(
     summary="drops padded keys per batch row and runs SDPA per length bucket; cost follows real keys",
     native_gqa=True,
     fused=True,
+    stages=varlen_stages,
 )
