@@ -1,9 +1,9 @@
 """What explain mode's hooks cost outside a trace block, measured against the noise.
 
-Every hook in the module and the kernels is ``if tracing.ACTIVE: ...``. This script
-counts how many guards one forward evaluates (by swapping ACTIVE for an object that
-counts its truth tests), times one guard, and sets guards x cost beside the forward's
-own time and its run-to-run spread.
+Every hook (in the module, the packed path and the functional layer; kernels hold none)
+is ``if tracing.ACTIVE: ...``. This script counts how many guards one forward evaluates
+(by swapping ACTIVE for an object that counts its truth tests), times one guard, and
+sets guards x cost beside the forward's own time and its run-to-run spread.
 
     python benchmarks/trace_overhead.py
 """

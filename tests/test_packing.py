@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import headwise
-from headwise import packing
+from headwise import packing, policy
 from headwise.policy import PACK_MIN_PADDING
 
 E, H = 32, 4
@@ -150,7 +150,7 @@ def test_float32_is_within_1e5_of_the_float64_reference(backend):
 
 
 def test_long_sequences_attend_alone_and_short_ones_in_buckets():
-    L = packing.DIRECT_MIN_LENGTH
+    L = policy.DIRECT_MIN_LENGTH
     lengths_q, lengths_k = [L + 2, 8, 7, 1, L], [L + 2, 8, 8, 3, L + 30]
     q, k, v, cu_q, cu_k = inputs(lengths_q, lengths_k, seed=3)
     with headwise.trace() as t:
@@ -175,7 +175,7 @@ def test_long_sequences_attend_alone_and_short_ones_in_buckets():
 
 @pytest.mark.parametrize("direct", [1, 10_000], ids=["every-sequence-alone", "every-sequence-bucketed"])
 def test_alone_and_bucketed_paths_agree_with_the_reference(monkeypatch, direct):
-    monkeypatch.setattr(packing, "DIRECT_MIN_LENGTH", direct)
+    monkeypatch.setattr(policy, "DIRECT_MIN_LENGTH", direct)
     lengths_q, lengths_k = [8, 8, 7, 0, 2], [10, 9, 10, 2, 0]  # one bucket of three
     q, k, v, cu_q, cu_k = inputs(lengths_q, lengths_k, seed=4)
     rule = {"is_causal": True, "alibi_slopes": SLOPES}
@@ -428,14 +428,14 @@ def test_buckets_bound_the_padding_on_both_sides():
     for group in groups:
         for lengths in (lengths_q, lengths_k):
             longest = max(lengths[b] for b in group)
-            assert all(lengths[b] >= (1 - packing.BUCKET_SLACK) * longest for b in group)
+            assert all(lengths[b] >= (1 - policy.BUCKET_SLACK) * longest for b in group)
     assert groups[:5] == [[0], [2], [1], [3], [4]]  # long ones alone, longest keys first
     assert [5, 9] in groups  # 64 keys each, 64 and 60 queries: one bucket
 
 
 @pytest.mark.parametrize("direct", [1, 10_000], ids=["every-sequence-direct", "every-sequence-bucketed"])
 def test_direct_and_bucketed_sequences_agree_in_the_module(monkeypatch, direct):
-    monkeypatch.setattr(packing, "DIRECT_MIN_LENGTH", direct)
+    monkeypatch.setattr(policy, "DIRECT_MIN_LENGTH", direct)
     torch.manual_seed(3)
     dense = headwise.MultiHeadAttention(E, H, backend="sdpa", num_kv_heads=2)
     packed = headwise.MultiHeadAttention(E, H, packing=True, num_kv_heads=2)

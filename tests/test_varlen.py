@@ -12,24 +12,29 @@ import pytest
 import torch
 
 import headwise
-from headwise import packing, varlen
+from headwise import packing, policy, varlen
 
 
 @pytest.fixture
 def unwarned(monkeypatch):
-    """A process where the deprecation has not warned yet."""
-    monkeypatch.setattr(varlen, "_warned", False)
+    """A process where no deprecation has warned yet."""
+    import headwise.deprecation
+
+    monkeypatch.setattr(headwise.deprecation, "_warned", set())
 
 
-def test_the_old_names_are_the_new_objects():
+def test_the_old_names_are_the_new_objects(unwarned):
     assert (varlen.pack, varlen.unpack, varlen.Packed) == (packing.pack, packing.unpack, packing.Packed)
-    assert (varlen.BUCKET_SLACK, varlen.DIRECT_MIN_LENGTH) == (packing.BUCKET_SLACK, packing.DIRECT_MIN_LENGTH)
+    with pytest.warns(FutureWarning, match=r"headwise.varlen.BUCKET_SLACK moved to headwise.policy.BUCKET_SLACK"):
+        assert varlen.BUCKET_SLACK == policy.BUCKET_SLACK
+    with pytest.warns(FutureWarning, match=r"varlen.DIRECT_MIN_LENGTH moved to headwise.policy.DIRECT_MIN_LENGTH"):
+        assert varlen.DIRECT_MIN_LENGTH == policy.DIRECT_MIN_LENGTH
     assert varlen.length_buckets([3, 0, 2]) == [[0], [2]]
 
 
 @pytest.mark.parametrize("rule", [{}, {"is_causal": True, "scale": 0.5}, {"window": 2, "dropout_p": 0.0},
                                   {"alibi_slopes": headwise.masks.alibi_slopes(4), "backend": "matmul"}])
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_the_old_signature_equals_the_new_function(rule):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(9, 4, 8, generator=gen, dtype=torch.float64)
@@ -40,7 +45,7 @@ def test_the_old_signature_equals_the_new_function(rule):
     torch.testing.assert_close(varlen.packed_attention(q, k, v, cu, lengths=(5, 0, 4), **rule), want, atol=0, rtol=0)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_the_old_signature_checks_rows_against_the_offsets():
     q = k = v = torch.randn(9, 4, 8)
     with pytest.raises(ValueError, match=re.escape("cu_seqlens ends at 10 but q has 9 rows")):
@@ -52,7 +57,7 @@ def test_the_old_signature_checks_rows_against_the_offsets():
 def test_the_old_signature_warns_once_pointing_to_the_new_function(unwarned):
     q = k = v = torch.randn(3, 2, 4)
     cu = torch.tensor([0, 1, 3])
-    with pytest.warns(DeprecationWarning, match=re.escape("call headwise.packed_attention(q, k, v, cu_seqlens, "
+    with pytest.warns(FutureWarning, match=re.escape("call headwise.packed_attention(q, k, v, cu_seqlens, "
                                                           "cu_seqlens)")) as record:
         varlen.packed_attention(q, k, v, cu)
     assert record[0].filename == __file__  # it points at the caller's line
@@ -61,10 +66,9 @@ def test_the_old_signature_warns_once_pointing_to_the_new_function(unwarned):
         varlen.packed_attention(q, k, v, cu)  # once: no second warning
 
 
-def test_the_modules_packed_path_does_not_warn_nor_spend_the_once(unwarned):
-    mha = headwise.MultiHeadAttention(16, 2, backend="varlen")
+def test_the_modules_packed_path_does_not_use_the_old_function(unwarned):
+    mha = headwise.MultiHeadAttention(16, 2, packing=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mha(torch.randn(2, 3, 16), torch.tensor([[1, 1, 0], [1, 0, 0]]))
         mha.forward_packed(torch.randn(3, 16), torch.tensor([0, 2, 3]))
-    assert varlen._warned is False

@@ -47,7 +47,7 @@ FILES = ["masks.py", "functional.py", "module.py", "cache.py", "positions.py",
 # without the slow Triton interpreter, the Hugging Face models and the benchmark's subprocesses.
 TESTS = ["tests/test_masks.py", "tests/test_functional.py", "tests/test_module.py",
          "tests/test_module_oracles.py", "tests/test_cache.py", "tests/test_positions.py",
-         "tests/test_dispatch.py", "tests/test_varlen.py", "tests/test_reference.py", "tests/test_tracing.py",
+         "tests/test_dispatch.py", "tests/test_packing.py", "tests/test_reference.py", "tests/test_tracing.py",
          "tests/test_explain.py",
          "tests/kernels/test_parity.py", "tests/kernels/test_chunked.py",
          "tests/kernels/test_varlen_kernel.py", "tests/kernels/test_registry.py"]

@@ -11,11 +11,11 @@ import math
 import torch
 from torch import Tensor
 
-from headwise import kernels as _kernels  # noqa: F401  (registers the built-in kernels)
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch, select
+from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros
-from headwise.kernels.registry import Call, Kernel, Request, get_kernel, kernels
+from headwise.kernels.registry import Call, Kernel, Request
 from headwise.masks import normalize_mask
 
 __all__ = ["attention", "available_backends", "choose_backend"]

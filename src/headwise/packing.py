@@ -4,7 +4,7 @@ A padded batch costs dense attention as much as a full one. Here the valid token
 (B, S) batch are packed into (T, ...) with T = the real token count, so projections and
 feed-forward layers run on T rows, and attention runs per *length bucket*: sequences of
 similar query and key lengths are gathered into a small padded batch (at most
-``BUCKET_SLACK`` of each side padding), or a long one attends on its own, and handed to
+``policy.BUCKET_SLACK`` of each side padding), or a long one attends on its own, and handed to
 :func:`headwise.functional.attend`, so every mask rule, causal, dropout and GQA work as
 everywhere else.
 
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from headwise import policy
 from headwise import tracing as trace
 from headwise.functional import _check_structure, attend
-from headwise.kernels.common import BUCKET_SLACK, DIRECT_MIN_LENGTH, attached_zeros, length_buckets
+from headwise.kernels.common import attached_zeros, length_buckets
 from headwise.kernels.registry import get_kernel
 
-__all__ = ["Packed", "pack", "unpack", "packed_attention", "attend_packed", "bucket_shapes", "BUCKET_SLACK",
-           "DIRECT_MIN_LENGTH"]
+__all__ = ["Packed", "pack", "unpack", "packed_attention", "attend_packed", "bucket_shapes"]
 
 
 @dataclass(frozen=True)
@@ -321,8 +321,10 @@ def _groups(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...]) -> list[list
     for by_k in length_buckets([lk if lq else 0 for lq, lk in zip(lengths_q, lengths_k, strict=True)]):
         buckets += [[by_k[j] for j in by_q] for by_q in length_buckets([lengths_q[b] for b in by_k])]
 
+    direct = policy.DIRECT_MIN_LENGTH
+
     def alone(b: int) -> bool:  # 2 Lq Lk / (Lq + Lk) >= DIRECT_MIN_LENGTH, in integers
-        return 2 * lengths_q[b] * lengths_k[b] >= DIRECT_MIN_LENGTH * (lengths_q[b] + lengths_k[b])
+        return 2 * lengths_q[b] * lengths_k[b] >= direct * (lengths_q[b] + lengths_k[b])
 
     groups = [[b] for bucket in buckets for b in bucket if alone(b)]
     groups += [[b for b in bucket if not alone(b)] for bucket in buckets]

@@ -2,27 +2,27 @@
 
 ``pack``, ``unpack`` and ``Packed`` are re-exported unchanged. ``packed_attention`` keeps
 its old self-attention signature (one offsets tensor) and runs
-:func:`headwise.packing.attend_packed`; called from outside headwise it warns once that
+:func:`headwise.packing.attend_packed`; it warns once (``FutureWarning``) that
 :func:`headwise.packed_attention` (separate query and key offsets, as flash-attn's
-``flash_attn_varlen_func``) replaces it.
+``flash_attn_varlen_func``) replaces it. ``BUCKET_SLACK`` and ``DIRECT_MIN_LENGTH`` moved
+to :mod:`headwise.policy`.
 
 Legend: B sequences, T packed tokens, H query heads, Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
 
-import sys
-import warnings
-
 from torch import Tensor
 
-from headwise.kernels.common import BUCKET_SLACK, DIRECT_MIN_LENGTH, length_buckets
+from headwise import policy
+from headwise.deprecation import moved, warn_once
+from headwise.kernels.common import length_buckets
 from headwise.packing import Packed, _check_inputs, _lengths, attend_packed, pack, unpack
 
-__all__ = ["Packed", "pack", "unpack", "packed_attention", "length_buckets", "BUCKET_SLACK", "DIRECT_MIN_LENGTH"]
+__all__ = ["Packed", "pack", "unpack", "packed_attention", "length_buckets"]
 
-_warned = False  # the deprecation warns once per process
-
+__getattr__ = moved(__name__, {name: (policy, f"headwise.policy.{name}") for name in ("BUCKET_SLACK",
+                                                                                       "DIRECT_MIN_LENGTH")})
 
 def packed_attention(
     q: Tensor,
@@ -59,18 +59,10 @@ def packed_attention(
     >>> packed_attention(q, k, v, torch.tensor([0, 2, 5]), is_causal=True).shape
     torch.Size([5, 2, 4])
     """
-    global _warned
-    # headwise's own modules (the module's packed path, until it calls attend_packed) do not
-    # warn: the warning is for code that can change its call, and it must not spend the once.
-    if not _warned and not sys._getframe(1).f_globals.get("__name__", "").startswith("headwise."):
-        _warned = True
-        warnings.warn(
-            "headwise.varlen.packed_attention(q, k, v, cu_seqlens) is deprecated; call "
-            "headwise.packed_attention(q, k, v, cu_seqlens, cu_seqlens) (separate query and key offsets, "
-            "as flash-attn's flash_attn_varlen_func)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+    warn_once("headwise.varlen.packed_attention",
+              "headwise.varlen.packed_attention(q, k, v, cu_seqlens) is deprecated; call "
+              "headwise.packed_attention(q, k, v, cu_seqlens, cu_seqlens) (separate query and key offsets, "
+              "as flash-attn's flash_attn_varlen_func)")
     kwargs = {"is_causal": is_causal, "window": window, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
               "scale": scale, "backend": backend}
     if lengths is None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import headwise
+from headwise import policy
 from headwise.kernels import chunked
 
 
@@ -29,8 +30,8 @@ def _keep_mask(seed, B, Hkv, G, S, Sk, block_q, block_k, p):
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_dropout_replayed_exactly_in_backward(monkeypatch, is_causal, ref):
-    monkeypatch.setattr(chunked, "BLOCK_Q", 3)
-    monkeypatch.setattr(chunked, "BLOCK_K", 4)
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_Q", 3)
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_K", 4)
     B, H, Hkv, S, Sk, D, p = 2, 4, 2, 7, 9, 8, 0.4
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(B, H, S, D, generator=gen, requires_grad=True)
@@ -78,7 +79,7 @@ def test_saved_memory_grows_linearly_with_sequence_length():
 
 def test_fully_blocked_query_blocks_are_zero(monkeypatch):
     """S > Sk with causal: the first S - Sk queries see no key; whole tiles are skipped."""
-    monkeypatch.setattr(chunked, "BLOCK_Q", 2)
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_Q", 2)
     q = torch.randn(1, 1, 9, 4, requires_grad=True)
     kv = torch.randn(1, 1, 3, 4, requires_grad=True)
     out = headwise.attention(q, kv, kv, is_causal=True, backend="chunked")

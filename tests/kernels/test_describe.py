@@ -20,7 +20,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import headwise
-from headwise.kernels import chunked, registry
+from headwise import policy
+from headwise.kernels import registry
 
 TEXTBOOK = ["matmul", "einsum", "bmm", "einops"]
 COPIES_KV = {"matmul", "bmm"}  # the kernels that repeat k, v to H heads for grouped-query attention
@@ -201,8 +202,8 @@ def _fused(name: str, q, k, v, mask=None, **kwargs):
 
 
 def test_chunked_names_its_real_tiles(monkeypatch):
-    monkeypatch.setattr(chunked, "BLOCK_Q", 2)
-    monkeypatch.setattr(chunked, "BLOCK_K", 2)
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_Q", 2)
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_K", 2)
     q, k, v, _, _ = inputs({"kv_heads": 2, "Sk": S})
     stage = _fused("chunked", q.half(), k.half(), v.half(), is_causal=True)
     assert stage.name == "chunked" and stage.dtype == torch.float16

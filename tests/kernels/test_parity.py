@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import headwise
 from conftest import assert_served, reference_attention
-from headwise.kernels import chunked
+from headwise import policy
 
 BACKENDS = headwise.available_backends()
 B, D = 3, 8
@@ -70,8 +70,8 @@ def backend(request, monkeypatch):
     """Each backend; 'chunked-tiled' runs chunked with tiny tiles so the online softmax
     really spans several key blocks and causal tiles get skipped."""
     if request.param == "chunked-tiled":
-        monkeypatch.setattr(chunked, "BLOCK_Q", 2)
-        monkeypatch.setattr(chunked, "BLOCK_K", 3)
+        monkeypatch.setattr(policy, "CHUNKED_BLOCK_Q", 2)
+        monkeypatch.setattr(policy, "CHUNKED_BLOCK_K", 3)
         return "chunked"
     return request.param
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import headwise
-from headwise.kernels import varlen as varlen_kernel
+from headwise import policy
 
 
 def check_float64(ref, q, k, v, mask, window):
@@ -24,7 +24,7 @@ def check_float64(ref, q, k, v, mask, window):
 @pytest.fixture(params=[10_000, 1], ids=["bucketed", "every-row-alone"])
 def direct(request, monkeypatch):
     """Run a test with short rows stacked in buckets, and again with every row alone on views."""
-    monkeypatch.setattr(varlen_kernel, "DIRECT_MIN_LENGTH", request.param)
+    monkeypatch.setattr(policy, "DIRECT_MIN_LENGTH", request.param)
     return request.param
 
 

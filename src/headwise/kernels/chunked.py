@@ -1,9 +1,9 @@
 """Blockwise attention with an online softmax, in plain PyTorch: O(S) memory.
 
 The FlashAttention idea without a custom kernel: queries are taken in blocks of
-``BLOCK_Q`` rows, keys in blocks of ``BLOCK_K`` columns; each query block keeps a running
-row max ``m``, running sum ``l`` and running output ``acc`` so that the (S, Sk) score
-matrix never exists. Forward saves only q, k, v, the output and the log-sum-exp per row;
+``policy.CHUNKED_BLOCK_Q`` rows, keys in blocks of ``CHUNKED_BLOCK_K`` columns; each query
+block keeps a running row max ``m``, running sum ``l`` and running output ``acc`` so that
+the (S, Sk) score matrix never exists. Forward saves only q, k, v, the output and the log-sum-exp per row;
 backward recomputes each tile (scores, probabilities, dropout mask) from them. Forward
 and backward memory therefore grow as O(S) (plus one tile), not O(S^2).
 
@@ -25,11 +25,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from headwise import policy
+from headwise.deprecation import moved
 from headwise.kernels import describe
 from headwise.kernels.registry import Call, Kernel, KernelStage
 
-BLOCK_Q = 256
-BLOCK_K = 512
+__getattr__ = moved(__name__, {old: (policy, f"headwise.policy.CHUNKED_{old}") for old in ("BLOCK_Q", "BLOCK_K")})
 
 
 def _tile_drop(seed: int, tile: int, shape: tuple[int, ...], dropout_p: float,
@@ -250,8 +251,8 @@ def chunked_attention(
     need_weights: bool,
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
-    block_q: int | None = None,  # None: BLOCK_Q
-    block_k: int | None = None,  # None: BLOCK_K
+    block_q: int | None = None,  # None: policy.CHUNKED_BLOCK_Q
+    block_k: int | None = None,  # None: policy.CHUNKED_BLOCK_K
 ) -> tuple[Tensor, Tensor | None]:
     seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
     dtype = q.dtype
@@ -262,7 +263,7 @@ def chunked_attention(
             attention_mask = attention_mask.float()
     out = _ChunkedAttention.apply(
         q, k, v, attention_mask, is_causal, window, alibi_slopes, dropout_p, scale, seed,
-        block_q or BLOCK_Q, block_k or BLOCK_K,
+        block_q or policy.CHUNKED_BLOCK_Q, block_k or policy.CHUNKED_BLOCK_K,
     )
     return out.to(dtype), None
 
@@ -271,18 +272,19 @@ def chunked_stages(call: Call) -> list[KernelStage]:
     """Explain mode's stage of :func:`chunked_attention` for one call (the default blocks, as
     :func:`headwise.functional.attend` calls it): one fused stage with the real tiling."""
     B, H, Hkv, S, Sk, _ = call.sizes
+    bq, bk = policy.CHUNKED_BLOCK_Q, policy.CHUNKED_BLOCK_K  # the tile, as chunked_attention takes it
     plan = _Plan(call.q, call.k, call.attention_mask, call.is_causal, call.window, call.alibi_slopes,
-                 BLOCK_Q, BLOCK_K)
+                 bq, bk)
     computed = sum(1 for _ in plan.tiles())
     total = len(plan.q_blocks) * len(plan.k_blocks)
     how = (f"tile by tile with a running max and sum: {computed} of {total} tiles of up to "
-           f"{BLOCK_Q} queries x {BLOCK_K} keys")
+           f"{bq} queries x {bk} keys")
     if computed < total:
         how += " (tiles the causal rule blocks entirely are skipped)"
     how += describe.shared_kv(call)
     if call.q.dtype in (torch.float16, torch.bfloat16):
         how += "; accumulated in float32"
-    tile = (B, Hkv, H // Hkv, min(S, BLOCK_Q), min(Sk, BLOCK_K))
+    tile = (B, Hkv, H // Hkv, min(S, bq), min(Sk, bk))
     unmaterialised = f"scores {describe.scores_shape(call)} not materialised, one (B, Hkv, G, bq, bk) = {tile} tile"
     return [describe.fused(call, "chunked", how, unmaterialised + " at a time")]
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from headwise import policy
+from headwise.deprecation import moved
 from headwise.masks import alibi_bias, combined_mask, masked_scores, safe_softmax
 
 
@@ -60,18 +62,15 @@ def attached_zeros(like: Tensor, *also: Tensor) -> Tensor:
     return out
 
 
-# A length bucket takes sequences down to (1 - BUCKET_SLACK) of its longest one.
-BUCKET_SLACK = 0.15
-
-# From this length on a sequence (or a batch row's real keys) attends on its own, on views
-# of its rows: no gather and no mask. Stacking it into a bucket would cost about what
-# the bucket's padding saves.
-DIRECT_MIN_LENGTH = 128
+__getattr__ = moved(__name__, {name: (policy, f"headwise.policy.{name}") for name in ("BUCKET_SLACK",
+                                                                                       "DIRECT_MIN_LENGTH")})
 
 
-def length_buckets(lengths: list[int], slack: float = BUCKET_SLACK) -> list[list[int]]:
+def length_buckets(lengths: list[int], slack: float | None = None) -> list[list[int]]:  # None: the policy's
     """Group indices of non-empty ``lengths``, longest first, so that in each group every
-    length is at least ``(1 - slack)`` of the group's longest (padding waste <= slack)."""
+    length is at least ``(1 - slack)`` of the group's longest (padding waste <= slack;
+    ``policy.BUCKET_SLACK`` by default)."""
+    slack = policy.BUCKET_SLACK if slack is None else slack
     order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: -lengths[i])
     buckets: list[list[int]] = []
     for i in order:

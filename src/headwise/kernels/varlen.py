@@ -1,7 +1,7 @@
 """Key-padding-free attention for dense (B, H, S, D) inputs.
 
 Each batch row only needs its real keys: those that some query of some head may attend
-(with a key padding mask, the unpadded ones). A row with many (``DIRECT_MIN_LENGTH``)
+(with a key padding mask, the unpadded ones). A row with many (``policy.DIRECT_MIN_LENGTH``)
 attends on its own, reading a view of its first keys when the padding is on the right
 (the usual layout) or gathering them otherwise; shorter rows are stacked into buckets of
 similar key counts, each run with only as many key columns as its longest row has real
@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from headwise import policy
 from headwise.kernels import describe
-from headwise.kernels.common import DIRECT_MIN_LENGTH, attached_zeros, length_buckets
+from headwise.kernels.common import attached_zeros, length_buckets
 from headwise.kernels.registry import Call, Kernel, KernelStage
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages
 
@@ -45,11 +46,12 @@ def _real_keys(m: Tensor, B: int, Sk: int) -> tuple[Tensor, Tensor, list[int]]:
 
 
 def _groups(lengths: list[int]) -> list[list[int]]:
-    """Rows attended together, one SDPA call each: a long row (``DIRECT_MIN_LENGTH`` real keys)
+    """Rows attended together, one SDPA call each: a long row (``policy.DIRECT_MIN_LENGTH`` real keys)
     alone, the short rows of one length bucket together; rows with no real key in none."""
     buckets = length_buckets(lengths)
-    groups = [[r] for rows in buckets for r in rows if lengths[r] >= DIRECT_MIN_LENGTH]  # long rows: alone
-    groups += [[r for r in rows if lengths[r] < DIRECT_MIN_LENGTH] for rows in buckets]
+    direct = policy.DIRECT_MIN_LENGTH
+    groups = [[r] for rows in buckets for r in rows if lengths[r] >= direct]  # long rows: alone
+    groups += [[r for r in rows if lengths[r] < direct] for rows in buckets]
     return [rows for rows in groups if rows]
 
 
