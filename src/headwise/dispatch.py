@@ -83,7 +83,10 @@ class Dispatch:
     def kernel(self) -> Kernel | None:
         """The registered kernel that runs; None where ``backend`` names no kernel (a
         context-parallel method)."""
-        return kernels().get(self.backend)
+        try:
+            return get_kernel(self.backend)  # a dict look-up: attend reads this on every call
+        except ValueError:
+            return None
 
     def __str__(self) -> str:
         lines = [f"path {self.path!r}: {self.path_reason}"] if self.path_reason else []
