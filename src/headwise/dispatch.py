@@ -32,7 +32,7 @@ import torch
 
 from headwise import policy
 from headwise.deprecation import moved
-from headwise.kernels.registry import Kernel, Request, get_kernel, kernels
+from headwise.kernels.registry import Kernel, Request, find_kernel, get_kernel, kernels
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +83,7 @@ class Dispatch:
     def kernel(self) -> Kernel | None:
         """The registered kernel that runs; None where ``backend`` names no kernel (a
         context-parallel method)."""
-        try:
-            return get_kernel(self.backend)  # a dict look-up: attend reads this on every call
-        except ValueError:
-            return None
+        return find_kernel(self.backend)
 
     def __str__(self) -> str:
         lines = [f"path {self.path!r}: {self.path_reason}"] if self.path_reason else []
@@ -144,9 +141,12 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
         ValueError: unknown backend, or a named backend that cannot serve the request
             (the message says why and which backends can).
     """
-    dispatch = _select(request, backend, tuple(kernels().values()), policy.SCORES_BUDGET_BYTES,
+    compiling = torch.compiler.is_compiling()
+    # Under torch.compile the decision is traced once per graph: no memo, no logging (neither traces).
+    select_ = _select.__wrapped__ if compiling else _select
+    dispatch = select_(request, backend, tuple(kernels().values()), policy.SCORES_BUDGET_BYTES,
                        (policy.VARLEN_MIN_PADDING, policy.VARLEN_SHORT_KEYS, policy.VARLEN_MIN_PADDING_SHORT))
-    if backend == "auto" and logger.isEnabledFor(logging.DEBUG):
+    if backend == "auto" and not compiling and logger.isEnabledFor(logging.DEBUG):
         logger.debug("auto chose %s", dispatch)
     return dispatch
 

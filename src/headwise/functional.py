@@ -11,11 +11,12 @@ import math
 import torch
 from torch import Tensor
 
+from headwise import policy
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch, select
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros
-from headwise.kernels.registry import Call, Kernel, Request
+from headwise.kernels.registry import Call, Kernel, Request, find_kernel
 from headwise.masks import normalize_mask
 
 __all__ = ["attention", "available_backends", "choose_backend"]
@@ -97,12 +98,11 @@ def _effective_causal(is_causal: bool, window: int | None, q_len: int) -> bool:
 
 
 def _key_padding(mask: Tensor | None) -> float | None:
-    """Share of padded keys, rounded to 0.05, for a bool key padding mask on the CPU.
-
-    Reading it synchronises, so on accelerators it is left unknown (None).
+    """Share of padded keys, rounded to 0.05, for a bool key padding mask whose values
+    :func:`headwise.policy.reads_values` lets "auto" read; else unknown (None).
     """
-    if (mask is None or mask.dtype != torch.bool or mask.shape[1:3] != (1, 1) or mask.device.type != "cpu"
-            or mask.numel() == 0):
+    if (mask is None or mask.dtype != torch.bool or mask.shape[1:3] != (1, 1) or mask.numel() == 0
+            or not policy.reads_values(mask)):
         return None
     return round(20 * (1.0 - float(mask.float().mean()))) / 20
 
@@ -199,6 +199,21 @@ def attention(
                   backend=backend, need_weights=need_weights, window=window, alibi_slopes=alibi_slopes)
 
 
+# A repeated maskless call (same shapes, dtypes, devices, flags) reuses the kernel and
+# arguments that validation and dispatch chose the first time: every check they made reads
+# only what the signature holds, so it would pass again. Kept outside traces and
+# torch.compile (which traces the full path once per graph anyway).
+_REPEATS: dict[tuple, tuple[Kernel, dict]] = {}
+_REPEATS_LIMIT = 512  # signatures remembered; the memo starts over when full
+
+
+def _signature(q, k, v, is_causal, dropout_p, scale, backend) -> tuple:
+    """What the maskless path's checks and decision read, as a dict key (AttributeError for non-tensors)."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            is_causal, dropout_p, scale, backend, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad),
+            policy.SCORES_BUDGET_BYTES)
+
+
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
            backend="auto", need_weights=False, window=None, alibi_slopes=None):
     """:func:`attention` without opening a new call in an active trace (the module opens it).
@@ -206,6 +221,17 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
     stages the kernel declares for this call (kernels hold no hooks of their own).
     """
+    key = None
+    if (attention_mask is None and window is None and alibi_slopes is None and not need_weights
+            and not trace.ACTIVE and not torch.compiler.is_compiling()):
+        try:
+            key = _signature(q, k, v, is_causal, dropout_p, scale, backend)
+            kernel, args = _REPEATS[key]
+        except (AttributeError, KeyError, TypeError):  # not tensors, not seen, or unhashable flags
+            pass
+        else:
+            if find_kernel(kernel.name) is kernel:  # still the kernel registered under its name
+                return kernel.fn(q, k, v, **args)[0]  # (B, H, S, D)
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                               backend, window, alibi_slopes)
     B, H, S, D = q.shape
@@ -232,6 +258,10 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         alibi_slopes=alibi_slopes,
     )
     out, weights = dispatch.kernel.fn(q, k, v, **args)
+    if key is not None:
+        if len(_REPEATS) >= _REPEATS_LIMIT:
+            _REPEATS.clear()
+        _REPEATS[key] = (dispatch.kernel, args)
     if trace.ACTIVE and trace.recording():
         _record_kernel_stages(dispatch.kernel, Call(q, k, v, **args, scale_given=scale_given), out)
     return (out, weights) if need_weights else out

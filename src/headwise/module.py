@@ -331,6 +331,11 @@ class MultiHeadAttention(nn.Module):
             return "dense", "packing=False"
         if self.backend != "auto":
             return "dense", f"backend={self.backend!r} runs on the (B, S) batch (packing=True packs for it)"
+        if torch.compiler.is_compiling():
+            return "dense", "under torch.compile: packing needs data-dependent shapes (packing=True packs anyway)"
+        if not policy.reads_values(padding):
+            return "dense", (f"the padding share of a {padding.device.type} mask is not read: it would sync the host "
+                             "with the device on every call (packing=True packs anyway)")
         share = 1.0 - float(padding.float().mean())
         limit = policy.PACK_MIN_PADDING
         if share >= limit:

@@ -8,10 +8,27 @@ pack), :mod:`headwise.packing` / :mod:`headwise.kernels.varlen` (length buckets)
 :mod:`headwise.kernels.chunked` and :mod:`headwise.distributed.ring` (tiles).
 
 "The 2-core CPU" below is the 2-core x86 machine of the sessions that built headwise,
-torch 2.13 CPU; where the model was recorded it is named.
+torch 2.13 CPU; where the model was recorded it is named. :func:`reads_values` is the one
+rule for when a decision may look at tensor values (no host sync, no graph break).
 """
 
 from __future__ import annotations
+
+import torch
+
+
+def reads_values(t: torch.Tensor) -> bool:
+    """Whether "auto" may read ``t``'s values to decide: only for a CPU tensor outside
+    torch.compile. On an accelerator a read would sync the host with the device on every
+    call, and under torch.compile it would break the graph; there the decisions that would
+    read values (packing, the key-dropping kernel, skipping the dead-row guard) take the
+    path that needs no read.
+
+    >>> reads_values(torch.ones(2))
+    True
+    """
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
 
 # ---- the module's padding-free path ---------------------------------------------------
 # "auto" packs a self-attention batch (drops its padding before the projections) when at

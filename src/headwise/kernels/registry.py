@@ -230,6 +230,11 @@ def get_kernel(name: str) -> Kernel:
         raise ValueError(f"unknown backend {name!r}; choose one of {known}") from None
 
 
+def find_kernel(name: str) -> Kernel | None:
+    """The kernel registered as ``name``, or None: a look-up for hot paths, no error."""
+    return _KERNELS.get(name)
+
+
 def kernels() -> dict[str, Kernel]:
     """All registered kernels by name, in registration order."""
     return dict(_KERNELS)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from headwise import policy
 from headwise.kernels import describe
 from headwise.kernels.registry import Call, Kernel, KernelStage
 from headwise.masks import alibi_bias, combined_mask, row_is_dead
@@ -41,8 +42,8 @@ def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **extra)  # (B, H, S, D)
     dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
-    if dead.device.type == "cpu" and not bool(dead.any()):
-        dead = None  # known live (reading it is free on the CPU): skip two passes over mask and output
+    if policy.reads_values(dead) and not bool(dead.any()):
+        dead = None  # known live (a free read on the CPU): skip two passes over mask and output
     else:
         mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,

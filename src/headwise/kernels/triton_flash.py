@@ -486,7 +486,10 @@ def _interpreted(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_installed() -> bool:
+    """Looked up once: a find_spec walks sys.path (tens of microseconds), and dispatch asks on
+    every new request shape (each decoding step is one)."""
     return importlib.util.find_spec("triton") is not None
 
 
