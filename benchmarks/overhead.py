@@ -23,9 +23,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import headwise
+from headwise.bench import decode_steps_us
 
 
 def cpu_name() -> str:
@@ -36,29 +36,6 @@ def cpu_name() -> str:
     except (OSError, subprocess.CalledProcessError):
         pass
     return platform.processor() or "unknown CPU"
-
-
-class MinimalDecoder(nn.Module):
-    """The hand-written baseline: fused qkv, SDPA on a preallocated (B, H, L, D) cache, out."""
-
-    def __init__(self, E: int, H: int, B: int, max_len: int):
-        super().__init__()
-        self.H, self.D = H, E // H
-        self.qkv = nn.Linear(E, 3 * E)
-        self.out = nn.Linear(E, E)
-        self.k = torch.zeros(B, H, max_len, self.D)
-        self.v = torch.zeros(B, H, max_len, self.D)
-        self.length = 0
-
-    def forward(self, x):  # x (B, T, E)
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.H, self.D)).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
-        end = self.length + T
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        o = F.scaled_dot_product_attention(q, self.k[:, :, :end], self.v[:, :, :end], is_causal=T > 1)
-        return self.out(o.transpose(1, 2).flatten(2))  # (B, T, E)
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -85,44 +62,7 @@ def tiny_pair(args) -> tuple[list[float], list[float]]:
 
 
 def decode_pair(args) -> tuple[list[float], list[float]]:
-    E, H, B, prompt = 512, 8, 1, 512
-    torch.manual_seed(0)
-    mha = headwise.MultiHeadAttention(E, H).eval()
-    ref = MinimalDecoder(E, H, B, prompt + args.steps).eval()
-    with torch.no_grad():
-        ref.qkv.weight.copy_(torch.cat([mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight]))
-        ref.qkv.bias.copy_(torch.cat([mha.q_proj.bias, mha.k_proj.bias, mha.v_proj.bias]))
-        ref.out.load_state_dict(mha.out_proj.state_dict())
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(B, prompt, E, generator=gen)
-    steps = torch.randn(args.steps, B, 1, E, generator=gen)
-
-    def run_ours() -> float:
-        cache = mha.new_cache(B, prompt + args.steps)
-        mha(x, cache=cache, is_causal=True)  # the prompt, not timed
-        start = time.perf_counter()
-        for t in range(args.steps):
-            mha(steps[t], cache=cache, is_causal=True)
-        return (time.perf_counter() - start) / args.steps * 1e6
-
-    def run_theirs() -> float:
-        ref.length = 0
-        ref(x)
-        start = time.perf_counter()
-        for t in range(args.steps):
-            ref(steps[t])
-        return (time.perf_counter() - start) / args.steps * 1e6
-
-    with torch.no_grad():
-        cache = mha.new_cache(B, prompt + 1)
-        ref.length = 0
-        torch.testing.assert_close(mha(x, cache=cache, is_causal=True), ref(x), atol=1e-5, rtol=1e-5)
-        run_ours(), run_theirs()  # warm up
-        a, b = [], []
-        for _ in range(args.repeats):
-            a.append(run_ours())
-            b.append(run_theirs())
-    return a, b
+    return decode_steps_us(512, 8, prompt=512, steps=args.steps, repeats=args.repeats)
 
 
 def main(argv=None) -> None:

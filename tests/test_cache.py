@@ -37,8 +37,8 @@ def _padding(kind: str) -> torch.Tensor | None:
     return mask
 
 
-def _decode(mha, x, mask, splits):
-    cache = mha.new_cache(B, S + 2)
+def _decode(mha, x, mask, splits, static=False):
+    cache = mha.new_cache(B, S + 2, static=static)
     outs, start = [], 0
     for n in splits:
         step_mask = None if mask is None else mask[:, start:start + n]
@@ -61,6 +61,41 @@ def test_decoding_equals_one_causal_forward(backend, feature, padding, splits):
         full = mha(x, mask, is_causal=True)
         stepped = _decode(mha, x, mask, splits)
     torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "matmul", "chunked"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("splits", [[1] * S, [4, 1, 1, 1, 1, 1, 1], [6, 4]], ids=["steps", "prefill+steps", "chunks"])
+def test_static_cache_decoding_equals_one_causal_forward(backend, feature, padding, splits):
+    """Same shapes every step (index_copy_ at the position tensor, a mask over all slots)."""
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, backend=backend, **FEATURES[feature]).eval()
+    x = torch.randn(B, S, E)
+    mask = _padding(padding)
+    with torch.no_grad():
+        full = mha(x, mask, is_causal=True)
+        stepped = _decode(mha, x, mask, splits, static=True)
+    torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+
+
+def test_static_cache_bookkeeping_and_errors():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    cache = mha.new_cache(B, 4, static=True)
+    assert cache.static and len(cache) == 0 and "static=True" in repr(cache)
+    with torch.no_grad():
+        mha(torch.randn(B, 3, E), cache=cache, is_causal=True)
+        assert len(cache) == 3 and int(cache.position) == 3
+        with pytest.raises(ValueError, match="holds 3 of max_seq_len 4 positions and cannot take 2 more"):
+            mha(torch.randn(B, 2, E), cache=cache)
+        with pytest.raises(ValueError, match=r"a static cache takes a \(B, T\) = \(3, 1\) padding mask of the new "):
+            mha(torch.randn(B, 1, E), torch.ones(B, 4, dtype=torch.bool), cache=cache)
+    with pytest.raises(ValueError, match=r"cache.append grows a dynamic cache; this one is static"):
+        cache.append(torch.randn(B, H, 1, E // H), torch.randn(B, H, 1, E // H))
+    cache.reset()
+    assert len(cache) == 0 and bool(cache.key_mask.all())
+    d = mha.dispatch(torch.randn(B, 1, E), cache=cache, is_causal=True)
+    assert d.request.k_len == 4 and d.request.mask_shape == (B, 1, 1, 4) and not d.request.is_causal
 
 
 @given(splits=st.lists(st.integers(1, 4), min_size=1, max_size=10).filter(lambda s: sum(s) <= S),

@@ -6,6 +6,7 @@ D head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -406,3 +407,43 @@ def test_trace_names_the_mask_layout_and_the_kernel():
                                           "no copy")
     assert stages["kernel"].shape == (B, H, S, D)
     assert stages["kernel"].note == "backend 'sdpa': requested explicitly"
+
+
+# --- a repeated call reuses its checked decision ------------------------------------------------
+
+
+def test_a_repeated_maskless_call_skips_validation_and_dispatch(monkeypatch):
+    import headwise.functional as functional
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 2, 8, generator=gen) for _ in range(3))
+    first = headwise.attention(q, k, v)
+    calls = []
+    real = functional._prepare
+    monkeypatch.setattr(functional, "_prepare", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    torch.testing.assert_close(headwise.attention(q, k, v), first, rtol=0, atol=0)
+    assert calls == []  # the same signature: no checks, no dispatch
+    # decoding: Sk grows by one per step and still repeats for "auto" without dropout
+    for Sk in range(3, 7):
+        kk, vv = torch.randn(2, 1, 4, Sk, 8, generator=gen)
+        want = headwise.attention(q[:, :, :1], kk, vv, backend="matmul")
+        torch.testing.assert_close(headwise.attention(q[:, :, :1], kk, vv), want, atol=1e-6, rtol=1e-6)
+    assert len(calls) == 4 + 1  # four explicit matmul signatures, then one "auto" signature for all steps
+    # what the checks read is in the signature: a bad call is checked again and still refused
+    with pytest.raises(ValueError, match=r"k \(1, 4, 5, 8\) and v \(1, 4, 6, 8\) must have the same shape"):
+        headwise.attention(q, torch.randn(1, 4, 5, 8), torch.randn(1, 4, 6, 8))
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        headwise.attention(q, k, v, dropout_p=1.5)
+
+
+def test_a_repeated_call_follows_a_replaced_kernel(monkeypatch):
+    from headwise.kernels import registry
+
+    q = torch.randn(1, 2, 3, 4)
+    headwise.attention(q, q, q, backend="einsum")
+    seen = []
+    original = registry.get_kernel("einsum")
+    replaced = dataclasses.replace(original, fn=lambda *a, **kw: seen.append(1) or original.fn(*a, **kw))
+    monkeypatch.setitem(registry._KERNELS, "einsum", replaced)
+    headwise.attention(q, q, q, backend="einsum")
+    assert seen == [1]  # the memo holds the old kernel object, so the call went through dispatch again

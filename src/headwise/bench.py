@@ -53,6 +53,75 @@ class SDPAModule(nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, S, E))  # (B, S, E)
 
 
+class SDPADecoder(nn.Module):
+    """The plain decoder people write: fused qkv, SDPA on a preallocated (B, H, L, D) cache, out."""
+
+    def __init__(self, E: int, H: int, B: int, max_len: int):
+        super().__init__()
+        self.H, self.D = H, E // H
+        self.qkv = nn.Linear(E, 3 * E)
+        self.out = nn.Linear(E, E)
+        self.k = torch.zeros(B, H, max_len, self.D)
+        self.v = torch.zeros(B, H, max_len, self.D)
+        self.length = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.H, self.D)).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, D)
+        end = self.length + T
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        o = F.scaled_dot_product_attention(q, self.k[:, :, :end], self.v[:, :, :end], is_causal=T > 1)
+        return self.out(o.transpose(1, 2).flatten(2))  # (B, T, E)
+
+    @classmethod
+    def like(cls, mha: headwise.MultiHeadAttention, B: int, max_len: int) -> SDPADecoder:
+        """One with ``mha``'s weights (q, k, v stacked into qkv)."""
+        out = cls(mha.embed_dim, mha.num_heads, B, max_len)
+        with torch.no_grad():
+            out.qkv.weight.copy_(torch.cat([mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight]))
+            out.qkv.bias.copy_(torch.cat([mha.q_proj.bias, mha.k_proj.bias, mha.v_proj.bias]))
+            out.out.load_state_dict(mha.out_proj.state_dict())
+        return out
+
+
+def decode_steps_us(E: int, H: int, prompt: int, steps: int, repeats: int,
+                    B: int = 1) -> tuple[list[float], list[float]]:
+    """Microseconds per decoding step after a ``prompt``-token prefill: the headwise module with
+    its cache and :class:`SDPADecoder`, each repeat timing ``steps`` steps of both in turns."""
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    ref = SDPADecoder.like(mha, B, prompt + steps).eval()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(B, prompt, E, generator=gen)
+    tokens = torch.randn(steps, B, 1, E, generator=gen)
+
+    def ours() -> float:
+        cache = mha.new_cache(B, prompt + steps)
+        mha(x, cache=cache, is_causal=True)  # the prompt, not timed
+        start = time.perf_counter()
+        for t in range(steps):
+            mha(tokens[t], cache=cache, is_causal=True)
+        return (time.perf_counter() - start) / steps * 1e6
+
+    def theirs() -> float:
+        ref.length = 0
+        ref(x)
+        start = time.perf_counter()
+        for t in range(steps):
+            ref(tokens[t])
+        return (time.perf_counter() - start) / steps * 1e6
+
+    with torch.no_grad():
+        ours(), theirs()  # warm up
+        a, b = [], []
+        for _ in range(repeats):
+            a.append(ours())
+            b.append(theirs())
+    return a, b
+
+
 @dataclass(frozen=True)
 class Case:
     """One benchmark configuration."""
@@ -349,6 +418,13 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
                     result.note = measured["note"]
                 done[result.impl] = result
         results += [done[impl] for impl in impls]
+    say("decode steps")
+    decode = []
+    for E, H, prompt in ((512, 8, 512),) if quick else ((512, 8, 512), (1024, 16, 2048)):
+        ours, theirs = decode_steps_us(E, H, prompt, steps=32 if quick else 64, repeats=repeats)
+        decode.append({"E": E, "H": H, "prompt": prompt, "ours_us": statistics.median(ours),
+                       "sdpa_us": statistics.median(theirs),
+                       "ratio": statistics.median(o / t for o, t in zip(ours, theirs, strict=True))})
     say("attention core")
     backends = [b for b in headwise.available_backends() if b != "varlen"]
     core = []
@@ -361,6 +437,7 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
         "results": [{**asdict(r), "case": {**asdict(r.case), "label": r.case.label(),
                                             "padding": r.case.padding}} for r in results],
         "core": core,
+        "decode": decode,
     }
 
 

@@ -172,6 +172,14 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         core.add_row(r["impl"], str(r["S"]), bench.fmt_ms(r["ms"]), f"{r['gflops']:.0f}",
                      f"{r['matmul_gflops']:.0f}", f"{r['of_matmul']:.0%}")
     console.print(core)
+    decode = Table(title="decoding, one token per step after a prompt (B=1): the module with its KV cache vs a plain "
+                   "decoder (fused qkv, SDPA on a preallocated cache); median us per step")
+    for column in ("E", "H", "prompt", "headwise us", "SDPA decoder us", "ratio"):
+        decode.add_column(column, justify="right")
+    for r in report["decode"]:
+        decode.add_row(str(r["E"]), str(r["H"]), str(r["prompt"]), f"{r['ours_us']:.0f}", f"{r['sdpa_us']:.0f}",
+                       f"{r['ratio']:.2f}x")
+    console.print(decode)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -6,6 +6,7 @@ D head dim.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 from headwise import policy
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch, select
+from headwise.dispatch import logger as dispatch_logger
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros
 from headwise.kernels.registry import Call, Kernel, Request, find_kernel
@@ -199,19 +201,31 @@ def attention(
                   backend=backend, need_weights=need_weights, window=window, alibi_slopes=alibi_slopes)
 
 
-# A repeated maskless call (same shapes, dtypes, devices, flags) reuses the kernel and
-# arguments that validation and dispatch chose the first time: every check they made reads
-# only what the signature holds, so it would pass again. Kept outside traces and
+# A repeated maskless call (same signature: shapes, dtypes, devices, flags) reuses the
+# kernel and arguments that validation and dispatch chose the first time: every check they
+# made reads only what the signature holds, so it would pass again. For "auto" without
+# dropout the decision reads no length beyond S > 1 (the causal rule) and Sk > 0, so a
+# decoding step, whose Sk grows by one, still repeats. Kept outside traces and
 # torch.compile (which traces the full path once per graph anyway).
 _REPEATS: dict[tuple, tuple[Kernel, dict]] = {}
 _REPEATS_LIMIT = 512  # signatures remembered; the memo starts over when full
 
 
+def _logs_choices() -> bool:
+    """Whether "auto" logs its choice (at DEBUG): then every call goes through dispatch to say it."""
+    return dispatch_logger.isEnabledFor(logging.DEBUG)
+
+
 def _signature(q, k, v, is_causal, dropout_p, scale, backend) -> tuple:
     """What the maskless path's checks and decision read, as a dict key (AttributeError for non-tensors)."""
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-            is_causal, dropout_p, scale, backend, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad),
-            policy.SCORES_BUDGET_BYTES)
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
+        # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, and k, v alike: all the checks and "auto" read
+        shapes = (qs[0], qs[1], qs[3], ks[0], ks[1], ks[3], qs[2] > 1, ks[2] > 0, ks == vs)
+    else:
+        shapes = (qs, ks, vs)
+    return (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, is_causal, dropout_p, scale, backend,
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), policy.SCORES_BUDGET_BYTES)
 
 
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
@@ -223,7 +237,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     """
     key = None
     if (attention_mask is None and window is None and alibi_slopes is None and not need_weights
-            and not trace.ACTIVE and not torch.compiler.is_compiling()):
+            and not trace.ACTIVE and not torch.compiler.is_compiling() and not _logs_choices()):
         try:
             key = _signature(q, k, v, is_causal, dropout_p, scale, backend)
             kernel, args = _REPEATS[key]

@@ -201,12 +201,15 @@ class MultiHeadAttention(nn.Module):
             + extras
         )
 
-    def new_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_seq_len: int, *, static: bool = False) -> KVCache:
         """A preallocated key/value cache for incremental decoding with this module.
 
         Args:
             batch_size: B of the batches that will be decoded.
             max_seq_len: the most positions the cache will hold (prompt included).
+            static: same shapes at every step (writes at a position tensor, attention over
+                all ``max_seq_len`` positions through a mask): one ``torch.compile`` graph
+                for every decoding step; see :class:`~headwise.cache.KVCache`.
 
         Returns:
             An empty :class:`~headwise.cache.KVCache` on this module's device and dtype.
@@ -216,7 +219,7 @@ class MultiHeadAttention(nn.Module):
         """
         w = self.k_proj.weight
         return KVCache(batch_size, max_seq_len, self.num_kv_heads, self.head_dim,
-                       device=w.device, dtype=w.dtype)
+                       device=w.device, dtype=w.dtype, static=static)
 
     def _check(self, x: Tensor, context: Tensor | None, cache: KVCache | None = None) -> None:
         if cache is not None:
@@ -394,19 +397,24 @@ class MultiHeadAttention(nn.Module):
                 trace.record("unpack", out, "scatter the tokens back to (B, S, E); padded positions output zeros")
             return out
         q, k, v = self._split_heads(*self._project(x, context))  # (B, H, S, D), (B, Hkv, Sk, D)
-        q, k = self._rotate(q, k, 0 if cache is None else len(cache))
-        if cache is not None:
-            k, v, attention_mask = cache.update(k, v, attention_mask)  # (B, Hkv, Sk, D): every cached position
-            if trace.ACTIVE:
-                trace.record("kv cache", k, f"append {x.shape[1]} positions; attend to all {len(cache)} cached")
+        causal, window, slopes = plan.is_causal, self.window, self.alibi_slopes
+        if cache is not None and cache.static:  # same shapes every step; positions are tensors
+            q, k, v, attention_mask = self._static_step(q, k, v, cache, attention_mask, causal)
+            causal, window, slopes = False, None, None  # all three are in the mask now
+        else:
+            q, k = self._rotate(q, k, 0 if cache is None else len(cache))
+            if cache is not None:
+                k, v, attention_mask = cache.update(k, v, attention_mask)  # (B, Hkv, Sk, D): every cached position
+                if trace.ACTIVE:
+                    trace.record("kv cache", k, f"append {x.shape[1]} positions; attend to all {len(cache)} cached")
         out = attend(
             q, k, v, attention_mask,
-            is_causal=plan.is_causal,
+            is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend,
             need_weights=need_weights,
-            window=self.window,
-            alibi_slopes=self.alibi_slopes,
+            window=window,
+            alibi_slopes=slopes,
         )
         out, weights = out if need_weights else (out, None)
         out = out.transpose(1, 2).flatten(2)  # (B, H, S, D) -> (B, S, H, D) -> (B, S, E), one copy
@@ -421,6 +429,41 @@ class MultiHeadAttention(nn.Module):
             if trace.ACTIVE:
                 trace.record("zero padding", out, "padded positions (2-D mask False) output zeros")
         return (out, weights) if need_weights else out
+
+    def _static_step(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, mask: Tensor | None,
+                     causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Write this step into a static cache; return q, k, v over every slot and the mask.
+
+        The mask (B, 1, T, L), or (B, H, T, L) float with ALiBi, allows the written, unpadded
+        slots, with causality, the window and ALiBi measured from the positions tensor (not
+        from the slot count, which is always L = max_seq_len).
+        """
+        positions = cache.position + torch.arange(q.shape[2], device=q.device)  # (T,) where this step goes
+        if self.rope is not None:
+            cos, sin = self.rope.angles(0, cache.max_seq_len, q.dtype, q.device)  # (L, D)
+            cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)  # (T, D)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if trace.ACTIVE:
+                trace.record("rotary positions", q, f"rotate q and k pairs (i, i + D/2) by position x "
+                             f"{self.rope.base:g}^(-2i/D), positions from the cache's position tensor")
+        k, v, _ = cache.update_static(k, v, mask)  # (B, Hkv, L, D): every slot
+        j = torch.arange(cache.max_seq_len, device=q.device)  # (L,) slot positions
+        i = positions[:, None]  # (T, 1) query positions
+        allowed = (j < cache.position)[None, None, None, :] & cache.key_mask[:, None, None, :]  # (B, 1, 1, L)
+        if causal or self.window is not None:
+            near = j[None, :] <= i  # (T, L)
+            if self.window is not None:
+                near = near & (j[None, :] > i - self.window)
+            allowed = allowed & near  # (B, 1, T, L)
+        allowed = allowed.expand(-1, -1, q.shape[2], -1)  # (B, 1, T, L)
+        if trace.ACTIVE:
+            trace.record("kv cache", k, f"static: write {q.shape[2]} positions at the position tensor "
+                         f"(index_copy_); attend to all {cache.max_seq_len} slots through a mask of the written ones")
+        if self.alibi_slopes is None:
+            return q, k, v, allowed
+        distance = (i - j[None, :]).abs().to(q.dtype)  # (T, L)
+        bias = -self.alibi_slopes.to(q.dtype)[:, None, None] * distance  # (H, T, L)
+        return q, k, v, bias[None].masked_fill(~allowed, float("-inf"))  # (B, H, T, L)
 
     def _forward_context_parallel(self, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
                                   causal: bool, need_weights: bool, cache: KVCache | None) -> Tensor:
@@ -559,18 +602,25 @@ class MultiHeadAttention(nn.Module):
             return self._dispatch_packed(x, plan)
         B, S = x.shape[:2]
         Sk = S if context is None else context.shape[1]
-        if cache is not None:  # what forward would attend to, without appending
+        causal, window, slopes = plan.is_causal, self.window, self.alibi_slopes
+        if cache is not None and cache.static:  # every slot, through a mask that holds the rules
+            Sk = cache.max_seq_len
+            float_mask = slopes is not None  # ALiBi joins the mask as a bias
+            attention_mask = torch.zeros(B, self.num_heads if float_mask else 1, S, Sk, device=x.device,
+                                         dtype=self.q_proj.weight.dtype if float_mask else torch.bool)
+            causal, window, slopes = False, None, None
+        elif cache is not None:  # what forward would attend to, without appending
             attention_mask = cache.mask_for(attention_mask, S)
             Sk = len(cache) + S
         q, k = self._shaped(x, B, self.num_heads, S), self._shaped(x, B, self.num_kv_heads, Sk)
         d = choose_backend(
             q, k, k, attention_mask,
-            is_causal=plan.is_causal,
+            is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights,
             backend=self.backend,
-            window=self.window,
-            alibi_slopes=self.alibi_slopes,
+            window=window,
+            alibi_slopes=slopes,
         )
         return Dispatch(d.backend, d.reason, d.passed_over, d.request, path="dense", path_reason=plan.why)
 
