@@ -16,26 +16,14 @@ turn), medians reported:
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
 import torch.nn.functional as F
 
 import headwise
-from headwise.bench import decode_steps_us
-
-
-def cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
+from headwise.bench import cpu_name, decode_steps_us
 
 
 def per_call_us(fn, calls: int) -> float:

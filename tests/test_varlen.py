@@ -1,4 +1,4 @@
-"""headwise.varlen, the old home of the padding-free path: its names and its deprecation.
+"""headwise.varlen and headwise.embed, old homes of moved code: their names and their deprecation.
 
 The path itself is tested in tests/test_packing.py.
 """
@@ -72,3 +72,19 @@ def test_the_modules_packed_path_does_not_use_the_old_function(unwarned):
         warnings.simplefilter("error")
         mha(torch.randn(2, 3, 16), torch.tensor([[1, 1, 0], [1, 0, 0]]))
         mha.forward_packed(torch.randn(3, 16), torch.tensor([0, 2, 3]))
+
+
+def test_the_old_embed_module_names_warn_once_and_are_the_new_objects(unwarned):
+    import headwise.embed
+    from headwise.apps.embed import add_embed_parser
+    from headwise.models.bert import PackedBertEncoder
+
+    with pytest.warns(FutureWarning, match=r"headwise.embed.PackedBertEncoder moved to headwise.models.bert"):
+        assert headwise.embed.PackedBertEncoder is PackedBertEncoder
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert headwise.embed.PackedBertEncoder is PackedBertEncoder  # once
+    with pytest.warns(FutureWarning, match=r"headwise.embed.add_embed_parser moved to headwise.apps.embed"):
+        assert headwise.embed.add_embed_parser is add_embed_parser
+    with pytest.raises(AttributeError, match="module 'headwise.embed' has no attribute 'nothing'"):
+        headwise.embed.nothing  # noqa: B018

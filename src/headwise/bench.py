@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -33,6 +34,17 @@ import headwise
 from headwise.reference import MultiHeadAttentionFormal
 
 __all__ = ["Case", "Result", "SDPAModule", "build", "headwise_module", "run", "attention_core", "round_robin_ms"]
+
+
+def cpu_name() -> str:
+    """The CPU model as ``lscpu`` names it, for the tables' titles."""
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 class SDPAModule(nn.Module):

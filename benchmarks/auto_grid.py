@@ -1,0 +1,128 @@
+"""Does "auto" ever lose? The default module against a minimal SDPA module, over a grid of shapes.
+
+The minimal module is what people write by hand: one fused qkv ``nn.Linear``,
+``F.scaled_dot_product_attention`` with the same key padding mask, the out ``nn.Linear``
+(``headwise.bench.SDPAModule``, with the headwise module's weights). Each row times the two
+in turns within every repeat (forward under no_grad, and forward + backward) and reports
+paired medians of time(headwise) / time(minimal): below 1 headwise is faster.
+
+    python benchmarks/auto_grid.py [--quick] [--repeats 9] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+
+import headwise
+from headwise.bench import SDPAModule, cpu_name
+
+# The issue's rows first, then the grid.
+ISSUE_ROWS = [(1, 32, 256, 4, 0.0), (8, 64, 128, 4, 0.42), (8, 128, 256, 4, 0.32), (16, 128, 384, 6, 0.21),
+              (32, 128, 384, 12, 0.43), (8, 512, 768, 12, 0.0), (8, 512, 768, 12, 0.31), (32, 512, 512, 8, 0.4)]
+
+
+def grid(quick: bool) -> list[tuple[int, int, int, int, float]]:
+    if quick:
+        return ISSUE_ROWS
+    rows = list(ISSUE_ROWS)
+    for B, S, E, pad in itertools.product((1, 8, 32), (32, 128, 512, 2048), (128, 512, 1024), (0.0, 0.3, 0.6)):
+        if B * S * E > 8 * 2048 * 1024 or (B == 1 and pad):
+            continue  # too slow for a CPU run / one row has no padding to speak of
+        rows.append((B, S, E, max(E // 64, 1), pad))
+    return rows
+
+
+def lengths(B: int, S: int, pad: float, gen: torch.Generator) -> torch.Tensor:
+    """B lengths with about ``pad`` of the batch padding: uniform around the mean, the first full."""
+    if pad == 0:
+        return torch.full((B,), S)
+    mean = S * (1 - pad)
+    low = max(1, int(2 * mean - S))
+    out = torch.randint(low, S + 1, (B,), generator=gen)
+    out[0] = S
+    return out
+
+
+def pair(B, S, E, H, pad, repeats) -> tuple[float, float, float]:
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    ours = headwise.MultiHeadAttention(E, H)
+    ref = SDPAModule(E, H)
+    with torch.no_grad():
+        ref.qkv.weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+        ref.qkv.bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+        ref.out.load_state_dict(ours.out_proj.state_dict())
+    x = torch.randn(B, S, E, generator=gen)
+    n = lengths(B, S, pad, gen)
+    mask = None if pad == 0 else torch.arange(S)[None, :] < n[:, None]  # (B, S) True = token
+    real = 1 - float(n.sum()) / (B * S)
+    xg = x.clone().requires_grad_()
+
+    def fwd(m):
+        with torch.no_grad():
+            m(x, mask)
+
+    def train(m):
+        m(xg, mask).sum().backward()
+
+    ratios = {"fwd": [], "train": []}
+    for kind, fn in (("fwd", fwd), ("train", train)):
+        fn(ours), fn(ref)  # warm up
+        calls = max(1, int(2e-3 / max(_once(fn, ours), 1e-6)))  # about 2 ms per timing
+        for _ in range(repeats):
+            a = _timed(fn, ours, calls)
+            b = _timed(fn, ref, calls)
+            ratios[kind].append(a / b)
+    return real, statistics.median(ratios["fwd"]), statistics.median(ratios["train"])
+
+
+def _once(fn, m) -> float:
+    start = time.perf_counter()
+    fn(m)
+    return time.perf_counter() - start
+
+
+def _timed(fn, m, calls) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(m)
+    return (time.perf_counter() - start) / calls
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the issue's rows only")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"default MultiHeadAttention / minimal SDPA module on {cpu_name()} "
+                        f"({torch.get_num_threads()} threads, torch {torch.__version__}); paired medians of "
+                        f"{args.repeats} repeats in turns (< 1: headwise faster)")
+    for col in ("B", "S", "E", "H", "padding", "path", "forward", "forward+backward"):
+        table.add_column(col, justify="right")
+    worst = (0.0, 0.0)
+    for B, S, E, H, pad in grid(args.quick):
+        real, f, t = pair(B, S, E, H, pad, args.repeats)
+        mha = headwise.MultiHeadAttention(E, H)
+        n = lengths(B, S, pad, torch.Generator().manual_seed(0))
+        mask = None if pad == 0 else torch.arange(S)[None, :] < n[:, None]
+        path = mha.plan(torch.zeros(B, S, E), mask).path
+        worst = (max(worst[0], f), max(worst[1], t))
+        table.add_row(str(B), str(S), str(E), str(H), f"{real:.0%}", path, f"{f:.2f}x", f"{t:.2f}x")
+    console = Console(width=160)
+    console.print(table)
+    console.print(f"worst row: forward {worst[0]:.2f}x, forward+backward {worst[1]:.2f}x (target <= 1.05x)")
+
+
+if __name__ == "__main__":
+    main()
