@@ -47,7 +47,7 @@ def mapping_table(encoder: SentenceEncoder, layer: int = 0) -> Table:
     table = Table(title=f"model.safetensors -> headwise encoder (layer {layer}; the other layers alike)")
     for column in ("checkpoint tensor", "encoder parameter", "shape"):
         table.add_column(column)
-    params = dict(encoder.encoder.named_parameters())
+    params = encoder.encoder.state_dict()  # the names checkpoints load into (q, k, v apart)
     for old, new in WEIGHT_MAP.items():
         for kind in ("weight", "bias"):
             ours = f"layers.{layer}.{new}{kind}"

@@ -370,8 +370,7 @@ def test_from_torch_gradients_match(backend):
     grad_out = torch.randn(B, S, E)
     (run_torch(m, x, kpm, am, need_weights=False)[0] * grad_out).sum().backward()
     (ours(x, from_torch_masks(kpm, am)) * grad_out).sum().backward()
-    in_w = torch.cat([ours.q_proj.weight.grad, ours.k_proj.weight.grad, ours.v_proj.weight.grad])
-    in_b = torch.cat([ours.q_proj.bias.grad, ours.k_proj.bias.grad, ours.v_proj.bias.grad])
+    in_w, in_b = ours.qkv_weight.grad, ours.qkv_bias.grad  # q, k, v rows stacked, as torch's in_proj
     close(in_w, m.in_proj_weight.grad)
     close(in_b, m.in_proj_bias.grad)
     close(ours.out_proj.weight.grad, m.out_proj.weight.grad)
@@ -709,3 +708,51 @@ def test_a_float_padding_mask_cannot_be_remembered_by_a_cache():
             "with a cache, give the 2-D padding mask as bool or integer (True / 1 = token); "
             "a floating (B, Sk) bias cannot be remembered across steps")):
         mha(torch.randn(B, 2, E), torch.zeros(B, 2), cache=mha.new_cache(B, 4))
+
+
+# --- one fused qkv parameter, the projections as views -------------------------------------------
+
+
+def test_the_projections_are_views_of_one_fused_parameter():
+    mha = MultiHeadAttention(E, H, num_kv_heads=2)
+    kv = 2 * (E // H)
+    assert [n for n, _ in mha.named_parameters()] == ["qkv_weight", "qkv_bias", "out_proj.weight", "out_proj.bias"]
+    assert mha.qkv_weight.shape == (E + 2 * kv, E)
+    assert (mha.q_proj.weight.shape, mha.k_proj.weight.shape, mha.v_proj.bias.shape) == ((E, E), (kv, E), (kv,))
+    assert mha.k_proj.weight.data_ptr() == mha.qkv_weight[E:].data_ptr()  # a view, no copy
+    with torch.no_grad():
+        mha.v_proj.weight.fill_(0.5)  # writing the view writes the fused parameter
+    assert (mha.qkv_weight[E + kv:] == 0.5).all()
+    x = torch.randn(B, S, E)
+    before = mha.q_proj.weight.clone()
+    torch.optim.SGD(mha.parameters(), lr=0.1).zero_grad()
+    mha(x).sum().backward()
+    torch.optim.SGD(mha.parameters(), lr=0.1).step()
+    assert not torch.equal(mha.q_proj.weight, before)  # trained through the fused parameter
+    assert "rows 0:16 of qkv_weight" in repr(mha)
+
+
+def test_state_dict_keeps_the_separate_names_and_loads_old_and_fused_checkpoints():
+    import copy
+    import pickle
+
+    mha = MultiHeadAttention(E, H, num_kv_heads=2)
+    sd = mha.state_dict()
+    assert list(sd) == ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
+                        "v_proj.bias", "out_proj.weight", "out_proj.bias"]
+    old = {k: v.clone() for k, v in sd.items()}  # the layout of earlier versions (three nn.Linear)
+    fresh = MultiHeadAttention(E, H, num_kv_heads=2)
+    assert not fresh.load_state_dict(old).missing_keys
+    torch.testing.assert_close(fresh.qkv_weight, mha.qkv_weight, rtol=0, atol=0)
+    fused = {"qkv_weight": mha.qkv_weight.detach().clone(), "qkv_bias": mha.qkv_bias.detach().clone(),
+             "out_proj.weight": mha.out_proj.weight.detach(), "out_proj.bias": mha.out_proj.bias.detach()}
+    again = MultiHeadAttention(E, H, num_kv_heads=2)
+    again.load_state_dict(fused)
+    torch.testing.assert_close(again.qkv_weight, mha.qkv_weight, rtol=0, atol=0)
+    partial = {k: v for k, v in old.items() if k != "k_proj.weight"}
+    result = MultiHeadAttention(E, H, num_kv_heads=2).load_state_dict(partial, strict=False)
+    assert "qkv_weight" in result.missing_keys and "q_proj.weight" in result.unexpected_keys
+    for clone in (copy.deepcopy(mha), pickle.loads(pickle.dumps(mha))):
+        assert clone.q_proj._owner is clone and clone.q_proj.weight.data_ptr() == clone.qkv_weight.data_ptr()
+    nobias = MultiHeadAttention(E, H, bias=False)
+    assert nobias.qkv_bias is None and nobias.q_proj.bias is None and "q_proj.bias" not in nobias.state_dict()

@@ -49,7 +49,7 @@ def oracle(mha, x, mask=None, *, context=None, is_causal=False, window=None, slo
     bool/int True = attend, float additive. ``start`` is the position of x's first token
     (with a cache: the keys are then the whole sequence, x its last S rows).
     """
-    w = {name: p.detach().double() for name, p in mha.named_parameters()}
+    w = {name: p.detach().double() for name, p in mha.state_dict().items()}  # q, k, v projections apart
     x = x.double()
     src = x if context is None else context.double()
     B, S, E = x.shape
@@ -191,11 +191,12 @@ def test_cross_attention_gradients_match_the_formula():
     out = mha(x, mask, context=context)
     want, _ = oracle(mha, x, mask, context=context)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(13))
-    got = torch.autograd.grad(out, (x, context, mha.q_proj.weight, mha.k_proj.weight), g)
+    got = torch.autograd.grad(out, (x, context, mha.qkv_weight), g)
     expected = torch.autograd.grad(want, (x, context), g.double())
     for a, b in zip(got[:2], expected, strict=True):
         _close(a, b.double())
-    assert got[2].abs().sum() > 0 and got[3].abs().sum() > 0
+    E = mha.embed_dim
+    assert got[2][:E].abs().sum() > 0 and got[2][E:].abs().sum() > 0  # the q rows (from x) and the k, v rows
 
 
 # --- decoding with a cache (the README pattern) ----------------------------------------------

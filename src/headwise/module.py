@@ -5,7 +5,14 @@ The module owns the parameters; the kernels (``headwise.kernels``) own the arith
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim, E embed dim.
 
-State dict (separate projections, as the documents and Hugging Face models keep them)::
+The q, k and v projections live in one parameter, ``qkv_weight`` (E + 2 * Hkv * D, E)
+(and ``qkv_bias``), so self-attention projects with one GEMM, as a hand-written module
+with a fused qkv ``nn.Linear`` does; ``q_proj``, ``k_proj`` and ``v_proj`` stay, as views
+of its rows (``mha.q_proj.weight`` reads and writes the fused parameter; an optimizer
+trains the fused one).
+
+State dict (separate projections, as the documents and Hugging Face models keep them; a
+fused ``qkv_weight`` / ``qkv_bias`` entry loads too)::
 
     q_proj.weight   (E, E)         q_proj.bias   (E,)
     k_proj.weight   (Hkv * D, E)   k_proj.bias   (Hkv * D,)
@@ -17,10 +24,12 @@ State dict (separate projections, as the documents and Hugging Face models keep 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from headwise import convert, packing, policy
@@ -36,6 +45,37 @@ from headwise.positions import RotaryEmbedding, apply_rotary
 __all__ = ["MultiHeadAttention", "Plan"]
 
 __getattr__ = moved(__name__, {"PACK_MIN_PADDING": (policy, "headwise.policy.PACK_MIN_PADDING")})
+
+
+class FusedProjection(nn.Module):
+    """``q_proj`` / ``k_proj`` / ``v_proj`` of a :class:`MultiHeadAttention`: rows ``[start,
+    stop)`` of its fused ``qkv_weight`` / ``qkv_bias``, as an ``nn.Linear`` would show them.
+
+    ``weight`` and ``bias`` are views (no parameters of its own): writing into them writes
+    the fused parameter, and gradients reach the fused parameter.
+    """
+
+    def __init__(self, owner: MultiHeadAttention, start: int, stop: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_owner", owner)  # not a submodule: the owner holds this one
+        self.start, self.stop = start, stop
+        self.in_features, self.out_features = owner.embed_dim, stop - start
+
+    @property
+    def weight(self) -> Tensor:
+        return self._owner.qkv_weight[self.start:self.stop]  # (out_features, E), a view
+
+    @property
+    def bias(self) -> Tensor | None:
+        b = self._owner.qkv_bias
+        return None if b is None else b[self.start:self.stop]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)  # (.., E) -> (.., out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"rows {self.start}:{self.stop} of qkv_weight")
 
 
 @dataclass(frozen=True)
@@ -167,9 +207,14 @@ class MultiHeadAttention(nn.Module):
         self.packing = packing
         kv_dim = num_kv_heads * self.head_dim
         factory = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        rows = embed_dim + 2 * kv_dim
+        self.qkv_weight = nn.Parameter(torch.empty(rows, embed_dim, **factory))  # q, k, v rows stacked
+        self.qkv_bias = nn.Parameter(torch.empty(rows, **factory)) if bias else None
+        self._reset_qkv()
+        self.q_proj = FusedProjection(self, 0, embed_dim)
+        self.k_proj = FusedProjection(self, embed_dim, embed_dim + kv_dim)
+        self.v_proj = FusedProjection(self, embed_dim + kv_dim, rows)
+        self.register_load_state_dict_pre_hook(self._fuse_loaded_projections)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.window = window
         self.rope = None
@@ -185,6 +230,36 @@ class MultiHeadAttention(nn.Module):
         self.alibi_slopes: Tensor | None
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None,
                              persistent=False)
+
+    def _reset_qkv(self) -> None:
+        """nn.Linear's initialisation for each of the three projections (fan_in = E for all)."""
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.qkv_weight, a=math.sqrt(5))  # the same per block: fan_in is E
+            if self.qkv_bias is not None:
+                bound = 1 / math.sqrt(self.embed_dim)
+                nn.init.uniform_(self.qkv_bias, -bound, bound)
+
+    def _fuse_loaded_projections(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                                 unexpected_keys, error_msgs) -> None:
+        """Load hook: q_proj.* / k_proj.* / v_proj.* entries (the saved layout, and older
+        checkpoints) become the fused qkv_weight / qkv_bias."""
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj")]
+            present = [n in state_dict for n in names]
+            if all(present) and f"{prefix}qkv_{kind}" not in state_dict:
+                state_dict[f"{prefix}qkv_{kind}"] = torch.cat([state_dict.pop(n) for n in names])
+            elif any(present):  # a partial set: leave the pieces for load_state_dict to report
+                continue
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """Save the q, k, v projections under their own names, as the documents' modules do."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for kind in ("weight", "bias"):
+            fused = destination.pop(f"{prefix}qkv_{kind}", None)
+            if fused is None:
+                continue
+            for name, proj in (("q_proj", self.q_proj), ("k_proj", self.k_proj), ("v_proj", self.v_proj)):
+                destination[f"{prefix}{name}.{kind}"] = fused[proj.start:proj.stop]
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -217,7 +292,7 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ValueError: non-positive sizes.
         """
-        w = self.k_proj.weight
+        w = self.qkv_weight
         return KVCache(batch_size, max_seq_len, self.num_kv_heads, self.head_dim,
                        device=w.device, dtype=w.dtype, static=static)
 
@@ -255,8 +330,13 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """The three projections of (B, S, E) inputs, or of packed (T, E) tokens."""
-        source = x if context is None else context
-        q, k, v = self.q_proj(x), self.k_proj(source), self.v_proj(source)  # (.., E), (.., Hkv*D)
+        E, kv = self.embed_dim, self.num_kv_heads * self.head_dim
+        if context is None:  # self-attention: one GEMM for q, k and v
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([E, kv, kv], dim=-1)  # (.., E), (.., Hkv*D)
+        else:  # cross-attention: q from x, k and v (one GEMM) from the context
+            b = self.qkv_bias
+            q = F.linear(x, self.qkv_weight[:E], None if b is None else b[:E])  # (.., E)
+            k, v = F.linear(context, self.qkv_weight[E:], None if b is None else b[E:]).split([kv, kv], dim=-1)
         if trace.ACTIVE:
             rows, keys = ("B, S", "B, Sk") if x.dim() == 3 else ("T", "T")
             src = "x" if context is None else "context"
@@ -609,7 +689,7 @@ class MultiHeadAttention(nn.Module):
             Sk = cache.max_seq_len
             float_mask = slopes is not None  # ALiBi joins the mask as a bias
             attention_mask = torch.zeros(B, self.num_heads if float_mask else 1, S, Sk, device=x.device,
-                                         dtype=self.q_proj.weight.dtype if float_mask else torch.bool)
+                                         dtype=self.qkv_weight.dtype if float_mask else torch.bool)
             causal, window, slopes = False, None, None
         elif cache is not None:  # what forward would attend to, without appending
             attention_mask = cache.mask_for(attention_mask, S)
@@ -629,10 +709,10 @@ class MultiHeadAttention(nn.Module):
     def _shaped(self, x: Tensor, B: int, heads: int, length: int) -> Tensor:
         """A (B, heads, length, D) stand-in for a projection's output: the dtype, device and
         grad flag it would have, no storage (one element, expanded)."""
-        dtype = self.q_proj.weight.dtype
+        dtype = self.qkv_weight.dtype
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-        grad = torch.is_grad_enabled() and (x.requires_grad or self.q_proj.weight.requires_grad)
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.qkv_weight.requires_grad)
         return torch.zeros((), dtype=dtype, device=x.device, requires_grad=grad).expand(B, heads, length,
                                                                                          self.head_dim)
 
