@@ -27,7 +27,7 @@ pass takes whole kv heads with their G query heads, at least one). The backward 
 four block-sized buffers at once (the K/V being used and the one arriving, the dK/dV
 being filled and the one arriving); passes divide them, so the ring's memory stays
 near that of one process at the local length while the bytes sent stay exactly
-(N - 1) x |local K, V| summed over the passes (a key padding shard goes with each pass).
+(N - 1) x ``|local K, V|`` summed over the passes (a key padding shard goes with each pass).
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S / Sk global query /
 key length, S_l / Sk_l this rank's lengths, Skb the length of the block at hand, D head
