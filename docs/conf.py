@@ -18,6 +18,8 @@ import inspect
 import sys
 from pathlib import Path
 
+from docutils import nodes
+
 import headwise
 
 sys.path.insert(0, str(Path(__file__).parent / "_ext"))
@@ -56,6 +58,7 @@ autodoc_default_options = {
     "member-order": "bysource",
 }
 autodoc_typehints = "signature"
+autodoc_inherit_docstrings = False  # an override without a docstring (forward, extra_repr) gets none of torch's
 autodoc_preserve_defaults = True  # show `scale=None` as written, not a repr of a computed default
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -98,11 +101,13 @@ def _skip_class_data(app, what: str, name: str, obj, skip: bool, options) -> boo
     return None
 
 
-def _drop_object_base(app, name: str, obj, options, bases: list) -> None:
+def _drop_object_base(app, doctree) -> None:
     """No "Bases: object" line under every dataclass: only real base classes are worth a line."""
-    bases[:] = [base for base in bases if base is not object]
+    for paragraph in list(doctree.findall(nodes.paragraph)):
+        if paragraph.astext().strip() == "Bases: object":
+            paragraph.parent.remove(paragraph)
 
 
 def setup(app) -> None:
     app.connect("autodoc-skip-member", _skip_class_data)
-    app.connect("autodoc-process-bases", _drop_object_base)
+    app.connect("doctree-read", _drop_object_base)
