@@ -53,6 +53,19 @@ def test_quick_run_writes_json_and_plot(tmp_path, capsys):
         assert all(r["forward_ms"] and r["train_ms"] for r in report["results"] if r["case"]["label"] == label)
     text = capsys.readouterr().out
     assert "/ SDPA mod" in text and "% of matmul rate" in text
-    report["results"] = [dict(r, case=dict(r["case"], group="dense", B=8, E=512)) for r in report["results"]]
+    drawn = bench.sweep(report)  # the quick run has a dense sweep to draw
+    assert sorted({r["case"]["S"] for r in drawn}) == [64, 128, 256] and {r["case"]["B"] for r in drawn} == {4}
     bench.plot(report, str(out_png))
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_is_the_longest_dense_series():
+    """What plot draws in a full run: the B=8 E=512 H=8 rows over S, not the other dense cases."""
+    def row(group, B, S, E, H, impl="headwise auto"):
+        return {"impl": impl, "case": {"group": group, "B": B, "S": S, "E": E, "H": H}}
+
+    results = [row("dense", 32, 128, 512, 8), row("dense", 8, 512, 768, 12), row("padded", 8, 64, 512, 8),
+               *(row("dense", 8, s, 512, 8, impl) for s in (64, 256, 1024) for impl in ("a", "b"))]
+    drawn = bench.sweep({"results": results})
+    assert len(drawn) == 6 and {(r["case"]["B"], r["case"]["E"], r["case"]["H"]) for r in drawn} == {(8, 512, 8)}
+    assert bench.sweep({"results": [row("padded", 8, 64, 512, 8)]}) == []

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -194,20 +195,20 @@ def build(impl: str, case: Case) -> Callable[[Tensor, Tensor | None], Tensor]:
         return lambda x, mask: m(x, mask)
     ours = headwise_module(case)
     if impl == "SDPA module":
-        m = SDPAModule(E, H, case.dropout)
+        sdpa = SDPAModule(E, H, case.dropout)
         with torch.no_grad():
-            m.qkv.weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
-            m.qkv.bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
-            m.out.load_state_dict(ours.out_proj.state_dict())
-        return lambda x, mask: m(x, mask)
+            sdpa.qkv.weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+            sdpa.qkv.bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+            sdpa.out.load_state_dict(ours.out_proj.state_dict())
+        return lambda x, mask: sdpa(x, mask)
     if impl == "torch MHA":
-        m = ours.to_torch(batch_first=True)
-        return lambda x, mask: m(x, x, x, key_padding_mask=None if mask is None else ~mask,
-                                 need_weights=False)[0]
+        torch_mha = ours.to_torch(batch_first=True)
+        return lambda x, mask: torch_mha(x, x, x, key_padding_mask=None if mask is None else ~mask,
+                                         need_weights=False)[0]
     if impl == "reference":
-        m = MultiHeadAttentionFormal(E, H, case.dropout)
-        m.load_state_dict({key.replace("out_proj", "output"): value for key, value in ours.state_dict().items()})
-        return lambda x, mask: m(x, None if mask is None else mask[:, None, None, :])
+        ref = MultiHeadAttentionFormal(E, H, case.dropout)
+        ref.load_state_dict({key.replace("out_proj", "output"): value for key, value in ours.state_dict().items()})
+        return lambda x, mask: ref(x, None if mask is None else mask[:, None, None, :])
     raise ValueError(f"unknown implementation {impl!r}; choose one of {IMPLS} or 'headwise <backend>'")
 
 
@@ -302,7 +303,7 @@ def _memory_child(spec: str) -> dict:
     case_fields["lengths"] = tuple(case_fields["lengths"]) if case_fields["lengths"] else None
     case = Case(**case_fields)
     fn = build(args["impl"], case)
-    report = {}
+    report: dict[str, float | str | None] = {}
     if args.get("train_only"):
         report["forward_ms"] = report["forward_peak_mib"] = None
     else:
@@ -365,7 +366,7 @@ def attention_core(S: int, backends: list[str], repeats: int, causal: bool = Fal
     flops = 4 * B * H * S * S * D / (2 if causal else 1)
     runs: list[tuple[str, Callable[[], object]]] = [
         ("torch sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))]
-    runs += [(f"headwise {name}", lambda name=name: headwise.attention(q, k, v, is_causal=causal, backend=name))
+    runs += [(f"headwise {name}", partial(headwise.attention, q, k, v, is_causal=causal, backend=name))
              for name in backends
              if not (name in ("matmul", "einsum", "bmm", "einops") and S > 4096)]  # (B, H, S, S) scores: too big
     with torch.no_grad():
@@ -381,9 +382,9 @@ def attention_core(S: int, backends: list[str], repeats: int, causal: bool = Fal
 
 def cases(quick: bool) -> list[Case]:
     gen = torch.Generator().manual_seed(3)
-    if quick:
+    if quick:  # a small dense sweep over S (what plot draws), then a padded batch
         lengths = tuple(torch.randint(16, 129, (8,), generator=gen).tolist())
-        return [Case("dense", 4, 64, 128, 4), Case("padded", 8, 128, 128, 4, lengths=lengths)]
+        return [*(Case("dense", 4, s, 128, 4) for s in (64, 128, 256)), Case("padded", 8, 128, 128, 4, lengths=lengths)]
     padded_lengths = tuple(torch.randint(64, 513, (32,), generator=gen).tolist())  # uniform in 64..512
     long_pad = 0.1  # 10% padding on the long sequences
     out = [Case("dense", 32, 128, 512, 8), Case("dense", 8, 512, 768, 12), Case("dense", 1, 4096, 512, 8)]
@@ -473,29 +474,43 @@ def flops(case: dict, train: bool) -> float:
     return 4 * case["B"] * case["H"] * case["S"] ** 2 * D * (3.5 if train else 1.0)
 
 
+def sweep(report: dict) -> list[dict]:
+    """The rows :func:`plot` draws: the dense cases that differ only in S (the longest such series;
+    B=8 E=512 H=8 in the full run, B=4 E=128 H=4 in the quick one)."""
+    series: dict[tuple[int, int, int], list[dict]] = {}
+    for r in report["results"]:
+        if r["case"]["group"] == "dense":
+            series.setdefault((r["case"]["B"], r["case"]["E"], r["case"]["H"]), []).append(r)
+    return max(series.values(), key=lambda rows: len({r["case"]["S"] for r in rows}), default=[])
+
+
 def plot(report: dict, path: str) -> None:
-    """Forward time and peak memory against sequence length (the dense B=8 sweep)."""
+    """Forward time and peak memory against sequence length (the dense sweep; forward + backward
+    time instead of memory when memory was not measured, as in ``--quick``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in report["results"] if r["case"]["group"] == "dense" and r["case"]["B"] == 8
-            and r["case"]["E"] == 512]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    rows = sweep(report)
+    memory = any(r["train_peak_mib"] for r in rows)
+    right = ("train_peak_mib", "forward + backward peak memory", "MiB") if memory else (
+        "train_ms", "forward + backward time", "ms")
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
     for impl in sorted({r["impl"] for r in rows}):
         mine = sorted((r for r in rows if r["impl"] == impl), key=lambda r: r["case"]["S"])
-        for ax, key in ((ax_t, "forward_ms"), (ax_m, "train_peak_mib")):
+        for ax, key in ((ax_t, "forward_ms"), (ax_r, right[0])):
             points = [(r["case"]["S"], r[key]) for r in mine if r[key]]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=impl)
-    for ax, title, unit in ((ax_t, "forward time", "ms"), (ax_m, "forward + backward peak memory", "MiB")):
+    shape = "B={B}, E={E}, H={H}".format(**rows[0]["case"]) if rows else "no dense case"
+    for ax, title, unit in ((ax_t, "forward time", "ms"), (ax_r, right[1], right[2])):
         if not ax.lines:
             ax.text(0.5, 0.5, "not measured", ha="center", transform=ax.transAxes)
         else:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-        ax.set_xlabel("sequence length S (B=8, E=512, H=8)")
+        ax.set_xlabel(f"sequence length S ({shape})")
         ax.set_ylabel(unit)
         ax.set_title(title)
         ax.grid(True, alpha=0.3)

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -57,7 +58,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     table.add_column("padding -> 0")
     table.add_column("note")
     # every kernel on the dense path, then "auto" and the padding-free path (packing=True)
-    rows = [(name, {"backend": name, "packing": False}) for name in headwise.available_backends()]
+    rows: list[tuple[str, dict[str, Any]]] = [(name, {"backend": name, "packing": False})
+                                              for name in headwise.available_backends()]
     rows += [("auto", {}), ("packing=True", {"packing": True})]
     for name, kwargs in rows:
         mha = headwise.MultiHeadAttention(E, H, **kwargs).eval()
@@ -128,7 +130,7 @@ def _equivalences(args: argparse.Namespace, console: Console) -> int:
                    "view of a non-contiguous input", "max |diff| vs first form"):
         table.add_column(column)
     for row in measure(seed=args.seed):
-        diff = f"{row.max_diff:.1e}" if row.max_diff is not None else f"fails: {row.error[:70]}"
+        diff = f"{row.max_diff:.1e}" if row.max_diff is not None else f"fails: {(row.error or '')[:70]}"
         needs = "fails" if row.view_of_contiguous is None else ("yes" if row.needs_contiguous else "no")
         table.add_row(*(Text(c) for c in (
             row.group, row.form, needs,

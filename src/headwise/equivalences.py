@@ -32,7 +32,7 @@ class Row:
         needs_contiguous: True when it fails on a non-contiguous input.
         view_of_contiguous: True when, on a contiguous input, the result shares its storage.
         view_of_noncontiguous: the same on a non-contiguous input (None: it failed there).
-        max_diff: largest |difference| from the group's first form (None: it failed).
+        max_diff: largest absolute difference from the group's first form (None: it failed).
         error: the first line of the error, for a form that failed on every input.
     """
 

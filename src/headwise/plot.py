@@ -56,7 +56,7 @@ def plot_attention(allowed: Tensor, weights: Tensor, path: str, *, title: str = 
     rows, cols = _grid(heads)
     width, height = figure_size(heads)
     fig, axes = plt.subplots(rows, cols, figsize=(width / DPI, height / DPI), dpi=DPI,
-                             squeeze=False)
+                             squeeze=False, layout="constrained")  # constrained: room for the colour bar
     blocked = ~allowed.cpu().numpy()
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")  # masked cells: grey
     ax = axes[0][0]
@@ -65,7 +65,7 @@ def plot_attention(allowed: Tensor, weights: Tensor, path: str, *, title: str = 
     for h in range(heads):
         ax = axes[(h + 1) // cols][(h + 1) % cols]
         data = np.ma.masked_array(weights[h].detach().float().cpu().numpy(), mask=blocked)
-        ax.imshow(data, cmap=cmap, vmin=0.0, vmax=1.0)
+        image = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=1.0)
         ax.set_title(f"head {h}", fontsize=9)
     for ax in axes.flat:
         ax.set_xlabel("key", fontsize=7)
@@ -73,9 +73,12 @@ def plot_attention(allowed: Tensor, weights: Tensor, path: str, *, title: str = 
         ax.tick_params(labelsize=6)
     for extra in axes.flat[heads + 1:]:
         extra.axis("off")
+    if heads:  # one scale for every head: a weight is a probability, 0 to 1
+        bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, aspect=30)
+        bar.set_label("attention weight (grey: masked)", fontsize=8)
+        bar.ax.tick_params(labelsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return width, height

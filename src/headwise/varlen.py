@@ -12,6 +12,8 @@ Legend: B sequences, T packed tokens, H query heads, Hkv key/value heads, D head
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from headwise import policy
@@ -63,8 +65,8 @@ def packed_attention(
               "headwise.varlen.packed_attention(q, k, v, cu_seqlens) is deprecated; call "
               "headwise.packed_attention(q, k, v, cu_seqlens, cu_seqlens) (separate query and key offsets, "
               "as flash-attn's flash_attn_varlen_func)")
-    kwargs = {"is_causal": is_causal, "window": window, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
-              "scale": scale, "backend": backend}
+    kwargs: dict[str, Any] = {"is_causal": is_causal, "window": window, "alibi_slopes": alibi_slopes,
+                              "dropout_p": dropout_p, "scale": scale, "backend": backend}
     if lengths is None:
         _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes)  # before reading q's rows
         lengths = _lengths(cu_seqlens, "cu_seqlens", q.shape[0], "q")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import subprocess
 import sys
 
 import pytest
@@ -47,8 +48,74 @@ def test_cli_file_to_npy_with_progress(minilm, tmp_path, capsys):
                                atol=1e-6, rtol=0)
 
 
+class _Terminal(io.StringIO):
+    """Standard input as an interactive terminal: nothing piped in."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _stdin(monkeypatch, text: str = "", terminal: bool = False) -> None:
+    monkeypatch.setattr(sys, "stdin", _Terminal(text) if terminal else io.StringIO(text))
+
+
+def test_cli_reads_standard_input(minilm, monkeypatch):
+    _stdin(monkeypatch, "a sentence\nanother one\n")
+    code, out = _cli(["-"])
+    rows = [[float(v) for v in line.split()] for line in out.splitlines()]
+    assert code == 0 and len(rows) == 2
+    torch.testing.assert_close(torch.tensor(rows), minilm.encode(["a sentence", "another one"]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("argv, terminal, want", [
+    (["-"], False, ["piped 1", "", "piped 3"]),  # row i = line i, blank lines kept as with --file
+    ([], False, ["piped 1", "", "piped 3"]),  # nothing given and input piped in: read it
+    (["-"], True, ["piped 1", "", "piped 3"]),  # - reads a terminal too (until end of input)
+    (["first", "-", "last"], False, ["first", "piped 1", "", "piped 3", "last"]),
+    (["first", "--file", "-"], False, ["first", "piped 1", "", "piped 3"]),
+    (["first"], False, ["first"]),  # sentences given: piped input is left alone
+])
+def test_sentences_from_standard_input(monkeypatch, argv, terminal, want):
+    from headwise.apps.embed import _read_sentences
+
+    parser = argparse.ArgumentParser(prog="headwise")
+    add_embed_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["embed", *argv])
+    _stdin(monkeypatch, "piped 1\n\npiped 3\n", terminal)
+    assert _read_sentences(args, sys.stdin) == want
+
+
+def test_piping_into_the_command(minilm, tmp_path):
+    """The real pipe, through the installed entry point's code: cat lines.txt | headwise embed."""
+    lines = ["a sentence", "another one", "a third, longer sentence to embed"]
+    run = subprocess.run([sys.executable, "-m", "headwise", "embed"], input="\n".join(lines) + "\n",
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    rows = [[float(v) for v in line.split()] for line in run.stdout.splitlines()]
+    torch.testing.assert_close(torch.tensor(rows), minilm.encode(lines), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("argv, terminal, message", [
+    ([], True, "nothing to embed: give sentences as arguments"),  # a terminal: nothing is read
+    ([], False, r"or lines on standard input \(cat lines.txt \| headwise embed -\)"),  # an empty pipe
+    (["-", "--file", "-"], False, "standard input can be read only once"),
+    (["-", "a", "-"], False, "standard input can be read only once"),
+])
+def test_standard_input_errors(monkeypatch, argv, terminal, message):
+    _stdin(monkeypatch, "", terminal)
+    with pytest.raises(ValueError, match=message):
+        _cli(argv)
+
+
+def test_dash_without_standard_input(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)
+    with pytest.raises(ValueError, match="- reads standard input, but this process has none"):
+        _cli(["-"])
+    with pytest.raises(ValueError, match="nothing to embed"):  # no argument and no standard input
+        _cli([])
+
+
 @pytest.mark.parametrize("argv, message", [
-    ([], "nothing to embed: give sentences as arguments"),
     (["a", "--out", "e.txt"], r"--out e.txt: the file is written by numpy.save; name it \*.npy"),
     (["--file", "/no/such/lines.txt"], "--file /no/such/lines.txt: no such file"),
     (["a", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),

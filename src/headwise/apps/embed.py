@@ -1,15 +1,18 @@
 """``headwise embed``: sentence embeddings from the command line (needs the ``hf`` extra).
 
 Runs :class:`headwise.integrations.sentence_transformers.SentenceEncoder` on sentences
-given as arguments or read from a file; prints one line of numbers per sentence or
-saves an (N, E) array.
+given as arguments, read from a file or from standard input (``-``, or no sentences and
+no ``--file`` with input piped in); prints one line of numbers per sentence or saves an
+(N, E) array.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
+from typing import TextIO
 
 from headwise.integrations.sentence_transformers import load_encoder, require_extra
 
@@ -21,10 +24,14 @@ def add_embed_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "embed", help="sentence embeddings from the padding-free encoder (needs the hf extra)",
         description="Embed sentences with all-MiniLM-L6-v2 (or another sentence-transformers BERT) run "
-        "through a padding-free encoder built on headwise.MultiHeadAttention. Prints one line of "
-        "space-separated numbers per sentence, or saves an (N, E) float32 array with --out.")
-    p.add_argument("sentences", nargs="*", metavar="SENTENCE", help="sentences to embed")
-    p.add_argument("--file", metavar="LINES.txt", help="embed every line of this file (row i = line i)")
+        "through a padding-free encoder built on headwise.MultiHeadAttention: the arguments, the lines of "
+        "--file, or the lines of standard input (- or piped in). Prints one line of space-separated numbers "
+        "per sentence, or saves an (N, E) float32 array with --out.")
+    p.add_argument("sentences", nargs="*", metavar="SENTENCE",
+                   help="sentences to embed; - reads one sentence per line from standard input, as does "
+                   "giving none (and no --file) with input piped in: cat lines.txt | headwise embed")
+    p.add_argument("--file", metavar="LINES.txt",
+                   help="embed every line of this file (row i = line i; - is standard input)")
     p.add_argument("--out", metavar="EMBEDDINGS.npy", help="save the embeddings with numpy.save instead of printing")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per forward (default 32)")
     p.add_argument("--model", metavar="DIR", default=None,
@@ -34,17 +41,37 @@ def add_embed_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _read_sentences(args: argparse.Namespace) -> list[str]:
-    sentences = list(args.sentences)
-    if args.file is not None:
+def _read_sentences(args: argparse.Namespace, stdin: TextIO | None) -> list[str]:
+    """The sentences in order: the arguments (``-`` stands for standard input's lines), then --file's.
+
+    Standard input is read at most once. With no sentences and no --file it is read when it is
+    not a terminal (a pipe or a redirected file), so ``cat lines.txt | headwise embed`` works.
+    """
+    given = list(args.sentences)
+    if given.count("-") + (args.file == "-") > 1:
+        raise ValueError("standard input can be read only once: give - once, as a sentence or as --file")
+    if not given and args.file is None and stdin is not None and not stdin.isatty():
+        given = ["-"]
+    sentences: list[str] = []
+    for sentence in given:
+        sentences += _stdin_lines(stdin) if sentence == "-" else [sentence]
+    if args.file == "-":
+        sentences += _stdin_lines(stdin)
+    elif args.file is not None:
         path = Path(args.file)
         if not path.is_file():
             raise ValueError(f"--file {args.file}: no such file")
         sentences += path.read_text(encoding="utf-8").splitlines()
     if not sentences:
-        raise ValueError('nothing to embed: give sentences as arguments (headwise embed "a sentence") '
-                         "or --file lines.txt")
+        raise ValueError('nothing to embed: give sentences as arguments (headwise embed "a sentence"), '
+                         "--file lines.txt, or lines on standard input (cat lines.txt | headwise embed -)")
     return sentences
+
+
+def _stdin_lines(stdin: TextIO | None) -> list[str]:
+    if stdin is None:  # sys.stdin is None under pythonw, or with file descriptor 0 closed
+        raise ValueError("- reads standard input, but this process has none")
+    return stdin.read().splitlines()
 
 
 def _run(args: argparse.Namespace, console) -> int:
@@ -52,7 +79,7 @@ def _run(args: argparse.Namespace, console) -> int:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.out is not None and not args.out.endswith(".npy"):
         raise ValueError(f"--out {args.out}: the file is written by numpy.save; name it *.npy")
-    sentences = _read_sentences(args)
+    sentences = _read_sentences(args, sys.stdin)
     np = require_extra("numpy", "headwise embed")
     encoder = load_encoder(args.model)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -298,13 +298,15 @@ def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale
     m = attention_mask
     if m is not None:
         if isinstance(m, Tensor) and m.dim() == 2:
-            pad = normalize_mask(m, batch=B, heads=H, q_len=S_l, k_len=Sk_l, device=q.device, dtype=q.dtype)
-            pad = pad[:, 0, 0, :]  # (B|1, 1, 1, Sk_l) -> (B|1, Sk_l)
+            pad4 = cast(Tensor, normalize_mask(m, batch=B, heads=H, q_len=S_l, k_len=Sk_l, device=q.device,
+                                               dtype=q.dtype))  # a tensor for a tensor
+            pad = pad4[:, 0, 0, :]  # (B|1, 1, 1, Sk_l) -> (B|1, Sk_l)
             mask_kind = 1 if pad.dtype == torch.bool else 2
             mask_b = pad.shape[0]
         else:
             k_len = m.shape[-1] if isinstance(m, Tensor) and m.dim() in (3, 4) else -1
-            dense = normalize_mask(m, batch=B, heads=H, q_len=S_l, k_len=k_len, device=q.device, dtype=q.dtype)
+            dense = cast(Tensor, normalize_mask(m, batch=B, heads=H, q_len=S_l, k_len=k_len, device=q.device,
+                                                dtype=q.dtype))  # a tensor for a tensor
             mask_kind = 3 if dense.dtype == torch.bool else 4
             mask_b, mask_h, rows1, mask_sk = dense.shape[0], dense.shape[1], int(dense.shape[2] == 1), k_len
     row = [1, B, H, k.shape[1], D, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, int(bool(is_causal)),
@@ -390,8 +392,8 @@ def attention(
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         check_layout(layout)
-        return headwise.attention(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-                                  window=window, alibi_slopes=alibi_slopes)
+        return cast(Tensor, headwise.attention(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p,
+                                               scale=scale, window=window, alibi_slopes=alibi_slopes))  # no weights
     error, pad, dense, row, S_l, Sk_l = None, None, None, [0] * len(_FIELDS), -1, -1
     try:
         pad, dense, row, S_l, Sk_l = _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale,
@@ -443,6 +445,6 @@ def _ulysses_attention(q, k, v, pad, dense, q_lens, k_lens, rank, layout, group,
         if mask.shape[1] == H:
             mask = mask[:, rank * h:(rank + 1) * h]  # this rank's heads
     slopes = None if alibi_slopes is None else alibi_slopes[rank * h:(rank + 1) * h]
-    out = headwise.attention(qh, kh, vh, mask, is_causal=is_causal, scale=scale, window=window,
-                             alibi_slopes=slopes)  # (B, h, S, D)
+    out = cast(Tensor, headwise.attention(qh, kh, vh, mask, is_causal=is_causal, scale=scale, window=window,
+                                          alibi_slopes=slopes))  # (B, h, S, D); no weights asked
     return _ulysses.heads_to_seq(out, q_lens, rank, layout, group)  # (B, H, S_l, D)

@@ -27,7 +27,7 @@ pass takes whole kv heads with their G query heads, at least one). The backward 
 four block-sized buffers at once (the K/V being used and the one arriving, the dK/dV
 being filled and the one arriving); passes divide them, so the ring's memory stays
 near that of one process at the local length while the bytes sent stay exactly
-(N - 1) x |local K, V| summed over the passes (a key padding shard goes with each pass).
+(N - 1) x ``|local K, V|`` summed over the passes (a key padding shard goes with each pass).
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S / Sk global query /
 key length, S_l / Sk_l this rank's lengths, Skb the length of the block at hand, D head
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,9 @@ __all__ = ["RingPlan", "Ring", "Traffic", "TRAFFIC", "ring_attention",
 
 __getattr__ = moved(__name__, {old: (policy, f"headwise.policy.RING_{old}")
                                for old in ("BLOCK_Q", "BLOCK_K", "FUSED_ROWS", "PASS_BYTES")})
-_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FUSED_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# PyTorch's fused CPU flash kernel and its backward (None on builds without them: the plan then never fuses).
+_FUSED_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_CPU_BACKWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 @dataclass
@@ -173,6 +175,14 @@ class RingPlan:
                             pairs.append(((qseg[0] + a0, qseg[0] + a1, ga), (kseg[0] + b0, kseg[0] + b1, gb), True))
         return pairs
 
+    @overload
+    def causal_tile(self, gq0: int, bq: int, gk0: int, bk: int, device: torch.device | None,
+                    probe: Literal[False] = False) -> Tensor | None | Literal[False]: ...
+
+    @overload
+    def causal_tile(self, gq0: int, bq: int, gk0: int, bk: int, device: torch.device | None,
+                    probe: Literal[True]) -> bool | None: ...
+
     def causal_tile(self, gq0: int, bq: int, gk0: int, bk: int, device: torch.device | None,
                     probe: bool = False) -> Tensor | None | bool:
         """The causal / window rule on one tile: False = all blocked, None = all allowed,
@@ -242,11 +252,11 @@ def block_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, src: int,
         causal rule or the window blocks the whole block.
     """
     B, Hkv, G, S_l, D = q.shape
-    out = lse = None
+    result: tuple[Tensor, Tensor] | None = None  # (out, lse), made at the first row that attends
     for q_tile in plan.q_tiles:
         lq0, lq1, gq0 = q_tile
         bq = lq1 - lq0
-        m = l = acc = None
+        running: tuple[Tensor, Tensor, Tensor] | None = None  # (max, sum, weighted values) of the rows
         for k_tile in plan.k_tiles[src]:
             lk0, lk1, gk0 = k_tile
             blocked = plan.causal_tile(gq0, bq, gk0, lk1 - lk0, q.device)
@@ -255,28 +265,30 @@ def block_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, src: int,
             TRAFFIC.score_entries += G * bq * (lk1 - lk0)
             s = plan.scores(q, k[:, :, lk0:lk1], q_tile, k_tile, pad, blocked)  # (B, Hkv, G, bq, bk)
             m_new = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G, bq, 1)
-            if m is not None:
-                m_new = torch.maximum(m, m_new)
+            if running is not None:
+                m_new = torch.maximum(running[0], m_new)
             # -inf max = nothing attended yet: shift by 0 so exp(-inf - 0) = 0, never NaN.
             m_new = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             p = s.sub_(m_new).exp_()  # (B, Hkv, G, bq, bk)
             pv = torch.matmul(p.reshape(B, Hkv, G * bq, -1), v[:, :, lk0:lk1]).reshape(B, Hkv, G, bq, D)
             # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
-            if m is None:
-                m, l, acc = m_new, p.sum(dim=-1, keepdim=True), pv
+            if running is None:
+                running = m_new, p.sum(dim=-1, keepdim=True), pv
             else:
+                m, l, acc = running
                 alpha = torch.exp(m - m_new)  # rescale what was summed under the old max
-                m, l, acc = m_new, alpha * l + p.sum(dim=-1, keepdim=True), alpha * acc + pv
-        if m is None:
+                running = m_new, alpha * l + p.sum(dim=-1, keepdim=True), alpha * acc + pv
+        if running is None:
             continue  # the causal rule / window blocks these rows against the whole block
-        if out is None:
-            out = q.new_zeros(B, Hkv, G, S_l, D)
-            lse = q.new_full((B, Hkv, G, S_l, 1), float("-inf"))
+        m, l, acc = running
+        if result is None:
+            result = q.new_zeros(B, Hkv, G, S_l, D), q.new_full((B, Hkv, G, S_l, 1), float("-inf"))
+        out, lse = result
         alive = l > 0
         l_safe = torch.where(alive, l, torch.ones_like(l))
         out[:, :, :, lq0:lq1] = acc / l_safe
         lse[:, :, :, lq0:lq1] = torch.where(alive, m + torch.log(l_safe), float("-inf"))
-    return None if out is None else (out, lse)
+    return result
 
 
 def merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
@@ -459,30 +471,31 @@ def _ring_backward(plan: RingPlan, ring: Ring, q: Tensor, k: Tensor, v: Tensor, 
     delta = (dout * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O): (B, Hkv, G, S_l, 1)
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # dead rows: exp(-inf - 0) = 0
     cur = [k.contiguous(), v.contiguous(), *_wire(pad)]  # what isend takes
-    incoming = None  # (exchange, buffer): the dK/dV the previous ranks accumulated for the next block
+    # The dK/dV of the block at hand: zeros for this rank's own block at step 0, then, accumulated
+    # straight into, the buffer the previous rank's exchange fills (one buffer per rank, not three).
+    dkv = q.new_zeros(2, plan.B, plan.Hkv, plan.k_lens[r], plan.D)  # (2, B, Hkv, Skb, D)
+    arriving: _Pending | None = None  # the exchange filling dkv
     for step in range(N):
         src = (r - step) % N
         pending = None
         if step < N - 1:
             nxt = _empty_block(k, pad, plan.k_lens[(src - 1) % N])
             pending = ring.start(cur, nxt, f"the K/V block of rank {src}", "backward")
-        if incoming is None:
-            dkv = q.new_zeros(2, plan.B, plan.Hkv, plan.k_lens[src], plan.D)  # (2, B, Hkv, Skb, D)
-        else:  # accumulate straight into what arrived: one dK/dV buffer per rank, not three
-            exchange, dkv = incoming
-            exchange.wait()
+        if arriving is not None:
+            arriving.wait()
         _block_backward(plan, q, cur[0].to(plan.acc), cur[1].to(plan.acc), src, _unwire(cur[2:], pad), dout, lse,
                         delta, out, dq, dkv)
         # Pass block src's dK/dV on (at the last step the next rank is its owner) and take the
         # next block's from the previous rank (at the last step: this rank's own, complete).
         buf = dkv.new_empty(2, plan.B, plan.Hkv, plan.k_lens[(src - 1) % N], plan.D)
-        incoming = (ring.start([dkv], [buf], f"the dK/dV of rank {src}'s block", "backward"), buf)
+        arriving = ring.start([dkv], [buf], f"the dK/dV of rank {src}'s block", "backward")
+        dkv = buf
         if pending is not None:
             pending.wait()
             cur = nxt
-    exchange, own = incoming
-    exchange.wait()
-    return own
+    if arriving is not None:
+        arriving.wait()
+    return dkv
 
 
 class _RingAttention(torch.autograd.Function):
@@ -506,16 +519,19 @@ class _RingAttention(torch.autograd.Function):
         q5 = q.reshape(p.B, p.Hkv, p.G, p.S_l, p.D).to(p.acc)
         dout = dout.reshape(out.shape).to(p.acc)  # (B, H, S_l, D) -> (B, Hkv, G, S_l, D)
         dq = torch.zeros_like(q5)
-        dkv = None  # (2, B, Hkv, Sk_l, D)
-        for a, b in p.passes:
-            own = _ring_backward(p.heads(a, b), ring, q5[:, a:b], k[:, a:b], v[:, a:b], pad, dout[:, a:b],
-                                 out[:, a:b], lse[:, a:b], dq[:, a:b])
-            if len(p.passes) == 1:
-                dkv = own
-            else:
-                if dkv is None:
-                    dkv = own.new_empty(2, *k.shape)
-                dkv[:, :, a:b] = own
+
+        def one_pass(a: int, b: int) -> Tensor:  # the dK/dV (2, B, b - a, Sk_l, D) of kv heads a:b
+            return _ring_backward(p.heads(a, b), ring, q5[:, a:b], k[:, a:b], v[:, a:b], pad, dout[:, a:b],
+                                  out[:, a:b], lse[:, a:b], dq[:, a:b])
+
+        (a0, b0), *rest = p.passes
+        dkv = one_pass(a0, b0)  # (2, B, Hkv, Sk_l, D) when one pass takes every kv head
+        if rest:  # one buffer for every kv head, made once the first pass has freed its own
+            first, dkv = dkv, dkv.new_empty(2, *k.shape)
+            dkv[:, :, a0:b0] = first
+            del first
+            for a, b in rest:
+                dkv[:, :, a:b] = one_pass(a, b)
         return dq.reshape(q.shape).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 

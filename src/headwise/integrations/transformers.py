@@ -45,6 +45,7 @@ sinks (``s_aux``).
 from __future__ import annotations
 
 import logging
+from typing import overload
 
 import torch
 from torch import Tensor, nn
@@ -77,6 +78,14 @@ def _transformers():
             f"(its AttentionInterface call contract); upgrade with {_INSTALL} --upgrade"
         )
     return transformers
+
+
+@overload
+def hf_mask_to_headwise(attention_mask: Tensor) -> Tensor: ...
+
+
+@overload
+def hf_mask_to_headwise(attention_mask: None) -> None: ...
 
 
 def hf_mask_to_headwise(attention_mask: Tensor | None) -> Tensor | None:
@@ -172,7 +181,7 @@ def headwise_attention_forward(
     mask = hf_mask_to_headwise(attention_mask)
     if position_bias is not None:
         mask = _fold_position_bias(hf_mask_to_headwise(position_bias), mask)
-    out = attention(
+    result = attention(
         query, key, value, mask,
         is_causal=causal,
         dropout_p=float(dropout),
@@ -180,7 +189,7 @@ def headwise_attention_forward(
         backend=backend,
         need_weights=bool(output_attentions),
     )
-    out, weights = out if output_attentions else (out, None)  # (B, H, S, D), (B, H, S, Sk)
+    out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, S, D), (B, H, S, Sk)
     return out.transpose(1, 2).contiguous(), weights  # (B, H, S, D) -> (B, S, H, D)
 
 

@@ -135,14 +135,14 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
     qs = qg * scale  # scale q once instead of every score tile
     out = torch.zeros_like(qg)  # (B, Hkv, G, S, D)
     lse = torch.zeros(B, Hkv, G, S, 1, dtype=qg.dtype, device=qg.device)
-    running = {}
+    running: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # query block -> (max, sum, weighted values)
     for tile, (i0, i1), (j0, j1), causal in plan.tiles():
         qt = qs[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
         s = _scores(plan, qt, kt, i0, j0, plan.mask_tile(i0, i1, j0, j1), causal)
-        m_old, l_old, acc = running.get(i0, (None, None, None))
+        before = running.get(i0)
         m_tile = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G, bq, 1)
-        m_new = m_tile if m_old is None else torch.maximum(m_old, m_tile)
+        m_new = m_tile if before is None else torch.maximum(before[0], m_tile)
         # -inf max = nothing attended yet: shift by 0 so exp(-inf - 0) = 0, never NaN.
         m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         p = s.sub_(m_safe).exp_()  # (B, Hkv, G, bq, bk), in the scores' memory
@@ -153,9 +153,10 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
         # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
         if dropout_p > 0:
             pv = pv.mul_(1 / (1 - dropout_p))  # dropout's rescaling, on the small (bq, D) result
-        if m_old is None:
+        if before is None:
             running[i0] = (m_new, l_tile, pv)
         else:
+            m_old, l_old, acc = before
             alpha = torch.exp(m_old - m_safe)  # rescale what was summed under the old max
             running[i0] = (m_new, alpha * l_old + l_tile, alpha * acc + pv)
     for i0, i1 in plan.q_blocks:
@@ -175,7 +176,9 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     dq = torch.zeros_like(qg)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    dmask5 = torch.zeros(plan.mask5.shape, dtype=qg.dtype, device=qg.device) if mask_grad else None
+    dmask5 = None  # the mask's gradient, when it has one
+    if mask_grad and plan.mask5 is not None:
+        dmask5 = torch.zeros(plan.mask5.shape, dtype=qg.dtype, device=qg.device)
     # With dropout (keep scale c = 1 / (1 - p)), ds = p * (c * dp_kept - delta)
     #   = c * p * (dp_kept - delta / c): the factor c moves onto the small matmul results.
     keep_scale = 1 / (1 - dropout_p)

@@ -74,6 +74,8 @@ def mask_note(call: Call) -> str:
 
 def alibi_note(call: Call) -> str:
     """ALiBi's bias with the call's real slopes."""
+    if call.alibi_slopes is None:
+        return "no ALiBi bias"
     slopes = call.alibi_slopes.tolist()
     _, H, _, S, Sk, _ = call.sizes
     if H == 1:

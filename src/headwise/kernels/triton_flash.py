@@ -777,7 +777,7 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     if not bias_grad:
         return dq, dk, dv, q.new_empty(0, dtype=torch.float32)
     dbias = dbias.sum(1)  # (B, Hkv, Sk) -> (B, Sk): the kv heads share one key bias
-    if key_bias.shape[0] == 1:
+    if key_bias is not None and key_bias.shape[0] == 1:  # (bias_grad implies a key bias)
         dbias = dbias.sum(0, keepdim=True)  # (B, Sk) -> (1, Sk): the batch shared it too
     return dq, dk, dv, dbias
 

@@ -89,11 +89,11 @@ def varlen_attention(
     # Per-row views: unbind's backward is one stack, where indexing rows out of the batch
     # would cost a (B, H, S, D) zero fill per index.
     q_rows, k_rows, v_rows = q.unbind(0), k.unbind(0), v.unbind(0)  # B x (H|Hkv, S|Sk, D)
-    out_rows: list[Tensor | None] = [None] * B  # None: a row with no real key
+    out_rows: dict[int, Tensor] = {}  # batch row -> (H, S, D); none for a row with no real key
     for rows in groups:
         L = max(lengths[r] for r in rows)
         idx = torch.tensor(rows, device=q.device)  # (n,)
-        if prefix:
+        if order is None:  # prefix
             pos = span[None, :L]  # (1, L): the kept keys are the first L
             kb, vb = (torch.stack([t[r][:, :L] for r in rows]) if len(rows) > 1 else t[rows[0]][None, :, :L]
                       for t in (k_rows, v_rows))  # (n, Hkv, L, D); one row: a view
@@ -128,10 +128,10 @@ def varlen_attention(
         ob = sdpa_masked(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale)  # (n, H, S, D)
         for r, o in zip(rows, ob.unbind(0), strict=True):
             out_rows[r] = o
-    if any(o is None for o in out_rows):  # rows with no real key output zeros (zero gradients reach q through unbind)
+    if len(out_rows) < B:  # rows with no real key output zeros (zero gradients reach q through unbind)
         zeros = q.new_zeros(H, S, v.shape[-1])
-        out_rows = [zeros if o is None else o for o in out_rows]
-    return torch.stack(out_rows), None  # (B, H, S, D)
+        out_rows.update({r: zeros for r in range(B) if r not in out_rows})
+    return torch.stack([out_rows[r] for r in range(B)]), None  # (B, H, S, D)
 
 
 def varlen_stages(call: Call) -> list[KernelStage]:

@@ -1,0 +1,134 @@
+"""Sphinx extension: the site's generated content, made by running headwise while the site builds.
+
+Nothing here is committed: at every build the ``headwise`` command writes, into
+``docs/_generated/``,
+
+- ``how-attention-works.md``: ``headwise explain --mask lengths 10,7,3,5 --markdown``;
+- ``weights-padding.png`` and ``weights-causal.png``: ``headwise explain ... --plot``, a mask
+  and every head's attention weights;
+- ``equivalences.md``: the table ``headwise equivalences`` prints, from the same measurements;
+- ``bench.json``, ``bench.png`` and ``bench.md``: ``headwise bench --quick --json --plot``, its
+  tables, and the CPU it ran on.
+
+The pages pull them in with ``{include}`` and ``![...](_generated/...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from sphinx.application import Sphinx
+from sphinx.errors import ExtensionError
+from sphinx.util import logging
+
+from headwise import bench
+from headwise.equivalences import measure
+
+logger = logging.getLogger(__name__)
+
+GENERATED = Path(__file__).resolve().parents[1] / "_generated"
+EXPLAIN = ("explain", "--mask", "lengths", "10,7,3,5")  # the example README.md and the tests use
+
+
+def headwise_cli(*args: str) -> str:
+    """Run ``headwise ARGS`` in a fresh interpreter; returns its standard output."""
+    logger.info("[generated] headwise %s", " ".join(args))
+    run = subprocess.run([sys.executable, "-m", "headwise", *args], capture_output=True, text=True, check=False,
+                         stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "160"})
+    if run.returncode != 0:
+        raise ExtensionError(f"headwise {' '.join(args)} exited with {run.returncode}:\n{run.stderr}")
+    return run.stdout
+
+
+def cpu_name() -> str:
+    """The processor's model name, as ``lscpu`` reports it (``/proc/cpuinfo`` without lscpu)."""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True,
+                               env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.CalledProcessError):
+        lscpu = ""
+    for line in lscpu.splitlines():
+        if line.strip().startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "an unknown processor"
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 0) -> str:
+    """A Markdown table; the columns after the first ``left`` hold numbers and align right."""
+    rules = ["---" if i < left else "---:" for i in range(len(header))] if left else ["---"] * len(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rules) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def equivalences_markdown() -> str:
+    """``headwise equivalences``'s table as Markdown, from the same measurements."""
+    def yes_no(flag: bool | None) -> str:
+        return "fails" if flag is None else ("yes" if flag else "no")
+
+    rows, previous = [], None
+    for row in measure(seed=0):
+        diff = f"{row.max_diff:.1e}" if row.max_diff is not None else f"fails: {(row.error or '')[:60]}"
+        needs = "fails" if row.view_of_contiguous is None else ("yes" if row.needs_contiguous else "no")
+        step, previous = ("" if row.group == previous else row.group), row.group  # each step named once
+        rows.append([step, f"`{row.form}`", needs, yes_no(row.view_of_contiguous),
+                     yes_no(row.view_of_noncontiguous), diff])
+    return _table(["step", "form", "needs contiguous input", "view of a contiguous input",
+                   "view of a non-contiguous input", "max abs diff vs the first form"], rows)
+
+
+def bench_markdown(report: dict, cpu: str) -> str:
+    """The two tables ``headwise bench`` prints, as Markdown, under the machine they ran on."""
+    machine = report["machine"]
+    head = (f"Measured while this site was built, on **{cpu}** ({machine['cpus']} CPUs, "
+            f"{machine['threads']} torch threads, torch {machine['torch']}). Median milliseconds; a ratio is "
+            "time / baseline, so below 1 is faster than the baseline.\n\n")
+    memory = any(r["forward_peak_mib"] or r["train_peak_mib"] for r in report["results"])
+    header = ["case", "implementation", "fwd ms", "/ SDPA module", "/ torch MHA", "fwd+bwd ms", "/ SDPA module",
+              "/ torch MHA"] + (["peak fwd", "peak fwd+bwd"] if memory else [])
+    rows = []
+    for label in dict.fromkeys(r["case"]["label"] for r in report["results"]):
+        group = [r for r in report["results"] if r["case"]["label"] == label]
+        base = {r["impl"]: r for r in group}
+        sdpa, mha = base.get("SDPA module", {}), base.get("torch MHA", {})
+        for i, r in enumerate(group):
+            row = [label if i == 0 else "", r["impl"], bench.fmt_ms(r["forward_ms"]),
+                   bench.ratio(r["forward_ms"], sdpa.get("forward_ms")),
+                   bench.ratio(r["forward_ms"], mha.get("forward_ms")), bench.fmt_ms(r["train_ms"]),
+                   bench.ratio(r["train_ms"], sdpa.get("train_ms")), bench.ratio(r["train_ms"], mha.get("train_ms"))]
+            if memory:
+                row += [bench.fmt_mib(r["forward_peak_mib"]), bench.fmt_mib(r["train_peak_mib"])]
+            rows.append(row)
+    core = [[r["impl"], str(r["S"]), bench.fmt_ms(r["ms"]), f"{r['gflops']:.0f}", f"{r['matmul_gflops']:.0f}",
+             f"{r['of_matmul']:.0%}"] for r in report["core"]]
+    return (head + "### Modules, forward and forward + backward\n\n" + _table(header, rows, left=2)
+            + "\n### The attention core against the machine's matmul rate\n\n"
+            "Forward only, B = 1, H = 8, D = 64: FLOPs 4·B·H·S·Sk·D / time, next to an fp32 matmul timed in "
+            "the same rounds.\n\n"
+            + _table(["implementation", "S", "ms", "GFLOP/s", "matmul GFLOP/s", "% of matmul rate"], core, left=1))
+
+
+def generate(app: Sphinx) -> None:
+    """Write everything in ``docs/_generated/`` anew."""
+    GENERATED.mkdir(exist_ok=True)
+    (GENERATED / "how-attention-works.md").write_text(headwise_cli(*EXPLAIN, "--markdown"))
+    headwise_cli(*EXPLAIN, "--plot", str(GENERATED / "weights-padding.png"))
+    headwise_cli(*EXPLAIN, "--causal", "--kv-heads", "2", "--plot", str(GENERATED / "weights-causal.png"))
+    (GENERATED / "equivalences.md").write_text(equivalences_markdown())
+    headwise_cli("bench", "--quick", "--json", str(GENERATED / "bench.json"), "--plot", str(GENERATED / "bench.png"))
+    report = json.loads((GENERATED / "bench.json").read_text())
+    (GENERATED / "bench.md").write_text(bench_markdown(report, cpu_name()))
+
+
+def setup(app: Sphinx) -> dict:
+    app.connect("builder-inited", generate)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

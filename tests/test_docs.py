@@ -1,0 +1,213 @@
+"""The documentation site (docs/): it builds in strict mode, its reference covers every public
+name, and the names its pages cite are the code's.
+
+The site is built once for this file (about half a minute: the build runs ``headwise
+explain`` and a quick ``headwise bench`` for its generated pages).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import headwise
+import headwise.deprecation
+
+pytest.importorskip("sphinx", reason="the docs extra is missing: pip install -e '.[docs]'")
+pytest.importorskip("furo", reason="the docs extra is missing: pip install -e '.[docs]'")
+pytest.importorskip("myst_parser", reason="the docs extra is missing: pip install -e '.[docs]'")
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PACKAGE = ROOT / "src" / "headwise"
+# Modules that only keep old names working: the "Old names" page lists them instead.
+OLD_NAMES = {"headwise.varlen", "headwise.embed"}
+NOT_DOCUMENTED = {"headwise.__main__"}  # `python -m headwise`, the command line's entry point
+GUIDES = sorted(p for p in DOCS.glob("*.md") if p.name != "how-attention-works.md")
+
+
+def _sources_after(built: Path) -> list[str]:
+    """The sources of the site changed since ``built`` was written."""
+    when = built.stat().st_mtime
+    sources = [*DOCS.rglob("*.md"), *DOCS.rglob("*.py"), *PACKAGE.rglob("*.py"), ROOT / "CHANGELOG.md"]
+    return [str(p) for p in sources if "_build" not in p.parts and "_generated" not in p.parts
+            and p.stat().st_mtime > when]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site, built as CI builds it: warnings are errors.
+
+    CI builds it just before the tests and names the result in HEADWISE_DOCS_SITE; then that
+    build is checked (if no source changed after it) instead of a second, identical one.
+    """
+    given = os.environ.get("HEADWISE_DOCS_SITE")
+    if given:
+        index = Path(given) / "index.html"
+        assert index.is_file(), f"HEADWISE_DOCS_SITE={given} holds no built site"
+        assert _sources_after(index) == [], "HEADWISE_DOCS_SITE is older than these sources"
+        return Path(given)
+    out = tmp_path_factory.mktemp("site")
+    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, f"sphinx-build failed:\n{run.stderr[-6000:]}"
+    return out
+
+
+def module_names() -> list[str]:
+    """Every module of the package, by its dotted name."""
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def public_names(module: str) -> list[str]:
+    """A module's public names: its ``__all__``, or else what it defines at top level without a
+    leading underscore (``logger`` aside). Read from the source, independently of the docs."""
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = PACKAGE.parent / module.replace(".", "/") / "__init__.py"
+    defined = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id == "__all__":
+                    return list(ast.literal_eval(node.value))
+            defined += [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            defined.append(node.target.id)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            defined.append(node.name)
+    return [n for n in dict.fromkeys(defined) if not n.startswith("_") and n != "logger"]
+
+
+def test_the_site_builds_with_every_page_and_picture(site):
+    for page in [p.stem for p in GUIDES] + ["api/index", "api/headwise", "api/core", "api/kernels"]:
+        assert (site / f"{page}.html").is_file(), page
+    for picture in ("weights-padding.png", "weights-causal.png", "bench.png"):
+        assert (site / "_images" / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
+    bench = (site / "benchmarks.html").read_text()
+    assert "Measured while this site was built, on <strong>" in bench and "headwise auto" in bench
+    attention = " ".join(re.sub(r"<[^>]+>", " ", (site / "attention.html").read_text()).split())  # the text
+    assert "How multi-head attention works" in attention and "split heads q (4, 8, 10, 64)" in attention
+
+
+def test_every_public_name_is_in_the_reference(site):
+    html = "".join(p.read_text() for p in (site / "api").glob("*.html"))
+    anchors = set(re.findall(r'id="([\w.-]+)"', html))
+    missing = []
+    for module in module_names():
+        if module in OLD_NAMES | NOT_DOCUMENTED:
+            continue
+        if f"module-{module}" not in anchors:
+            missing.append(f"module {module}")
+        mod = importlib.import_module(module)
+        for name in public_names(module):
+            obj = getattr(mod, name)
+            # Documented where users import it: here, in the package above, or at the top level.
+            homes = [module, module.rpartition(".")[0], "headwise"]
+            found = f"module-{obj.__name__}" in anchors if isinstance(obj, types.ModuleType) else any(
+                f"{home}.{name}" in anchors and getattr(importlib.import_module(home), name, None) is obj
+                for home in homes if home)
+            if not found:
+                missing.append(f"{module}.{name}")
+    assert missing == []
+
+
+def test_every_old_name_is_on_the_old_names_page():
+    page = (DOCS / "api" / "deprecated.md").read_text()
+    embed = importlib.import_module("headwise.embed")
+    old = [*importlib.import_module("headwise.varlen").__all__, *(n for ns in embed._PLACES.values() for n in ns)]
+    assert [name for name in old if not re.search(rf"\b{name}\b", page)] == []
+
+
+def _resolve(dotted: str) -> object:
+    """The object a dotted ``headwise...`` name names: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # the old names page cites old names on purpose
+def test_every_headwise_name_the_pages_cite_exists(monkeypatch):
+    monkeypatch.setattr(headwise.deprecation, "_warned", set())  # leave the warn-once record as it was
+    cited, broken = set(), []
+    for page in GUIDES + [DOCS / "api" / "deprecated.md"]:
+        for code in re.findall(r"`([^`\n]+)`", page.read_text()):
+            cited |= {m.rstrip(".") for m in re.findall(r"\bheadwise(?:\.\w+)+", code)}
+    for dotted in sorted(cited):
+        try:
+            _resolve(dotted)
+        except (ImportError, AttributeError):
+            broken.append(dotted)
+    assert len(cited) > 40 and broken == []
+
+
+def test_every_backend_the_pages_name_exists():
+    from headwise.kernels import kernels
+
+    known = set(kernels()) | {"auto"}
+    named = {b for page in GUIDES for b in re.findall(r'backend="(\w+)"', page.read_text())}
+    assert named and named - known == set()
+
+
+def _table_column(page: Path, header_word: str) -> set[str]:
+    """The backticked items in every table column of ``page`` whose header mentions ``header_word``."""
+    items, column = set(), None
+    for line in page.read_text().splitlines():
+        if not line.startswith("|"):
+            column = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if column is None:  # the header row
+            column = next((i for i, c in enumerate(cells) if header_word in c), -1)
+        elif column >= 0 and not re.fullmatch(r"\|[-:| ]+\|", line.strip()):  # a row, not the rule
+            items |= set(re.findall(r"`([^`]+)`", cells[column]))
+    return items
+
+
+def test_the_seeds_page_cites_real_stages_and_equivalence_rows():
+    """Each step of the teaching documents maps to a stage that a trace really records and to a
+    row group that `headwise equivalences` really measures."""
+    from headwise.equivalences import measure
+
+    stages = set()
+    x, mask = torch.rand(3, 4, 32), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    for backend in ("matmul", "sdpa"):
+        mha = headwise.MultiHeadAttention(32, 4, dropout=0.1, backend=backend, packing=False)
+        with headwise.trace() as t:
+            mha(x, mask)
+        stages |= {s.name for s in t.stages}
+    seeds = DOCS / "seeds.md"
+    cited_stages = _table_column(seeds, "headwise.trace()")
+    assert {"scores", "scaling", "mask", "softmax", "dropout", "weighted sum", "merge heads"} <= cited_stages
+    assert cited_stages - stages == set()
+    cited_groups = _table_column(seeds, "headwise equivalences")
+    assert len(cited_groups) >= 4 and cited_groups - {row.group for row in measure()} == set()
+
+
+@pytest.mark.parametrize("page", ["index.md", "masks.md", "backends.md", "seeds.md"])
+def test_the_guides_python_examples_run(page, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, f"docs/{page}", "exec"), {})  # the page's own example, as a reader runs it
+    assert capsys.readouterr().out

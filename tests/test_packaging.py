@@ -1,0 +1,42 @@
+"""What a release needs from the repository: one version, a changelog entry for it, the typed marker.
+
+CI builds the sdist and the wheel and checks their contents (``tools/check_dist.py``); these
+tests check the sources those come from.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+import headwise
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = (ROOT / "pyproject.toml").read_text()
+
+
+def _table(name: str) -> str:
+    """The text of one [table] of pyproject.toml (tomllib is Python 3.11+; headwise supports 3.10)."""
+    match = re.search(rf"^\[{re.escape(name)}\]\n(.*?)(?=^\[|\Z)", PYPROJECT, re.M | re.S)
+    assert match, f"pyproject.toml has no [{name}]"
+    return match.group(1)
+
+
+def test_the_version_is_written_once():
+    assert re.search(r'^dynamic = \["version"\]', _table("project"), re.M)
+    assert not re.search(r"^version\s*=", _table("project"), re.M)
+    assert re.search(r'^version = \{ attr = "headwise.__version__" \}', _table("tool.setuptools.dynamic"), re.M)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", headwise.__version__)
+    assert importlib.metadata.version("headwise") == headwise.__version__  # what the installed metadata says
+
+
+def test_the_changelog_opens_with_this_version():
+    versions = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert versions and versions[0] == headwise.__version__
+
+
+def test_the_package_is_marked_typed():
+    assert (ROOT / "src" / "headwise" / "py.typed").is_file()
+    assert '"py.typed"' in _table("tool.setuptools.package-data")
+    assert '"Typing :: Typed"' in _table("project")
