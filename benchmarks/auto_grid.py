@@ -54,8 +54,8 @@ def pair(B, S, E, H, pad, repeats) -> tuple[float, float, float]:
     ours = headwise.MultiHeadAttention(E, H)
     ref = SDPAModule(E, H)
     with torch.no_grad():
-        ref.qkv.weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
-        ref.qkv.bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+        ref.qkv.weight.copy_(ours.qkv_weight)  # (3E, E): q, k, v rows stacked
+        ref.qkv.bias.copy_(ours.qkv_bias)
         ref.out.load_state_dict(ours.out_proj.state_dict())
     x = torch.randn(B, S, E, generator=gen)
     n = lengths(B, S, pad, gen)

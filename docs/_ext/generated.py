@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -45,23 +44,6 @@ def headwise_cli(*args: str) -> str:
     return run.stdout
 
 
-def cpu_name() -> str:
-    """The processor's model name, as ``lscpu`` reports it (``/proc/cpuinfo`` without lscpu)."""
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True,
-                               env={**os.environ, "LC_ALL": "C"}).stdout
-    except (OSError, subprocess.CalledProcessError):
-        lscpu = ""
-    for line in lscpu.splitlines():
-        if line.strip().startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "an unknown processor"
-
-
 def _table(header: list[str], rows: list[list[str]], left: int = 0) -> str:
     """A Markdown table; the columns after the first ``left`` hold numbers and align right."""
     rules = ["---" if i < left else "---:" for i in range(len(header))] if left else ["---"] * len(header)
@@ -87,7 +69,7 @@ def equivalences_markdown() -> str:
 
 
 def bench_markdown(report: dict, cpu: str) -> str:
-    """The two tables ``headwise bench`` prints, as Markdown, under the machine they ran on."""
+    """The tables ``headwise bench`` prints, as Markdown, under the machine they ran on."""
     machine = report["machine"]
     head = (f"Measured while this site was built, on **{cpu}** ({machine['cpus']} CPUs, "
             f"{machine['threads']} torch threads, torch {machine['torch']}). Median milliseconds; a ratio is "
@@ -114,7 +96,12 @@ def bench_markdown(report: dict, cpu: str) -> str:
             + "\n### The attention core against the machine's matmul rate\n\n"
             "Forward only, B = 1, H = 8, D = 64: FLOPs 4·B·H·S·Sk·D / time, next to an fp32 matmul timed in "
             "the same rounds.\n\n"
-            + _table(["implementation", "S", "ms", "GFLOP/s", "matmul GFLOP/s", "% of matmul rate"], core, left=1))
+            + _table(["implementation", "S", "ms", "GFLOP/s", "matmul GFLOP/s", "% of matmul rate"], core, left=1)
+            + "\n### Decoding\n\nOne token per step after a prompt (B = 1): the module with its KV cache against a "
+            "plain decoder (a fused qkv `nn.Linear`, SDPA on a preallocated cache); median microseconds per step.\n\n"
+            + _table(["E", "H", "prompt", "headwise us", "SDPA decoder us", "ratio"],
+                     [[str(r["E"]), str(r["H"]), str(r["prompt"]), f"{r['ours_us']:.0f}", f"{r['sdpa_us']:.0f}",
+                       f"{r['ratio']:.2f}x"] for r in report.get("decode", [])], left=0))
 
 
 def generate(app: Sphinx) -> None:
@@ -126,7 +113,7 @@ def generate(app: Sphinx) -> None:
     (GENERATED / "equivalences.md").write_text(equivalences_markdown())
     headwise_cli("bench", "--quick", "--json", str(GENERATED / "bench.json"), "--plot", str(GENERATED / "bench.png"))
     report = json.loads((GENERATED / "bench.json").read_text())
-    (GENERATED / "bench.md").write_text(bench_markdown(report, cpu_name()))
+    (GENERATED / "bench.md").write_text(bench_markdown(report, bench.cpu_name()))
 
 
 def setup(app: Sphinx) -> dict:

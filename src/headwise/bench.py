@@ -93,8 +93,9 @@ class SDPADecoder(nn.Module):
         """One with ``mha``'s weights (q, k, v stacked into qkv)."""
         out = cls(mha.embed_dim, mha.num_heads, B, max_len)
         with torch.no_grad():
-            out.qkv.weight.copy_(torch.cat([mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight]))
-            out.qkv.bias.copy_(torch.cat([mha.q_proj.bias, mha.k_proj.bias, mha.v_proj.bias]))
+            out.qkv.weight.copy_(mha.qkv_weight)  # (3E, E): q, k, v rows stacked
+            if mha.qkv_bias is not None:
+                out.qkv.bias.copy_(mha.qkv_bias)
             out.out.load_state_dict(mha.out_proj.state_dict())
         return out
 
@@ -197,8 +198,9 @@ def build(impl: str, case: Case) -> Callable[[Tensor, Tensor | None], Tensor]:
     if impl == "SDPA module":
         sdpa = SDPAModule(E, H, case.dropout)
         with torch.no_grad():
-            sdpa.qkv.weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
-            sdpa.qkv.bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+            sdpa.qkv.weight.copy_(ours.qkv_weight)  # (3E, E): q, k, v rows stacked
+            if ours.qkv_bias is not None:
+                sdpa.qkv.bias.copy_(ours.qkv_bias)
             sdpa.out.load_state_dict(ours.out_proj.state_dict())
         return lambda x, mask: sdpa(x, mask)
     if impl == "torch MHA":

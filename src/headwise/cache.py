@@ -181,7 +181,7 @@ class KVCache:
         self.check(B, T)
         given, mask = mask, self.mask_for(mask, T)
         total = self._length + T
-        if given is not None and mask.dim() == 2 and mask.shape[-1] == total:  # a padding mask: remember it
+        if given is not None and mask is not None and mask.dim() == 2 and mask.shape[-1] == total:  # remember it
             self.key_mask[:, :total] = mask
             self.padded = True
         k, v = self.append(k, v)

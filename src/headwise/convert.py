@@ -94,15 +94,14 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
     if extras:
         raise ValueError(f"torch.nn.MultiheadAttention has no {', '.join(extras)}; "
                          "build this module without them to convert it")
-    w = mha.q_proj.weight
-    bias = mha.q_proj.bias is not None
-    m = nn.MultiheadAttention(mha.embed_dim, mha.num_heads, mha.dropout, bias=bias,
+    w = mha.qkv_weight  # (3E, E): q, k, v rows stacked, torch's in_proj layout
+    m = nn.MultiheadAttention(mha.embed_dim, mha.num_heads, mha.dropout, bias=mha.qkv_bias is not None,
                               batch_first=batch_first, device=w.device, dtype=w.dtype)
     with torch.no_grad():
-        m.in_proj_weight.copy_(torch.cat([mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight]))  # (3E, E)
-        if bias:
-            m.in_proj_bias.copy_(torch.cat([mha.q_proj.bias, mha.k_proj.bias, mha.v_proj.bias]))
+        m.in_proj_weight.copy_(w)
+        if mha.qkv_bias is not None:
+            m.in_proj_bias.copy_(mha.qkv_bias)
         m.out_proj.weight.copy_(mha.out_proj.weight)
-        if bias:
+        if mha.out_proj.bias is not None:
             m.out_proj.bias.copy_(mha.out_proj.bias)
     return m.train(mha.training)

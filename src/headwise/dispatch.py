@@ -169,8 +169,8 @@ def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budg
             )
         others = {n: f"backend={backend!r} was requested" for n in registry if n != backend}
         return Dispatch(backend, "requested explicitly", MappingProxyType(others), request)
-    order, because = _ranking(request, budget, varlen)
-    order = [n for n in order if n in registry] + [n for n in registry if n not in order]
+    ranking, because = _ranking(request, budget, varlen)
+    order = [n for n in ranking if n in registry] + [n for n in registry if n not in ranking]
     passed: dict[str, str] = {}
     chosen = None
     for name in order:

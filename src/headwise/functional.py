@@ -219,6 +219,7 @@ def _logs_choices() -> bool:
 def _signature(q, k, v, is_causal, dropout_p, scale, backend) -> tuple:
     """What the maskless path's checks and decision read, as a dict key (AttributeError for non-tensors)."""
     qs, ks, vs = q.shape, k.shape, v.shape
+    shapes: tuple
     if backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
         # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, and k, v alike: all the checks and "auto" read
         shapes = (qs[0], qs[1], qs[3], ks[0], ks[1], ks[3], qs[2] > 1, ks[2] > 0, ks == vs)

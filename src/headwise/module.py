@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,8 @@ class FusedProjection(nn.Module):
     ``weight`` and ``bias`` are views (no parameters of its own): writing into them writes
     the fused parameter, and gradients reach the fused parameter.
     """
+
+    _owner: MultiHeadAttention
 
     def __init__(self, owner: MultiHeadAttention, start: int, stop: int) -> None:
         super().__init__()
@@ -206,16 +209,15 @@ class MultiHeadAttention(nn.Module):
         self.backend = backend
         self.packing = packing
         kv_dim = num_kv_heads * self.head_dim
-        factory = {"device": device, "dtype": dtype}
         rows = embed_dim + 2 * kv_dim
-        self.qkv_weight = nn.Parameter(torch.empty(rows, embed_dim, **factory))  # q, k, v rows stacked
-        self.qkv_bias = nn.Parameter(torch.empty(rows, **factory)) if bias else None
+        self.qkv_weight = nn.Parameter(torch.empty(rows, embed_dim, device=device, dtype=dtype))  # q, k, v rows
+        self.qkv_bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
         self._reset_qkv()
         self.q_proj = FusedProjection(self, 0, embed_dim)
         self.k_proj = FusedProjection(self, embed_dim, embed_dim + kv_dim)
         self.v_proj = FusedProjection(self, embed_dim + kv_dim, rows)
         self.register_load_state_dict_pre_hook(self._fuse_loaded_projections)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
         self.window = window
         self.rope = None
         if rope or rope_base is not None:
@@ -468,9 +470,10 @@ class MultiHeadAttention(nn.Module):
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
         if plan.path == "packed":
-            packed, info = packing.pack(x, plan.padding)  # (T, E): the real tokens only
+            padding = cast(Tensor, plan.padding)  # the packed path always has x's padding
+            packed, info = packing.pack(x, padding)  # (T, E): the real tokens only
             if trace.ACTIVE:
-                B, S = plan.padding.shape
+                B, S = padding.shape
                 trace.record("pack", packed, f"keep the {info.tokens} real tokens of {B} x {S} positions "
                              f"(drop {B * S - info.tokens} padded), {B} sequences end to end")
             out = self._attend_packed(packed, info.cu_seqlens, info.lengths, info.positions, plan.is_causal)
@@ -510,7 +513,7 @@ class MultiHeadAttention(nn.Module):
             out = out.masked_fill(~plan.padding[..., None], 0.0)
             if trace.ACTIVE:
                 trace.record("zero padding", out, "padded positions (2-D mask False) output zeros")
-        return (out, weights) if need_weights else out
+        return (out, cast(Tensor, weights)) if need_weights else out
 
     def _static_step(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, mask: Tensor | None,
                      causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -717,8 +720,9 @@ class MultiHeadAttention(nn.Module):
                                                                                          self.head_dim)
 
     def _dispatch_packed(self, x: Tensor, plan: Plan) -> Dispatch:
-        lengths = tuple(plan.padding.sum(1).tolist())
-        B, S = plan.padding.shape
+        padding = cast(Tensor, plan.padding)  # the packed path always has x's padding
+        lengths = tuple(padding.sum(1).tolist())
+        B, S = padding.shape
         T = sum(lengths)
         per_bucket = []  # (tokens, n, L, Dispatch) of each length bucket
         for n, L, _, keys in packing.bucket_shapes(lengths, lengths):

@@ -98,9 +98,9 @@ class Trace:
         from rich.text import Text
 
         table = Table(title=title or "attention, stage by stage")
-        for column, justify in (("call", "right"), ("stage", "left"), ("shape", "left"),
-                                ("dtype", "left"), ("what happens", "left")):
-            table.add_column(column, justify=justify)
+        table.add_column("call", justify="right")
+        for column in ("stage", "shape", "dtype", "what happens"):
+            table.add_column(column, justify="left")
         for s in self.stages:
             name = f"{s.name} (fused)" if s.fused else s.name
             dtype = str(s.dtype).removeprefix("torch.") if s.dtype is not None else ""

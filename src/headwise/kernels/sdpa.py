@@ -41,10 +41,11 @@ def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout
     k, v, extra = _grouped(q, k, v)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **extra)  # (B, H, S, D)
-    dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
-    if policy.reads_values(dead) and not bool(dead.any()):
+    dead: Tensor | None = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
+    if dead is not None and policy.reads_values(dead) and not bool(dead.any()):
         dead = None  # known live (a free read on the CPU): skip two passes over mask and output
     else:
+        assert dead is not None  # for the type checker: None only in the branch above
         mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                          **extra)  # (B, H, S, D)
@@ -157,6 +158,8 @@ def sdpa_stages(call: Call) -> list[KernelStage]:
             folded.append(describe.causal_rule(call))
         if call.alibi_slopes is not None:
             folded.append("ALiBi")
+        if mask is None:  # _own_arguments is False: something was folded
+            raise RuntimeError("sdpa_stages: no folded mask where the call's own arguments do not suffice")
         kind = str(mask.dtype).removeprefix("torch.")
         how = (f"in F.scaled_dot_product_attention with one {tuple(mask.shape)} {kind} mask "
                f"({', '.join(folded)}){grouped}")
