@@ -43,7 +43,7 @@ from headwise.kernels.registry import get_kernel
 from headwise.masks import alibi_slopes
 from headwise.positions import RotaryEmbedding, apply_rotary
 
-__all__ = ["MultiHeadAttention", "Plan"]
+__all__ = ["FusedProjection", "MultiHeadAttention", "Plan"]
 
 __getattr__ = moved(__name__, {"PACK_MIN_PADDING": (policy, "headwise.policy.PACK_MIN_PADDING")})
 
