@@ -204,8 +204,8 @@ def attention(
 # A repeated maskless call (same signature: shapes, dtypes, devices, flags) reuses the
 # kernel and arguments that validation and dispatch chose the first time: every check they
 # made reads only what the signature holds, so it would pass again. For "auto" without
-# dropout the decision reads no length beyond S > 1 (the causal rule) and Sk > 0, so a
-# decoding step, whose Sk grows by one, still repeats. Kept outside traces and
+# dropout the decision reads no length beyond S > 1 (the causal rule), Sk > 0 and S == Sk,
+# so a decoding step, whose Sk grows by one, still repeats. Kept outside traces and
 # torch.compile (which traces the full path once per graph anyway).
 _REPEATS: dict[tuple, tuple[Kernel, dict]] = {}
 _REPEATS_LIMIT = 512  # signatures remembered; the memo starts over when full
@@ -221,8 +221,9 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend) -> tuple:
     qs, ks, vs = q.shape, k.shape, v.shape
     shapes: tuple
     if backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
-        # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, and k, v alike: all the checks and "auto" read
-        shapes = (qs[0], qs[1], qs[3], ks[0], ks[1], ks[3], qs[2] > 1, ks[2] > 0, ks == vs)
+        # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, S == Sk (causal with S != Sk ranks differently
+        # on CUDA in half precision) and k, v alike: all the checks and "auto" read
+        shapes = (qs[0], qs[1], qs[3], ks[0], ks[1], ks[3], qs[2] > 1, ks[2] > 0, qs[2] == ks[2], ks == vs)
     else:
         shapes = (qs, ks, vs)
     return (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, is_causal, dropout_p, scale, backend,
