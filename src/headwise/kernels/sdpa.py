@@ -41,15 +41,14 @@ def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout
     k, v, extra = _grouped(q, k, v)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **extra)  # (B, H, S, D)
-    dead: Tensor | None = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
-    if dead is not None and policy.reads_values(dead) and not bool(dead.any()):
-        dead = None  # known live (a free read on the CPU): skip two passes over mask and output
-    else:
-        assert dead is not None  # for the type checker: None only in the branch above
-        mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
+    dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
+    if policy.reads_values(dead) and not bool(dead.any()):  # known live (a free read on the CPU):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                              **extra)  # (B, H, S, D), no passes over mask and output
+    mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                          **extra)  # (B, H, S, D)
-    return out if dead is None else out.masked_fill(dead, 0.0)
+    return out.masked_fill(dead, 0.0)
 
 
 def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict]:
