@@ -184,7 +184,7 @@ class KVCache:
         if given is not None and mask is not None and mask.dim() == 2 and mask.shape[-1] == total:  # remember it
             self.key_mask[:, :total] = mask
             self.padded = True
-        k, v = self.append(k, v)
+        k, v = self._write(k, v)  # checked above
         return k, v, mask
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -198,9 +198,12 @@ class KVCache:
             of the buffers, not copies.
         """
         self._dynamic("append")
-        B, _, T, _ = k.shape
-        self.check(B, T)
-        start, end = self._length, self._length + T
+        self.check(k.shape[0], k.shape[2])
+        return self._write(k, v)
+
+    def _write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """append() after its checks: (B, Hkv, T, D) into the buffers at len(cache)."""
+        start, end = self._length, self._length + k.shape[2]
         self.k[:, :, start:end] = k  # (B, Hkv, T, D) into (B, Hkv, L_max, D)
         self.v[:, :, start:end] = v
         self._length = end
