@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import socket
 import subprocess
@@ -30,16 +29,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-
-
-def _cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _peak_mib() -> float:
@@ -164,10 +153,12 @@ def table(args, results) -> str:
     from rich.console import Console
     from rich.table import Table
 
+    from headwise.bench import cpu_name
+
     def best(runs, key):
         return min(r[key] for r in runs)
 
-    t = Table(title=f"causal attention, B=1, H={args.heads}, D={args.head_dim}, fp32, on {_cpu_name()} "
+    t = Table(title=f"causal attention, B=1, H={args.heads}, D={args.head_dim}, fp32, on {cpu_name()} "
                     f"({os.cpu_count()} cores); one process with N threads vs N ranks x 1 thread (gloo, zigzag ring); "
                     f"best of {args.repeats}, taken in turns")
     for col in ("S", "N", "1 proc fwd s", "1 proc fwd+bwd s", "1 proc peak MiB", "ring fwd s", "ring fwd+bwd s",
