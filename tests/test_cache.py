@@ -48,35 +48,36 @@ def _decode(mha, x, mask, splits, static=False):
     return torch.cat(outs, dim=1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("feature", list(FEATURES))
-@pytest.mark.parametrize("padding", ["none", "left", "right"])
-@pytest.mark.parametrize("splits", [[1] * S, [4, 1, 1, 1, 1, 1, 1], [6, 4]], ids=["steps", "prefill+steps", "chunks"])
-def test_decoding_equals_one_causal_forward(backend, feature, padding, splits):
+SPLITS = pytest.mark.parametrize("splits", [[1] * S, [4, 1, 1, 1, 1, 1, 1], [6, 4]],
+                                 ids=["steps", "prefill+steps", "chunks"])
+
+
+def _check_decoding_equals_one_causal_forward(backend, feature, padding, splits, static=False):
     torch.manual_seed(0)
     mha = headwise.MultiHeadAttention(E, H, backend=backend, **FEATURES[feature]).eval()
     x = torch.randn(B, S, E)
     mask = _padding(padding)
     with torch.no_grad():
         full = mha(x, mask, is_causal=True)
-        stepped = _decode(mha, x, mask, splits)
+        stepped = _decode(mha, x, mask, splits, static=static)
     torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@SPLITS
+def test_decoding_equals_one_causal_forward(backend, feature, padding, splits):
+    _check_decoding_equals_one_causal_forward(backend, feature, padding, splits)
 
 
 @pytest.mark.parametrize("backend", ["auto", "matmul", "chunked"])
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
-@pytest.mark.parametrize("splits", [[1] * S, [4, 1, 1, 1, 1, 1, 1], [6, 4]], ids=["steps", "prefill+steps", "chunks"])
+@SPLITS
 def test_static_cache_decoding_equals_one_causal_forward(backend, feature, padding, splits):
     """Same shapes every step (index_copy_ at the position tensor, a mask over all slots)."""
-    torch.manual_seed(0)
-    mha = headwise.MultiHeadAttention(E, H, backend=backend, **FEATURES[feature]).eval()
-    x = torch.randn(B, S, E)
-    mask = _padding(padding)
-    with torch.no_grad():
-        full = mha(x, mask, is_causal=True)
-        stepped = _decode(mha, x, mask, splits, static=True)
-    torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+    _check_decoding_equals_one_causal_forward(backend, feature, padding, splits, static=True)
 
 
 def test_static_cache_bookkeeping_and_errors():
