@@ -6,15 +6,20 @@ The minimal module is what people write by hand: one fused qkv ``nn.Linear``,
 in turns within every repeat (forward under no_grad, and forward + backward) and reports
 paired medians of time(headwise) / time(minimal): below 1 headwise is faster.
 
-    python benchmarks/auto_grid.py [--quick] [--repeats 9] [--threads N]
+    python benchmarks/auto_grid.py [--quick] [--repeats 9] [--threads N] [--paths] [--why]
+
+``--paths`` also times the module on each fixed path (``packing=False`` / ``True``) in the same
+turns, and reports time(auto's path) / time(the other): above 1, the cost model chose wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -48,7 +53,16 @@ def lengths(B: int, S: int, pad: float, gen: torch.Generator) -> torch.Tensor:
     return out
 
 
-def pair(B, S, E, H, pad, repeats) -> tuple[float, float, float]:
+@dataclass
+class Row:
+    padding: float  # share of the batch that is padding
+    path: dict  # "fwd" / "train" -> the path "auto" planned
+    ratio: dict  # "fwd" / "train" -> paired median time(headwise) / time(minimal)
+    other: dict  # "fwd" / "train" -> paired median time(auto's path) / time(the other path); {} without --paths
+    why: dict  # "fwd" / "train" -> plan().why
+
+
+def pair(B, S, E, H, pad, repeats, paths=False, window=10e-3) -> Row:
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     ours = headwise.MultiHeadAttention(E, H)
@@ -62,6 +76,11 @@ def pair(B, S, E, H, pad, repeats) -> tuple[float, float, float]:
     mask = None if pad == 0 else torch.arange(S)[None, :] < n[:, None]  # (B, S) True = token
     real = 1 - float(n.sum()) / (B * S)
     xg = x.clone().requires_grad_()
+    others = {}
+    if paths and mask is not None:  # the same weights on each fixed path
+        for packing in (False, True):
+            others[packing] = headwise.MultiHeadAttention(E, H, packing=packing)
+            others[packing].load_state_dict(ours.state_dict())
 
     def fwd(m):
         with torch.no_grad():
@@ -70,15 +89,27 @@ def pair(B, S, E, H, pad, repeats) -> tuple[float, float, float]:
     def train(m):
         m(xg, mask).sum().backward()
 
-    ratios = {"fwd": [], "train": []}
+    row = Row(real, {}, {}, {}, {})
     for kind, fn in (("fwd", fwd), ("train", train)):
-        fn(ours), fn(ref)  # warm up
-        calls = max(1, int(2e-3 / max(_once(fn, ours), 1e-6)))  # about 2 ms per timing
+        with torch.no_grad() if kind == "fwd" else contextlib.nullcontext():
+            plan = ours.plan(x if kind == "fwd" else xg, mask)
+        row.path[kind], row.why[kind] = plan.path, plan.why
+        mods = [ours, ref]
+        if others:  # auto's own path, then the other one
+            mods += [others[plan.path == "packed"], others[plan.path != "packed"]]
+        for m in mods:
+            fn(m)  # warm up
+        calls = max(1, int(window / max(_once(fn, ref), 1e-6)))  # about `window` seconds per timing
+        ratios, versus = [], []
         for _ in range(repeats):
-            a = _timed(fn, ours, calls)
-            b = _timed(fn, ref, calls)
-            ratios[kind].append(a / b)
-    return real, statistics.median(ratios["fwd"]), statistics.median(ratios["train"])
+            t = [_timed(fn, m, calls) for m in mods]  # in turns
+            ratios.append(t[0] / t[1])
+            if others:
+                versus.append(t[2] / t[3])
+        row.ratio[kind] = statistics.median(ratios)
+        if others:
+            row.other[kind] = statistics.median(versus)
+    return row
 
 
 def _once(fn, m) -> float:
@@ -99,6 +130,9 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="the issue's rows only")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--paths", action="store_true",
+                        help="also time the dense and the packed path of each padded row: did auto pick the faster?")
+    parser.add_argument("--why", action="store_true", help="print auto's reason for each row's path")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -110,18 +144,29 @@ def main(argv=None) -> None:
                         f"{args.repeats} repeats in turns (< 1: headwise faster)")
     for col in ("B", "S", "E", "H", "padding", "path", "forward", "forward+backward"):
         table.add_column(col, justify="right")
+    if args.paths:
+        table.add_column("auto's path / the other, fwd", justify="right")
+        table.add_column("fwd+bwd", justify="right")
     worst = (0.0, 0.0)
+    right, priced = 0, 0
+    console = Console(width=180)
     for B, S, E, H, pad in grid(args.quick):
-        real, f, t = pair(B, S, E, H, pad, args.repeats)
-        mha = headwise.MultiHeadAttention(E, H)
-        n = lengths(B, S, pad, torch.Generator().manual_seed(0))
-        mask = None if pad == 0 else torch.arange(S)[None, :] < n[:, None]
-        path = mha.plan(torch.zeros(B, S, E), mask).path
+        row = pair(B, S, E, H, pad, args.repeats, args.paths)
+        f, t = row.ratio["fwd"], row.ratio["train"]
         worst = (max(worst[0], f), max(worst[1], t))
-        table.add_row(str(B), str(S), str(E), str(H), f"{real:.0%}", path, f"{f:.2f}x", f"{t:.2f}x")
-    console = Console(width=160)
+        path = row.path["fwd"] if row.path["fwd"] == row.path["train"] else f"{row.path['fwd']} / {row.path['train']}"
+        cells = [str(B), str(S), str(E), str(H), f"{row.padding:.0%}", path, f"{f:.2f}x", f"{t:.2f}x"]
+        if args.paths:
+            cells += [f"{row.other[k]:.2f}x" if k in row.other else "" for k in ("fwd", "train")]
+            priced += len(row.other)
+            right += sum(v <= 1.0 for v in row.other.values())
+        table.add_row(*cells)
+        if args.why:
+            console.print(f"B={B} S={S} E={E}: forward: {row.why['fwd']}; forward+backward: {row.why['train']}")
     console.print(table)
     console.print(f"worst row: forward {worst[0]:.2f}x, forward+backward {worst[1]:.2f}x (target <= 1.05x)")
+    if args.paths:
+        console.print(f"auto took the faster path in {right} of {priced} padded cases (forward and forward+backward)")
 
 
 if __name__ == "__main__":

@@ -112,6 +112,18 @@ def ref():
     return reference_attention
 
 
+@pytest.fixture
+def cheap_packing(monkeypatch):
+    """Unit costs under which packing pays for any padding (no fixed costs, no copies): the
+    tiny batches of the tests then take the module's packed path under packing="auto"."""
+    from headwise import policy
+
+    cheap = policy.Costs(call_us=0.0, pack_us=0.0, bucket_us=0.0, gemm_ps=1.0, attn_ps=1.0, copy_ps=0.0)
+    monkeypatch.setattr(policy, "INFERENCE_COSTS", cheap)
+    monkeypatch.setattr(policy, "TRAINING_COSTS", cheap)
+    return cheap
+
+
 @pytest.fixture(scope="session")
 def minilm():
     """all-MiniLM-L6-v2 in headwise's padding-free encoder (skips without the hf extra)."""

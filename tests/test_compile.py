@@ -163,7 +163,7 @@ def test_dynamic_cache_step_has_no_graph_break():
         assert dynamo.explain(mha)(torch.randn(B, 1, E), cache=cache, is_causal=True).graph_break_count == 0
 
 
-def test_under_compile_the_module_plans_the_dense_path(monkeypatch):
+def test_under_compile_the_module_plans_the_dense_path(monkeypatch, cheap_packing):
     mha = headwise.MultiHeadAttention(E, H)
     x = _inputs()["x"]
     heavy = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])  # 70% padding: eager "auto" packs

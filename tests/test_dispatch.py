@@ -19,6 +19,7 @@ from headwise import attention, available_backends, choose_backend
 from headwise.dispatch import select
 from headwise.kernels import registry
 from headwise.kernels.registry import Request, kernels
+from headwise.kernels.varlen import call_shapes
 
 B, H, S, Sk, D = 2, 4, 3, 5, 8
 
@@ -261,27 +262,40 @@ def test_no_log_above_debug(caplog):
     assert not [r for r in caplog.records if r.name == "headwise.dispatch"]
 
 
-def test_heavy_key_padding_on_cpu_picks_varlen_and_says_why(monkeypatch):
-    q, k, v = torch.randn(2, 2, 8, 4), torch.randn(2, 2, 512, 4), torch.randn(2, 2, 512, 4)
-    keys = torch.ones(2, 512, dtype=torch.bool)
-    keys[:, 256:] = False  # half the keys are padding
-    d = choose_backend(q, k, v, keys)
-    assert d.backend == "varlen" and "of the keys are padding (>= VARLEN_MIN_PADDING 30%)" in d.reason
-    assert d.request.key_padding == pytest.approx(0.5)
-    monkeypatch.setattr(headwise.policy, "VARLEN_MIN_PADDING", 0.99)
-    assert choose_backend(q, k, v, keys).backend == "sdpa"  # the threshold is read at each decision
+def test_heavy_key_padding_on_cpu_picks_varlen_when_priced_lower_and_says_why(monkeypatch):
+    q, k, v = torch.randn(4, 8, 256, 64), torch.randn(4, 8, 1024, 64), torch.randn(4, 8, 1024, 64)
+    keys = torch.ones(4, 1024, dtype=torch.bool)
+    keys[1:, 256:] = False  # three rows of four keep a quarter of the keys: 56% padding
+    with torch.no_grad():
+        d = choose_backend(q, k, v, keys)
+    calls = [(1, 1024), (1, 256), (1, 256), (1, 256)]  # rows of DIRECT_MIN_LENGTH keys attend alone
+    assert call_shapes([1024, 256, 256, 256]) == calls
+    estimate = headwise.policy.estimate_varlen(4, 8, 8, 256, 1024, 64, calls)
+    assert estimate.drops
+    assert (d.backend, d.reason) == ("varlen", f"55% of the keys are padding: varlen drops them per row, {estimate}")
+    assert d.request.key_padding == pytest.approx(0.55) and d.request.key_lengths == (1024, 256, 256, 256)
+    # the unit costs are read at each decision: a dear call makes the same keys stay with SDPA
+    dear = dataclasses.replace(headwise.policy.INFERENCE_COSTS, bucket_us=1e6)
+    monkeypatch.setattr(headwise.policy, "INFERENCE_COSTS", dear)
+    with torch.no_grad():
+        d = choose_backend(q, k, v, keys)
+    assert d.backend == "sdpa" and d.reason.startswith("PyTorch's fused kernel is the fastest dense path; 55% of "
+                                                       "the keys are padding, but estimated varlen")
+    monkeypatch.setattr(headwise.policy, "VARLEN_MIN_PADDING", 0.99)  # not priced below it
+    assert choose_backend(q, k, v, keys).reason == "PyTorch's fused kernel is the fastest dense path"
     assert choose_backend(q, k, v, keys, need_weights=True).backend == "matmul"
     assert choose_backend(q, k, v, torch.ones_like(keys)).backend == "sdpa"
 
 
 def test_short_keys_need_more_padding_before_varlen_pays():
-    q, k, v = torch.randn(2, 2, 8, 4), torch.randn(2, 2, 100, 4), torch.randn(2, 2, 100, 4)
-    keys = torch.ones(2, 100, dtype=torch.bool)
-    keys[:, 50:] = False  # half padding: not enough below VARLEN_SHORT_KEYS keys
-    assert choose_backend(q, k, v, keys).backend == "sdpa"
-    keys[:, 20:] = False  # 80%
-    d = choose_backend(q, k, v, keys)
-    assert d.backend == "varlen" and "(>= VARLEN_MIN_PADDING_SHORT, Sk < 256 70%)" in d.reason
+    """The fixed cost per call: at the same share of padding, few keys stay with SDPA."""
+    q = torch.randn(8, 8, 64, 64)
+    for Sk, expected in ((64, "sdpa"), (2048, "varlen")):
+        k = torch.randn(8, 8, Sk, 64)
+        keys = torch.ones(8, Sk, dtype=torch.bool)
+        keys[1:, Sk // 2:] = False  # 44% padding
+        with torch.no_grad():
+            assert choose_backend(q, k, k, keys).backend == expected
 
 
 def test_cuda_structured_requests_rank_triton_first():

@@ -436,6 +436,33 @@ def test_a_repeated_maskless_call_skips_validation_and_dispatch(monkeypatch):
         headwise.attention(q, k, v, dropout_p=1.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float64])
+def test_a_repeated_masked_call_reuses_the_decision_for_each_new_mask(monkeypatch, ref, dtype):
+    """The mask's values change from call to call: each is the call's own, only the checks
+    and the decision (which read its shape, dtype, device and key counts) are reused."""
+    import headwise.functional as functional
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 2, 4, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    calls = []
+    real = functional._prepare
+    monkeypatch.setattr(functional, "_prepare", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    masks = [torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]),
+             torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]]),  # the same key counts, other keys
+             torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])]  # other key counts
+    if dtype == torch.float64:
+        masks = [torch.zeros(m.shape, dtype=dtype).masked_fill(m == 0, float("-inf")) for m in masks]
+    for mask in masks:
+        want, _ = ref(q, k, v, mask.to(dtype))  # (B, H, S, D)
+        torch.testing.assert_close(headwise.attention(q, k, v, mask.to(dtype)), want, atol=1e-10, rtol=1e-10)
+    # bool and integer masks are read for their key counts: the third mask is a new decision;
+    # a float mask is not a key padding mask to the decision: one signature for all three
+    assert len(calls) == (1 if dtype == torch.float64 else 2)
+    # a mask of another shape is checked again, and refused
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(3, 5\) does not fit"):
+        headwise.attention(q, k, v, torch.ones(3, 5, dtype=dtype))
+
+
 def test_a_repeated_call_follows_a_replaced_kernel(monkeypatch):
     from headwise.kernels import registry
 

@@ -392,15 +392,30 @@ def test_property_module_any_lengths(lengths, causal):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_auto_packs_only_when_the_padding_pays():
+def test_auto_packs_only_when_the_estimate_says_it_pays(monkeypatch):
     mha = headwise.MultiHeadAttention(E, H)
     x = torch.randn(4, 10, E)
     light = _mask([10, 10, 10, 9], 10)  # 2.5% padding
     heavy = _mask([10, 3, 2, 5], 10)  # 50% padding
     assert 1 - light.float().mean() < PACK_MIN_PADDING <= 1 - heavy.float().mean()
-    assert mha.dispatch(x, light).path == "dense"
-    d = mha.dispatch(x, heavy)
-    assert d.path == "packed" and d.path_reason == "50% of the batch is padding (>= PACK_MIN_PADDING 10%)"
+    d = mha.dispatch(x, light)
+    assert (d.path, d.path_reason) == ("dense", "3% of the batch is padding (< PACK_MIN_PADDING 10%): nothing to save")
+    # on this tiny batch the fixed costs of packing outweigh what it saves
+    buckets = packing.bucket_shapes((10, 3, 2, 5), (10, 3, 2, 5))
+    estimate = policy.estimate_packing(4, 10, E, H, H, buckets)
+    assert not estimate.packs
+    with torch.no_grad():  # inference: the forward's costs
+        d = mha.dispatch(x, heavy)
+    assert (d.path, d.path_reason) == ("dense", f"50% of the batch is padding, but forward {estimate}")
+    cheap = policy.Costs(call_us=0.0, pack_us=0.0, bucket_us=0.0, gemm_ps=1.0, attn_ps=1.0, copy_ps=0.0)
+    monkeypatch.setattr(policy, "INFERENCE_COSTS", cheap)
+    estimate = policy.estimate_packing(4, 10, E, H, H, buckets)
+    with torch.no_grad():
+        d = mha.dispatch(x, heavy)
+    assert (d.path, d.path_reason) == ("packed", f"50% of the batch is padding; forward {estimate}")
+    # with gradients the training costs price it
+    monkeypatch.setattr(policy, "TRAINING_COSTS", policy.Costs(1e6, 1e6, 1e6, 1.0, 1.0, 1.0))
+    assert mha.plan(x, heavy).why.startswith("50% of the batch is padding, but forward + backward")
     # weights need the dense path; a window needs positions that packing would move
     assert mha.dispatch(x, heavy, need_weights=True).path == "dense"
     assert headwise.MultiHeadAttention(E, H, window=4).dispatch(x, heavy).path == "dense"

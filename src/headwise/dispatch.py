@@ -11,10 +11,11 @@ threshold they read lives in :mod:`headwise.policy` with the benchmark that sets
 2. Otherwise ``sdpa``: PyTorch's fused kernel, the fastest dense path on CPU and GPU.
 3. On CUDA in fp16/bf16 with a mask, a window, ALiBi or causal with S != Sk (where SDPA's
    flash kernel cannot run): ``triton``, which keeps them fused.
-4. With a key padding mask that pads at least ``VARLEN_MIN_PADDING`` of the keys
-   (``VARLEN_MIN_PADDING_SHORT`` below ``VARLEN_SHORT_KEYS`` keys; on the CPU, where the
-   share can be read without a device sync): ``varlen``, which drops the padded keys per
-   batch row.
+4. With a key padding mask whose key counts can be read without a device sync (on the
+   CPU) and that pads at least ``VARLEN_MIN_PADDING`` of the keys: ``varlen``, which drops
+   the padded keys per batch row, where :func:`headwise.policy.estimate_varlen` prices it
+   under SDPA (the multiply-adds it saves against its fixed cost per call); the reason
+   gives both estimates.
 5. Except when SDPA cannot use a fused kernel (dropout on CPU) and its fallback would
    materialise a large (B, H, S, Sk) score matrix: then ``chunked``, whose memory grows
    as O(S), runs instead.
@@ -33,6 +34,7 @@ import torch
 from headwise import policy
 from headwise.deprecation import moved
 from headwise.kernels.registry import Kernel, Request, find_kernel, get_kernel, kernels
+from headwise.kernels.varlen import call_shapes as varlen_calls
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ def _scores_bytes(r: Request) -> int:
     return r.batch * r.heads * r.q_len * r.k_len * r.dtype.itemsize
 
 
-def _ranking(r: Request, budget: int, varlen: tuple[float, int, float]) -> tuple[tuple[str, ...], str]:
+def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.Costs]) -> tuple[tuple[str, ...], str]:
     """Preference order for a request, and the sentence that explains it."""
     if r.need_weights:
         return _WEIGHT_ORDER, "need_weights=True: it returns the probabilities and is the plainest"
@@ -106,14 +108,19 @@ def _ranking(r: Request, budget: int, varlen: tuple[float, int, float]) -> tuple
             "SDPA's flash kernel takes no mask, window, ALiBi or bottom-right causal with S != Sk and falls "
             "back to slower kernels; triton keeps them fused and skips padded key tiles"
         )
-    min_padding, short_keys, min_padding_short = varlen
-    name, varlen_min = (("VARLEN_MIN_PADDING", min_padding) if r.k_len >= short_keys
-                        else (f"VARLEN_MIN_PADDING_SHORT, Sk < {short_keys}", min_padding_short))
-    if r.key_padding is not None and r.key_padding >= varlen_min and r.batch > 1:
-        return _VARLEN_ORDER, (
-            f"{r.key_padding:.0%} of the keys are padding (>= {name} {varlen_min:.0%}): "
-            "varlen drops them per row, so the cost follows the real keys"
-        )
+    min_padding, inference, training = varlen
+    if r.key_lengths is not None and r.key_padding is not None and r.key_padding >= min_padding and r.batch > 1:
+        estimate = policy.estimate_varlen(
+            r.batch, r.heads, r.kv_heads, r.q_len, r.k_len, r.head_dim,
+            varlen_calls(list(r.key_lengths) * (r.batch // len(r.key_lengths))),
+            is_causal=r.is_causal, training=r.requires_grad, costs=training if r.requires_grad else inference)
+        if estimate.drops:
+            return _VARLEN_ORDER, (
+                f"{r.key_padding:.0%} of the keys are padding: varlen drops them per row, {estimate}"
+            )
+        priced = f"; {r.key_padding:.0%} of the keys are padding, but {estimate}"
+    else:
+        priced = ""
     size = _scores_bytes(r)
     if r.device.type == "cpu" and r.dropout_p > 0 and size > budget:
         return _LOW_MEMORY_ORDER, (
@@ -121,7 +128,7 @@ def _ranking(r: Request, budget: int, varlen: tuple[float, int, float]) -> tuple
             f"{size / 2**20:.0f} MiB of scores (budget {budget / 2**20:.0f} MiB); "
             "chunked keeps O(S) memory"
         )
-    return _DEFAULT_ORDER, "PyTorch's fused kernel is the fastest dense path"
+    return _DEFAULT_ORDER, "PyTorch's fused kernel is the fastest dense path" + priced
 
 
 def select(request: Request, backend: str = "auto") -> Dispatch:
@@ -145,7 +152,8 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
     # Under torch.compile the decision is traced once per graph: no memo, no logging (neither traces).
     select_ = _select.__wrapped__ if compiling else _select
     dispatch = select_(request, backend, tuple(kernels().values()), policy.SCORES_BUDGET_BYTES,
-                       (policy.VARLEN_MIN_PADDING, policy.VARLEN_SHORT_KEYS, policy.VARLEN_MIN_PADDING_SHORT))
+                       (policy.VARLEN_MIN_PADDING, policy.INFERENCE_COSTS, policy.TRAINING_COSTS),
+                       (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH))
     if backend == "auto" and not compiling and logger.isEnabledFor(logging.DEBUG):
         logger.debug("auto chose %s", dispatch)
     return dispatch
@@ -153,11 +161,12 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
 
 @functools.lru_cache(maxsize=1024)
 def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budget: int,
-            varlen: tuple[float, int, float]) -> Dispatch:
+            varlen: tuple[float, policy.Costs, policy.Costs], bucketing: tuple[float, int]) -> Dispatch:
     # The cache key holds everything the decision reads: the request, the registered
     # kernel objects (identity-hashed, so re-registering or replacing one invalidates
-    # earlier decisions) and the thresholds. A kernel's ``available()`` is taken to
-    # be fixed for the life of the process.
+    # earlier decisions), the thresholds and unit costs, and the bucketing policy that
+    # varlen_calls reads. A kernel's ``available()`` is taken to be fixed for the life
+    # of the process.
     registry = {kernel.name: kernel for kernel in registered}
     if backend != "auto":
         kernel = get_kernel(backend)

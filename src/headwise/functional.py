@@ -99,19 +99,42 @@ def _effective_causal(is_causal: bool, window: int | None, q_len: int) -> bool:
     return bool(is_causal) and q_len > 1
 
 
-def _key_padding(mask: Tensor | None) -> float | None:
-    """Share of padded keys, rounded to 0.05, for a bool key padding mask whose values
-    :func:`headwise.policy.reads_values` lets "auto" read; else unknown (None).
-    """
+def _key_lengths(mask: Tensor | None) -> tuple[int, ...] | None:
+    """Real keys per batch row of a bool key padding mask (B|1, 1, 1, Sk) whose values
+    :func:`headwise.policy.reads_values` lets "auto" read; else unknown (None)."""
     if (mask is None or mask.dtype != torch.bool or mask.shape[1:3] != (1, 1) or mask.numel() == 0
             or not policy.reads_values(mask)):
         return None
-    return round(20 * (1.0 - float(mask.float().mean()))) / 20
+    return tuple(mask.sum(-1).flatten().tolist())  # (B|1,)
+
+
+def _key_padding(lengths: tuple[int, ...] | None, k_len: int) -> float | None:
+    """Share of padded keys, rounded to 0.05, from :func:`_key_lengths` (None: unknown)."""
+    if lengths is None:
+        return None
+    return round(20 * (1.0 - sum(lengths) / (len(lengths) * k_len))) / 20
+
+
+def _as_4d(mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """:func:`headwise.masks.normalize_mask`'s result for a mask it already accepted: the
+    same views and dtype, without the checks (a repeated call's mask has the shape, dtype
+    and device the checks passed). ``dtype=None``: the layout only (floating masks keep theirs).
+    """
+    if mask.dim() == 2:
+        mask = mask[:, None, None, :]  # (B, Sk) -> (B, 1, 1, Sk)
+    elif mask.dim() == 3:
+        mask = mask[:, None, :, :]  # (B, S, Sk) -> (B, 1, S, Sk)
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        return mask if dtype is None else mask.to(dtype)
+    return mask != 0  # integer: nonzero = may attend
 
 
 def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
              need_weights: bool, window: int | None, alibi: bool) -> Request:
     B, H, S, D = q.shape
+    lengths = _key_lengths(mask)
     return Request(
         device=q.device,
         dtype=q.dtype,
@@ -129,7 +152,8 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         dropout_p=float(dropout_p),
         need_weights=need_weights,
         requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad),
-        key_padding=_key_padding(mask),
+        key_padding=_key_padding(lengths, k.shape[2]),
+        key_lengths=lengths,
     )
 
 
@@ -216,11 +240,19 @@ def _logs_choices() -> bool:
     return dispatch_logger.isEnabledFor(logging.DEBUG)
 
 
-def _signature(q, k, v, is_causal, dropout_p, scale, backend) -> tuple:
-    """What the maskless path's checks and decision read, as a dict key (AttributeError for non-tensors)."""
+def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None) -> tuple:
+    """What the checks and the decision read, as a dict key (AttributeError for non-tensors).
+
+    With a mask: its shape, dtype and device (what its validation reads), the full q, k, v
+    shapes (the mask was validated against S and Sk) and, for "auto", the share of padded
+    keys per row that the decision reads (:func:`_key_lengths`).
+    """
     qs, ks, vs = q.shape, k.shape, v.shape
     shapes: tuple
-    if backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
+    if mask is not None:
+        lengths = _key_lengths(_as_4d(mask)) if backend == "auto" else None
+        shapes = (qs, ks, vs, mask.shape, mask.dtype, mask.device, lengths)
+    elif backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
         # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, S == Sk (causal with S != Sk ranks differently
         # on CUDA in half precision) and k, v alike: all the checks and "auto" read
         shapes = (qs[0], qs[1], qs[3], ks[0], ks[1], ks[3], qs[2] > 1, ks[2] > 0, qs[2] == ks[2], ks == vs)
@@ -238,15 +270,17 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     stages the kernel declares for this call (kernels hold no hooks of their own).
     """
     key = None
-    if (attention_mask is None and window is None and alibi_slopes is None and not need_weights
+    if (window is None and alibi_slopes is None and not need_weights
             and not trace.ACTIVE and not torch.compiler.is_compiling() and not _logs_choices()):
         try:
-            key = _signature(q, k, v, is_causal, dropout_p, scale, backend)
+            key = _signature(q, k, v, is_causal, dropout_p, scale, backend, attention_mask)
             kernel, args = _REPEATS[key]
         except (AttributeError, KeyError, TypeError):  # not tensors, not seen, or unhashable flags
             pass
         else:
             if find_kernel(kernel.name) is kernel:  # still the kernel registered under its name
+                if attention_mask is not None:  # validated as this signature was: only reshape it
+                    args = {**args, "attention_mask": _as_4d(attention_mask, q.dtype)}
                 return kernel.fn(q, k, v, **args)[0]  # (B, H, S, D)
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                               backend, window, alibi_slopes)
@@ -277,7 +311,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     if key is not None:
         if len(_REPEATS) >= _REPEATS_LIMIT:
             _REPEATS.clear()
-        _REPEATS[key] = (dispatch.kernel, args)
+        _REPEATS[key] = (dispatch.kernel, {**args, "attention_mask": None})  # holds no tensor of the call
     if trace.ACTIVE and trace.recording():
         _record_kernel_stages(dispatch.kernel, Call(q, k, v, **args, scale_given=scale_given), out)
     return (out, weights) if need_weights else out

@@ -14,6 +14,9 @@ rule for when a decision may look at tensor values (no host sync, no graph break
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 
@@ -31,19 +34,204 @@ def reads_values(t: torch.Tensor) -> bool:
 
 
 # ---- the module's padding-free path ---------------------------------------------------
-# "auto" packs a self-attention batch (drops its padding before the projections) when at
-# least this share of it is padding. benchmarks/pack_threshold.py (module rows, forward and
-# forward + backward, S=128 and 512): packing was 1.06-1.25x faster from 10% padding on the
-# 2-core CPU (model not recorded).
+# "auto" packs a self-attention batch (drops its padding before the projections) when the
+# cost model below prices the packed path under the dense one; below this share of padding
+# it does not price them at all (nothing to save). benchmarks/pack_threshold.py (module
+# rows, S=128 and 512): packing never paid under 10% padding on the 2-core CPU.
 PACK_MIN_PADDING = 0.1
 
+
+@dataclass(frozen=True)
+class Costs:
+    """The unit costs that ``"auto"`` weighs between the dense path, packing and ``varlen``.
+
+    :func:`estimate_packing` and :func:`estimate_varlen` read them.
+
+    Measured by ``benchmarks/pack_cost.py`` from primitive operations (a linear layer, SDPA,
+    a concatenation) and from the module at tiny shapes, never from the module rows the
+    choice is judged on (``benchmarks/auto_grid.py``).
+
+    Attributes:
+        call_us: fixed cost of one dense module call (checks, dispatch, small ops), in us.
+        pack_us: what the packed path adds to it once per call (finding the tokens, their
+            offsets, the buckets, the scatter back), in us.
+        bucket_us: fixed cost of one attention call of the packed path (one length bucket,
+            or one sequence attending alone), in us.
+        gemm_ps: picoseconds per multiply-add of the projections.
+        attn_ps: picoseconds per multiply-add of attention (``q k^T`` and ``p v``).
+        copy_ps: picoseconds per element gathered, padded, concatenated or scattered.
+    """
+
+    call_us: float
+    pack_us: float
+    bucket_us: float
+    gemm_ps: float
+    attn_ps: float
+    copy_ps: float
+
+
+# benchmarks/pack_cost.py --threads 1, AMD EPYC (Zen 5), torch 2.13 CPU: forward under
+# no_grad (INFERENCE_COSTS) and forward + backward (TRAINING_COSTS).
+INFERENCE_COSTS = Costs(call_us=64.3, pack_us=40.9, bucket_us=90.1, gemm_ps=18.20, attn_ps=23.34, copy_ps=1027.7)
+TRAINING_COSTS = Costs(call_us=266.9, pack_us=36.9, bucket_us=183.1, gemm_ps=56.68, attn_ps=79.70, copy_ps=958.9)
+
+
+@dataclass(frozen=True)
+class VarlenEstimate:
+    """The two prices :func:`estimate_varlen` put on one attention call (microseconds);
+    ``str()`` gives the sentence in the dispatch reason.
+
+    Attributes:
+        sdpa_us: SDPA over all Sk keys with the mask.
+        varlen_us: the ``varlen`` kernel: one SDPA call per group of rows on their real keys.
+        calls: the ``varlen`` kernel's SDPA calls.
+    """
+
+    sdpa_us: float
+    varlen_us: float
+    calls: int
+
+    @property
+    def drops(self) -> bool:
+        return self.varlen_us < self.sdpa_us
+
+    def __str__(self) -> str:
+        return (f"estimated varlen {self.varlen_us:,.0f} us ({self.calls} call{'s' if self.calls != 1 else ''}) "
+                f"vs sdpa {self.sdpa_us:,.0f} us")
+
+
+def estimate_varlen(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    q_len: int,
+    k_len: int,
+    head_dim: int,
+    calls: Sequence[tuple[int, int]],
+    *,
+    is_causal: bool = False,
+    training: bool = False,
+    costs: Costs | None = None,
+) -> VarlenEstimate:
+    """Price SDPA with a key padding mask against the ``varlen`` kernel, which drops the
+    padded keys: its saved multiply-adds against its fixed cost per call and its gathers.
+
+    Args:
+        batch, heads, kv_heads, q_len, k_len, head_dim: B, H, Hkv, S, Sk and D.
+        calls: ``headwise.kernels.varlen.call_shapes(key_lengths)``: ``(n, L)`` per call.
+        is_causal: causal attention (half the scores are computed).
+        training: price forward + backward (:data:`TRAINING_COSTS`).
+        costs: other unit costs (None: this module's, read at call time).
+
+    Returns:
+        A :class:`VarlenEstimate`.
+
+    >>> e = estimate_varlen(2, 8, 8, 512, 512, 64, [(1, 512), (1, 100)])
+    >>> e.drops  # the second row has a fifth of the keys
+    True
+    """
+    c = costs or (TRAINING_COSTS if training else INFERENCE_COSTS)
+    E, kv = heads * head_dim, kv_heads * head_dim
+    half = 0.5 if is_causal else 1.0
+    sdpa = c.attn_ps * 2 * batch * q_len * k_len * E * half
+    varlen = c.copy_ps * batch * q_len * E  # the rows stacked back
+    for n, L in calls:
+        varlen += c.bucket_us * 1e6 + c.attn_ps * 2 * n * q_len * L * E * half
+        if n > 1:  # rows stacked into the call
+            varlen += c.copy_ps * n * (q_len * E + 2 * L * kv)
+    return VarlenEstimate(sdpa / 1e6, varlen / 1e6, len(calls))
+
+
+@dataclass(frozen=True)
+class PackingEstimate:
+    """The two prices :func:`estimate_packing` put on one call (microseconds, this machine's
+    unit costs); ``str()`` gives the sentence ``dispatch()`` prints.
+
+    Attributes:
+        dense_us: the dense path: projections and attention over all B x S positions.
+        packed_us: the packed path: projections on the T real tokens, one attention call
+            per bucket, the gathers and the scatter back.
+        buckets: the packed path's attention calls.
+    """
+
+    dense_us: float
+    packed_us: float
+    buckets: int
+
+    @property
+    def packs(self) -> bool:
+        return self.packed_us < self.dense_us
+
+    def __str__(self) -> str:
+        return (f"estimated packed {self.packed_us:,.0f} us ({self.buckets} attention "
+                f"call{'s' if self.buckets != 1 else ''}) vs dense {self.dense_us:,.0f} us")
+
+
+def estimate_packing(
+    batch: int,
+    seq: int,
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    buckets: Sequence[tuple[int, int, int, int]],
+    *,
+    is_causal: bool = False,
+    training: bool = False,
+    costs: Costs | None = None,
+) -> PackingEstimate:
+    """Price the module's dense path and its packed path for one self-attention call.
+
+    Each path costs a fixed part (``call_us``, plus ``pack_us`` and ``bucket_us`` per
+    attention call for packing) and a part that grows with the work: multiply-adds of the
+    projections (``B S`` rows dense, ``T`` packed) and of attention (``B S^2`` dense, the
+    buckets' ``n Lq Lk`` packed), and the elements packing moves.
+
+    Args:
+        batch, seq: B and S of the padded batch.
+        embed_dim, num_heads, num_kv_heads: E, H and Hkv.
+        buckets: ``packing.bucket_shapes(lengths, lengths)``: ``(n, Lq, Lk, keys)`` per
+            attention call of the packed path.
+        is_causal: causal attention (half the scores are computed).
+        training: price forward + backward (:data:`TRAINING_COSTS`) instead of the
+            forward (:data:`INFERENCE_COSTS`).
+        costs: other unit costs (None: this module's, read at call time).
+
+    Returns:
+        A :class:`PackingEstimate`.
+
+    >>> e = estimate_packing(32, 512, 512, 8, 8, [(32, 512, 512, 32 * 512)])
+    >>> e.packed_us > e.dense_us  # no padding to drop: packing only adds work
+    True
+    """
+    c = costs or (TRAINING_COSTS if training else INFERENCE_COSTS)
+    B, S, E, H = batch, seq, embed_dim, num_heads
+    kv = num_kv_heads * (E // H)
+    half = 0.5 if is_causal else 1.0
+    per_row = E * (E + 2 * kv) + E * E  # projection multiply-adds per token: qkv in, out
+
+    def attention(n: int, Lq: int, Lk: int) -> float:
+        return c.attn_ps * 2 * n * Lq * Lk * E * half  # q k^T and p v, all heads
+
+    dense = (c.call_us * 1e6 + c.gemm_ps * B * S * per_row + attention(B, S, S)
+             + c.copy_ps * 2 * B * S * E)  # ps: heads merged, padding zeroed
+    T = sum(keys for _, _, _, keys in buckets)  # self-attention: the real keys are the real tokens
+    packed = (c.call_us + c.pack_us) * 1e6 + c.gemm_ps * T * per_row + c.copy_ps * (3 * T * E + B * S * E)
+    for n, Lq, Lk, _ in buckets:
+        packed += c.bucket_us * 1e6 + attention(n, Lq, Lk)
+        if n > 1:  # gathered into a padded bucket and back
+            packed += c.copy_ps * n * (2 * Lq * E + 2 * Lk * kv)
+    return PackingEstimate(dense / 1e6, packed / 1e6, len(buckets))
+
 # ---- "auto" among the kernels (headwise.dispatch) --------------------------------------
-# Share of padded keys from which the "varlen" kernel (drops padded keys per row) beats
-# SDPA with the mask. benchmarks/pack_threshold.py (kernel rows, B=32, H=8, D=64): the
-# crossover was about 10% at Sk=2048, 20% at 512, 25% at 256, but 55-70% at 128, on the
-# 2-core CPU (model not recorded).
-VARLEN_MIN_PADDING = 0.3
-VARLEN_SHORT_KEYS = 256  # below this many keys, VARLEN_MIN_PADDING_SHORT applies
+# "auto" runs the "varlen" kernel (drops padded keys per row) where estimate_varlen prices
+# it under SDPA with the mask; below this share of padded keys it does not price them.
+# benchmarks/pack_threshold.py (kernel rows, B=32, H=8, D=64): the crossover was about 10%
+# at Sk=2048, 20% at 512, 25% at 256, but 55-70% at 128, on the 2-core CPU (model not
+# recorded); the fixed cost per call of the model reproduces the late crossover of short keys.
+VARLEN_MIN_PADDING = 0.1
+# The thresholds by key count that the cost model replaced; read by nothing, kept so that
+# code which reads them still runs.
+VARLEN_SHORT_KEYS = 256
 VARLEN_MIN_PADDING_SHORT = 0.7
 
 # Above this many bytes of (B, H, S, Sk) scores, an unfused path risks memory more than

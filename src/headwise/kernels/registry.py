@@ -61,6 +61,7 @@ class Request:
     window: int | None = None  # None: unlimited
     alibi: bool = False  # ALiBi slopes given
     key_padding: float | None = None  # share of padded keys (to 0.05) for a key padding mask on CPU
+    key_lengths: tuple[int, ...] | None = None  # real keys per batch row, known where key_padding is
 
     @property
     def is_gqa(self) -> bool:

@@ -55,6 +55,17 @@ def _groups(lengths: list[int]) -> list[list[int]]:
     return [rows for rows in groups if rows]
 
 
+def call_shapes(lengths: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """The SDPA calls :func:`varlen_attention` makes for rows of these real-key counts,
+    without making them: ``(n, L)`` per call, n rows with L key columns. "auto" prices them.
+
+    >>> call_shapes([300, 40, 38, 0])
+    [(1, 300), (2, 40)]
+    """
+    lengths = list(lengths)
+    return [(len(rows), max(lengths[r] for r in rows)) for rows in _groups(lengths)]
+
+
 def varlen_attention(
     q: Tensor,
     k: Tensor,
