@@ -100,3 +100,26 @@ def test_phi_attention_with_partial_rotary():
     assert mha.rope.rotary_dim == 8
     _load(mha, hf, out="dense")
     _compare(hf, PhiRotaryEmbedding(config), mha)
+
+
+def test_gemma3_attention_loads_with_one_added_to_the_norm_weights():
+    """Gemma 3's RMSNorm multiplies by (1 + weight): qk_norm="rms" loads it as weight + 1."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention, Gemma3RotaryEmbedding
+
+    config = Gemma3TextConfig(hidden_size=E, num_attention_heads=H, num_key_value_heads=HKV, head_dim=E // H,
+                              query_pre_attn_scalar=E // H, num_hidden_layers=1, layer_types=["full_attention"],
+                              attn_implementation="eager")
+    torch.manual_seed(4)
+    hf = Gemma3Attention(config, layer_idx=0).eval()
+    with torch.no_grad():
+        hf.q_norm.weight.uniform_(-0.5, 0.5)
+        hf.k_norm.weight.uniform_(-0.5, 0.5)
+    mha = headwise.MultiHeadAttention(E, H, num_kv_heads=HKV, bias=False, qk_norm="rms",
+                                      qk_norm_eps=config.rms_norm_eps,
+                                      rope_parameters=config.rope_parameters["full_attention"])
+    state = {k.replace("o_proj.", "out_proj."): v + 1 if k.endswith("norm.weight") else v
+             for k, v in hf.state_dict().items()}
+    mha.load_state_dict(state)
+    rotary = Gemma3RotaryEmbedding(config)
+    _compare(hf, lambda x, pos: rotary(x, pos, "full_attention"), mha)
