@@ -284,6 +284,8 @@ def test_yarn_factor_none_comes_from_the_config_lengths_and_type_is_rope_type():
     ({"scaling": {"rope_type": "linear", "factor": "2"}}, ValueError,
      r"rope_parameters\['factor'\] must be a number for rope_type 'linear', got '2'"),
     ({"scaling": {"rope_type": "linear", "factor": None}}, ValueError, r"\['factor'\] must be a number"),
+    ({"scaling": {"rope_theta": "1e4"}}, ValueError,
+     r"rope_parameters\['rope_theta'\] must be a number for rope_type 'default', got '1e4'"),
     ({"scaling": {"rope_type": "linear", "factor": 0.0}}, ValueError, r"\['factor'\] must be positive, got 0"),
     ({"scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
                   "original_max_position_embeddings": 64}}, ValueError,

@@ -138,6 +138,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = self._check_scaling(scaling)
         theta = params.pop("rope_theta", None)
+        if theta is not None:
+            theta = _number({"rope_theta": theta}, "rope_theta", params["rope_type"])
         if base is not None and theta is not None and float(base) != float(theta):
             raise ValueError(f"rope_base ({base:g}) and rope_parameters['rope_theta'] ({theta:g}) disagree; "
                              "give one of them")
