@@ -580,6 +580,7 @@ class MultiHeadAttention(nn.Module):
         if trace.ACTIVE:
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
+        padding: Tensor | None  # (B, S) x's padding, or None
         if plan.path == "packed":
             padding = cast(Tensor, plan.padding)  # the packed path always has x's padding
             packed, info = packing.pack(x, padding)  # (T, E): the real tokens only
