@@ -21,6 +21,9 @@ FEATURES = {
     "alibi": {"alibi": True},
     "window": {"window": 3},
     "all": {"num_kv_heads": 2, "rope": True, "window": 4},
+    "scaled_rope+qk_norm": {"num_kv_heads": 2, "qk_norm": "rms", "rotary_dim": 4, "rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8}},
 }
 
 

@@ -54,6 +54,8 @@ MODULE_CASES = {
     "cross": ({}, "ctx-pad", {"context": True}),
     "causal-gqa-rope": ({"num_kv_heads": 2, "rope": True, "is_causal": True}, "pad", {}),
     "alibi-window": ({"alibi": True, "window": 3}, "pad", {}),
+    "qk_norm-yarn-partial": ({"qk_norm": "rms", "rotary_dim": 4, "is_causal": True, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}}, "pad", {}),
     "need-weights": ({}, "pad", {"need_weights": True}),
 }
 
@@ -135,7 +137,11 @@ def test_attention_compiles_whole_and_equals_eager(name, kv_heads):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"rope": True, "num_kv_heads": 2}, {"alibi": True, "window": 3}])
+DYNAMIC_NTK = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 8}  # grows from step 3 below
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"rope": True, "num_kv_heads": 2}, {"alibi": True, "window": 3},
+                                    {"rope_parameters": DYNAMIC_NTK, "qk_norm": "rms"}])
 def test_static_cache_decodes_every_step_on_one_graph(kwargs):
     torch.manual_seed(0)
     mha = headwise.MultiHeadAttention(E, H, **kwargs).eval()
@@ -217,9 +223,10 @@ def test_no_host_read_in_forward_where_values_are_not_free(name, monkeypatch):
         assert mha.plan(x, mask).path == "dense"
 
 
-def test_no_host_read_in_a_decoding_step(monkeypatch):
+@pytest.mark.parametrize("kwargs", [{"rope": True}, {"rope_parameters": DYNAMIC_NTK, "qk_norm": "rms"}])
+def test_no_host_read_in_a_decoding_step(monkeypatch, kwargs):
     monkeypatch.setattr(policy, "reads_values", lambda t: False)
-    mha = headwise.MultiHeadAttention(E, H, rope=True, num_kv_heads=2).eval()
+    mha = headwise.MultiHeadAttention(E, H, num_kv_heads=2, **kwargs).eval()
     for static in (False, True):
         cache = mha.new_cache(B, 16, static=static)
         with torch.no_grad(), NoHostReads():

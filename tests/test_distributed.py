@@ -262,6 +262,11 @@ def _run_module(hwd, name, world):
 MODULE_CASES = {
     "rope-causal-pad": {"rope": True, "is_causal": True},
     "rope-window-alibi": {"rope": True, "window": 5, "alibi": True},
+    # dynamic NTK grows with the global length (S > 4 here); q/k norm weights get gradients from every rank
+    "dynamic_ntk-qk_norm": {"is_causal": True, "qk_norm": "rms",
+                            "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 4}},
+    "yarn-partial": {"is_causal": True, "rotary_dim": 2,
+                     "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}},
 }
 
 

@@ -518,9 +518,39 @@ def test_module_window_and_alibi_reach_the_kernel():
 def test_module_option_errors():
     with pytest.raises(ValueError, match=r"window must be a positive int .* got 0"):
         MultiHeadAttention(16, 2, window=0)
-    for kwargs, name in (({"rope": True}, "rope"), ({"alibi": True}, "alibi"), ({"window": 3}, "window")):
+    for kwargs, name in (({"rope": True}, "rope"), ({"alibi": True}, "alibi"), ({"window": 3}, "window"),
+                         ({"qk_norm": "rms"}, "qk_norm")):
         with pytest.raises(ValueError, match=rf"has no {name}"):
             MultiHeadAttention(16, 2, **kwargs).to_torch()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"qk_norm": "layer"}, r"qk_norm must be None or 'rms' \(RMSNorm of each head's q and k\), got 'layer'"),
+    ({"qk_norm": "rms", "qk_norm_eps": 0}, r"qk_norm_eps must be a positive number, got 0"),
+    ({"qk_norm": "rms", "qk_norm_eps": True}, r"qk_norm_eps must be a positive number, got True"),
+    ({"rope_parameters": {"rope_type": "su"}}, r"rope_type 'su' is not supported; choose one of 'default'"),
+    ({"rope_base": 500.0, "rope_parameters": {"rope_theta": 10000.0}},
+     r"rope_base \(500\) and rope_parameters\['rope_theta'\] \(10000\) disagree; give one of them"),
+    ({"rotary_dim": 9}, r"rotary_dim must be an int in \[1, head_dim = 8\], got 9"),
+])
+def test_rope_parameters_and_qk_norm_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MultiHeadAttention(16, 2, **kwargs)
+
+
+def test_rope_parameters_rotary_dim_and_qk_norm_turn_on_and_show():
+    mha = MultiHeadAttention(16, 2, rotary_dim=4, qk_norm="rms", qk_norm_eps=1e-5, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})
+    assert (mha.rope.rotary_dim, mha.rope.base, mha.rope.rope_type) == (4, 500.0, "linear")
+    assert mha.extra_repr().endswith("rope_base=500, rope_type='linear', rotary_dim=4, qk_norm='rms'")
+    assert "(q_norm): RMSNorm((8,), eps=1e-05" in repr(mha)
+    assert [k for k in mha.state_dict() if "norm" in k] == ["q_norm.weight", "k_norm.weight"]
+    assert mha.q_norm.weight.shape == (8,) and torch.equal(mha.k_norm.weight, torch.ones(8))
+    assert MultiHeadAttention(16, 2, rotary_dim=8).rope is not None
+    assert MultiHeadAttention(16, 2, rope_parameters={"rope_type": "default"}).rope.base == 10000.0
+    plain = MultiHeadAttention(16, 2, rope=True)
+    assert (plain.q_norm, plain.qk_norm) == (None, None) and "norm" not in "".join(plain.state_dict())
+    assert MultiHeadAttention.from_torch(nn.MultiheadAttention(16, 2)).q_norm is None
 
 
 @pytest.mark.parametrize("backend", ["auto", *BACKENDS])

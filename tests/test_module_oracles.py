@@ -41,13 +41,76 @@ def rotate(x, positions, base):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def scaled_inv_freq(params, R, L):
+    """Hugging Face's rope_parameters written out in float64 (transformers.modeling_rope_utils):
+    the ceil(R/2) inverse frequencies for a call of length L, and the cos/sin factor."""
+    kind, base = params.get("rope_type", "default"), params.get("rope_theta", 10000.0)
+    factor = params.get("factor", 1.0)
+    if kind == "dynamic":  # the base grows once the call is longer than max_position_embeddings
+        longest = params["max_position_embeddings"]
+        base = base * (factor * max(L, longest) / longest - (factor - 1)) ** (R / (R - 2))
+    inv = [base ** (-2 * i / R) for i in range((R + 1) // 2)]
+    if kind == "linear":
+        inv = [f / factor for f in inv]
+    if kind == "llama3":
+        old = params["original_max_position_embeddings"]
+        low, high = params["low_freq_factor"], params["high_freq_factor"]
+        out = []
+        for f in inv:
+            wavelength = 2 * math.pi / f
+            if wavelength < old / high:
+                out.append(f)
+            elif wavelength > old / low:
+                out.append(f / factor)
+            else:
+                smooth = (old / wavelength - low) / (high - low)
+                out.append((1 - smooth) * f / factor + smooth * f)
+        inv = out
+    scale = 1.0
+    if kind == "yarn":
+        old = params["original_max_position_embeddings"]
+
+        def dim_of(rotations):
+            return R * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = math.floor(dim_of(params.get("beta_fast", 32))), math.ceil(dim_of(params.get("beta_slow", 1)))
+        lo, hi = max(lo, 0), min(hi, R - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        keep = [1 - min(max((i - lo) / (hi - lo), 0.0), 1.0) for i in range(len(inv))]  # 1: extrapolate
+        inv = [f / factor * (1 - e) + f * e for f, e in zip(inv, keep, strict=True)]
+        scale = params.get("attention_factor") or (0.1 * math.log(factor) + 1 if factor > 1 else 1.0)
+    return inv, scale
+
+
+def rotate_scaled(x, positions, lengths, params, R):
+    """x (B, h, L, D) at positions (L,), each rotated with the frequencies of its call's length
+    ``lengths`` (L,): the first R dims in pairs (i, i + R/2), the rest passed through."""
+    half = (R + 1) // 2
+    rows = []
+    for p, n in zip(positions.tolist(), lengths.tolist(), strict=True):
+        inv, scale = scaled_inv_freq(params, R, n)
+        rows.append([(p * f, scale) for f in inv])
+    angle = torch.tensor([[a for a, _ in r] for r in rows], dtype=torch.float64)  # (L, R/2)
+    scale = torch.tensor([r[0][1] for r in rows], dtype=torch.float64)[:, None]  # (L, 1)
+    cos, sin = angle.cos() * scale, angle.sin() * scale
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight."""
+    return x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * weight
+
+
 def oracle(mha, x, mask=None, *, context=None, is_causal=False, window=None, slopes=None, rope_base=None,
-           zero_padded_queries=True, start=0):
+           zero_padded_queries=True, start=0, rope=None, rope_lengths=None, qk_eps=None):
     """The module's forward in float64 from its weights: (out (B, S, E), weights (B, H, S, Sk)).
 
     ``mask`` follows the contract: 2-D (B, Sk) key padding, 3-D (B, S, Sk), 4-D (B|1, H|1, S, Sk);
     bool/int True = attend, float additive. ``start`` is the position of x's first token
-    (with a cache: the keys are then the whole sequence, x its last S rows).
+    (with a cache: the keys are then the whole sequence, x its last S rows). ``rope``:
+    (rope_parameters, R) for scaled / partial rotary, each position rotated with the call
+    length in ``rope_lengths`` (Sk,) (None: Sk for all). ``qk_eps``: RMSNorm each head's q and k.
     """
     w = {name: p.detach().double() for name, p in mha.state_dict().items()}  # q, k, v projections apart
     x = x.double()
@@ -58,6 +121,13 @@ def oracle(mha, x, mask=None, *, context=None, is_causal=False, window=None, slo
     q = (x @ w["q_proj.weight"].T + w["q_proj.bias"]).reshape(B, S, H, D).permute(0, 2, 1, 3)
     k = (src @ w["k_proj.weight"].T + w["k_proj.bias"]).reshape(B, Sk, Hkv, D).permute(0, 2, 1, 3)
     v = (src @ w["v_proj.weight"].T + w["v_proj.bias"]).reshape(B, Sk, Hkv, D).permute(0, 2, 1, 3)
+    if qk_eps is not None:
+        q, k = rms_norm(q, w["q_norm.weight"], qk_eps), rms_norm(k, w["k_norm.weight"], qk_eps)
+    if rope is not None:
+        params, R = rope
+        lengths = torch.full((Sk,), Sk) if rope_lengths is None else rope_lengths
+        q = rotate_scaled(q, torch.arange(start, start + S), lengths[Sk - S:], params, R)
+        k = rotate_scaled(k, torch.arange(Sk), lengths, params, R)
     if rope_base is not None:
         q = rotate(q, torch.arange(start, start + S), rope_base)
         k = rotate(k, torch.arange(Sk), rope_base)
@@ -307,3 +377,72 @@ def test_need_weights_with_a_padding_mask_matches_the_formula(backend):
         out, got_weights = mha(x, mask, is_causal=True, need_weights=True)
     _close(out, want)
     _close(got_weights, weights, atol=1e-6)
+
+
+# --- scaled and partial rotary, q/k norm ------------------------------------------------------
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16}
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 4}  # active beyond 4 positions
+SCALED = {  # name: (module kwargs, (rope_parameters, R) for the oracle)
+    "llama3+qk_norm": ({"rope_parameters": LLAMA3, "qk_norm": "rms"}, (LLAMA3, 6)),
+    "yarn+partial+gqa": ({"rope_parameters": YARN, "rotary_dim": 4, "num_kv_heads": 2}, (YARN, 4)),
+    "dynamic+qk_norm": ({"rope_parameters": DYNAMIC, "qk_norm": "rms", "num_kv_heads": 4}, (DYNAMIC, 6)),
+    "linear+partial": ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+                       ({"rope_type": "linear", "factor": 2.0}, 3)),  # int(6 * 0.5) = 3: rotates 4 dims
+}
+
+
+def _scaled_module(seed, feature, **kwargs):
+    mha = _module(seed, **SCALED[feature][0], **kwargs).double()
+    if mha.q_norm is not None:  # learned weights, not the initial ones
+        with torch.no_grad():
+            mha.q_norm.weight.uniform_(0.5, 1.5)
+            mha.k_norm.weight.uniform_(0.5, 1.5)
+    return mha
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("feature", list(SCALED))
+def test_module_scaled_rope_and_qk_norm_match_the_formula(feature, backend, packing):
+    """float64 to 1e-10, forward and the input's gradient, on the dense and the packed path."""
+    mha = _scaled_module(24, feature, backend=backend, packing=packing)
+    eps = 1e-6 if mha.qk_norm else None
+    x = _x(3, 7, seed=25).double().requires_grad_()
+    mask = torch.tensor([[1] * 6 + [0], [1] * 5 + [0] * 2, [1] * 2 + [0] * 5])  # dynamic NTK: by S = 7, not 6
+    assert mha.plan(x, mask).path == ("packed" if packing else "dense")
+    want, _ = oracle(mha, x, mask, is_causal=True, rope=SCALED[feature][1], qk_eps=eps)
+    got = mha(x, mask, is_causal=True)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    g = torch.randn(got.shape, generator=torch.Generator().manual_seed(26), dtype=torch.float64)
+    (dx,) = torch.autograd.grad(got, x, g)
+    (want_dx,) = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(dx, want_dx, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic cache", "static cache"])
+@pytest.mark.parametrize("feature", list(SCALED))
+def test_decoding_with_scaled_rope_and_qk_norm_matches_the_formula(feature, static):
+    """Prefill 4 tokens, then decode 4. Dynamic NTK (beyond 4 positions here) rotates each
+    step's q and k with the frequencies of the length so far and the cached keys keep theirs,
+    as transformers does; every other scaling equals one forward over the whole sequence."""
+    mha = _scaled_module(27, feature).eval()
+    eps = 1e-6 if mha.qk_norm else None
+    T, steps = 4, 4
+    x = _x(3, T + steps, seed=28).double()
+    prompt_mask = torch.tensor([[1] * 4, [0] + [1] * 3, [1] * 2 + [0] * 2])
+    full_mask = torch.cat([prompt_mask, torch.ones(3, steps, dtype=prompt_mask.dtype)], dim=1)
+    lengths = torch.tensor([T] * T + list(range(T + 1, T + steps + 1)))  # the length of the call each position was in
+    cache = mha.new_cache(3, T + steps, static=static)
+    with torch.no_grad():
+        mha(x[:, :T], prompt_mask, cache=cache, is_causal=True)
+        for t in range(T, T + steps):
+            got = mha(x[:, t:t + 1], cache=cache, is_causal=True)
+            want, _ = oracle(mha, x[:, :t + 1], full_mask[:, :t + 1], is_causal=True, rope=SCALED[feature][1],
+                             rope_lengths=lengths[:t + 1], qk_eps=eps)
+            torch.testing.assert_close(got, want[:, -1:], atol=1e-10, rtol=1e-10)
+        whole = mha(x, full_mask, is_causal=True)
+    stepped_equals_whole = torch.allclose(got, whole[:, -1:], atol=1e-10)
+    assert stepped_equals_whole == (feature != "dynamic+qk_norm")

@@ -318,3 +318,24 @@ def test_rotary_stage_names_its_base_and_first_position():
     (stage,) = [s for s in t.stages if s.name == "rotary positions"]
     assert stage.shape == (1, 4, 3, 8)
     assert stage.note == "rotate q and k pairs (i, i + D/2) by position x 500^(-2i/D), positions from 0"
+
+
+def test_q_k_norm_stage_and_the_rotary_stage_naming_its_scaling():
+    mha = headwise.MultiHeadAttention(32, 4, qk_norm="rms", rotary_dim=4, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 500.0})
+    x = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(3))
+    for packing in (False, True):
+        mha.packing = packing
+        with headwise.trace() as t:
+            mha(x, torch.tensor([[1, 1, 0]]))
+        names = t.names()
+        assert names.index("split heads k, v") + 1 == names.index("q/k norm") == names.index("rotary positions") - 1
+        (norm,) = [s for s in t.stages if s.name == "q/k norm"]
+        assert norm.shape == ((2, 4, 8) if packing else (1, 4, 3, 8))  # packed: the 2 real tokens
+        assert norm.note == ("RMSNorm of each head's q and k over D = 8 (x / sqrt(mean(x^2) + 1e-06) x "
+                             "q_norm.weight / k_norm.weight), before rotary")
+        (rotary,) = [s for s in t.stages if s.name == "rotary positions"]
+        assert rotary.note.startswith(
+            "rotate the first 4 of 8 dims of q and k, pairs (i, i + 2), by position x 500^(-2i/4); dims 4..8 pass "
+            "through; yarn scaling (factor=4, original_max_position_embeddings=16); cos and sin x attention factor "
+            "1.13863, ")

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +174,17 @@ class MultiHeadAttention(nn.Module):
             batch is padding and the kernel is ``"auto"``. (``backend="varlen"`` used to
             mean ``packing=True``; without ``packing=`` it still does, with a warning; with
             ``packing=`` given it names the kernel.)
+        rope_parameters: Hugging Face's ``config.rope_parameters`` dict (``rope_type``
+            "default", "linear", "dynamic", "llama3" or "yarn" with its keys; ``rope_theta``
+            and ``partial_rotary_factor`` optional; "dynamic" also takes the config's
+            ``max_position_embeddings``): rotary positions scaled as transformers scales
+            them; see :class:`~headwise.positions.RotaryEmbedding`. Turns rope on.
+        rotary_dim: R <= D: only the first R dims of each head rotate, the rest pass
+            through (partial rotary, GPT-NeoX / Phi). Turns rope on.
+        qk_norm: ``"rms"``: an RMSNorm over D of each head's q and k, after the head split
+            and before rope, with learned weights ``q_norm.weight`` and ``k_norm.weight``
+            (D,) shared by the heads (``torch.nn.RMSNorm``), as Qwen3 does. None: none.
+        qk_norm_eps: the epsilon of those norms.
         context_parallel: a :class:`headwise.distributed.ContextParallel`: :meth:`forward`
             then takes this rank's shard (B, S_l, E) of the sequence (and of a 2-D mask)
             and attends over every rank's keys (rotary positions are global); no cache,
@@ -181,7 +193,8 @@ class MultiHeadAttention(nn.Module):
 
     Raises:
         ValueError: sizes that do not divide, dropout outside [0, 1), unknown backend,
-            packing not "auto" / True / False.
+            packing not "auto" / True / False, rope parameters that do not fit (named),
+            qk_norm not None / "rms".
         TypeError: sizes that are not integers.
 
     >>> mha = MultiHeadAttention(128, 8)
@@ -205,6 +218,10 @@ class MultiHeadAttention(nn.Module):
         rope_base: float | None = None,  # None: 10000 when rope=True; a value turns rope on
         alibi: bool = False,
         window: int | None = None,  # None: unlimited; W: query i sees keys (i - W, i]
+        rope_parameters: Mapping[str, Any] | None = None,  # None: plain rope; else Hugging Face's, turns rope on
+        rotary_dim: int | None = None,  # None: all D dims rotate (or partial_rotary_factor); a value turns rope on
+        qk_norm: str | None = None,  # None: no normalisation; "rms": RMSNorm of each head's q and k before rope
+        qk_norm_eps: float = 1e-6,
         context_parallel=None,  # None: one process; a headwise.distributed.ContextParallel splits the sequence
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -241,6 +258,10 @@ class MultiHeadAttention(nn.Module):
             get_kernel(backend)  # ValueError listing the known backends
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be a positive int (keys per query, its own included), got {window!r}")
+        if qk_norm not in (None, "rms"):
+            raise ValueError(f"qk_norm must be None or 'rms' (RMSNorm of each head's q and k), got {qk_norm!r}")
+        if isinstance(qk_norm_eps, bool) or not isinstance(qk_norm_eps, (int, float)) or not qk_norm_eps > 0:
+            raise ValueError(f"qk_norm_eps must be a positive number, got {qk_norm_eps!r}")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -261,8 +282,14 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
         self.window = window
         self.rope = None
-        if rope or rope_base is not None:
-            self.rope = RotaryEmbedding(self.head_dim, 10000.0 if rope_base is None else rope_base)
+        if rope or rope_base is not None or rope_parameters is not None or rotary_dim is not None:
+            self.rope = RotaryEmbedding(self.head_dim, rope_base, rotary_dim=rotary_dim, scaling=rope_parameters)
+        self.qk_norm = qk_norm
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
+        if qk_norm == "rms":  # one weight of size D, shared by the heads (Qwen3's q_norm / k_norm)
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=float(qk_norm_eps), device=device, dtype=dtype)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=float(qk_norm_eps), device=device, dtype=dtype)
         if context_parallel is not None:
             from headwise.distributed import ContextParallel
 
@@ -306,8 +333,12 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        rope = self.rope
         extras = "".join([
-            f", rope_base={self.rope.base:g}" if self.rope is not None else "",
+            f", rope_base={rope.base:g}" if rope is not None else "",
+            f", rope_type={rope.rope_type!r}" if rope is not None and rope.rope_type != "default" else "",
+            f", rotary_dim={rope.rotary_dim}" if rope is not None and rope.rotary_dim != self.head_dim else "",
+            f", qk_norm={self.qk_norm!r}" if self.qk_norm is not None else "",
             ", alibi=True" if self.alibi_slopes is not None else "",
             f", window={self.window}" if self.window is not None else "",
             f", context_parallel={self.context_parallel}" if self.context_parallel is not None else "",
@@ -426,14 +457,23 @@ class MultiHeadAttention(nn.Module):
                      "rearrange 'b s (h d) -> b h s d'")
         trace.record("split heads k, v", k, "the same with H = Hkv")
 
+    def _normalize(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """RMSNorm of each head's q and k over D, before rotary (no-op without qk_norm)."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        q, k = self.q_norm(q), self.k_norm(k)  # (.., H|Hkv, .., D): normalised over the last dim, D
+        if trace.ACTIVE:
+            trace.record("q/k norm", q, f"RMSNorm of each head's q and k over D = {self.head_dim} "
+                         f"(x / sqrt(mean(x^2) + {self.q_norm.eps:g}) x q_norm.weight / k_norm.weight), before rotary")
+        return q, k
+
     def _rotate(self, q: Tensor, k: Tensor, start: int) -> tuple[Tensor, Tensor]:
         """Apply rotary embeddings for positions ``start, start + 1, ...`` (no-op without rope)."""
         if self.rope is None:
             return q, k
         q, k = self.rope(q, start), self.rope(k, start)  # (B, H|Hkv, S, D)
         if trace.ACTIVE:
-            trace.record("rotary positions", q, f"rotate q and k pairs (i, i + D/2) by position x "
-                         f"{self.rope.base:g}^(-2i/D), positions from {start}")
+            trace.record("rotary positions", q, f"{self.rope.describe()}, positions from {start}")
         return q, k
 
     def plan(
@@ -541,6 +581,7 @@ class MultiHeadAttention(nn.Module):
         if trace.ACTIVE:
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
+        padding: Tensor | None  # (B, S) x's padding, or None
         if plan.path == "packed":
             padding = cast(Tensor, plan.padding)  # the packed path always has x's padding
             packed, info = packing.pack(x, padding)  # (T, E): the real tokens only
@@ -548,7 +589,8 @@ class MultiHeadAttention(nn.Module):
                 B, S = padding.shape
                 trace.record("pack", packed, f"keep the {info.tokens} real tokens of {B} x {S} positions "
                              f"(drop {B * S - info.tokens} padded), {B} sequences end to end")
-            out = self._attend_packed(packed, info.cu_seqlens, info.lengths, info.positions, plan.is_causal)
+            out = self._attend_packed(packed, info.cu_seqlens, info.lengths, info.positions, plan.is_causal,
+                                      rope_len=padding.shape[1])  # dynamic NTK scales by S, as the dense path
             out = packing.unpack(out, info)  # (B, S, E), zeros at the padding
             if trace.ACTIVE:
                 trace.record("unpack", out, "scatter the tokens back to (B, S, E); padded positions output zeros")
@@ -560,6 +602,7 @@ class MultiHeadAttention(nn.Module):
             attention_mask = padding = None  # every position is a token: the mask allows all, nothing to zero
             if trace.ACTIVE:
                 trace.record("padding mask", x, "every position of the 2-D mask is a real token: attend without it")
+        q, k = self._normalize(q, k)
         if cache is not None and cache.static:  # same shapes every step; positions are tensors
             q, k, v, attention_mask = self._static_step(q, k, v, cache, attention_mask, causal)
             causal, window, slopes = False, None, None  # all three are in the mask now
@@ -601,13 +644,12 @@ class MultiHeadAttention(nn.Module):
         from the slot count, which is always L = max_seq_len).
         """
         positions = cache.position + torch.arange(q.shape[2], device=q.device)  # (T,) where this step goes
-        if self.rope is not None:
-            cos, sin = self.rope.angles(0, cache.max_seq_len, q.dtype, q.device)  # (L, D)
-            cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)  # (T, D)
+        if self.rope is not None:  # at the position tensor; dynamic NTK's length is one too (no host read)
+            cos, sin = self.rope.cos_sin(positions, q.dtype, seq_len=cache.position + q.shape[2])  # (T, R)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if trace.ACTIVE:
-                trace.record("rotary positions", q, f"rotate q and k pairs (i, i + D/2) by position x "
-                             f"{self.rope.base:g}^(-2i/D), positions from the cache's position tensor")
+                trace.record("rotary positions", q, f"{self.rope.describe()}, positions from the cache's "
+                             "position tensor")
         k, v, _ = cache.update_static(k, v, mask)  # (B, Hkv, L, D): every slot
         j = torch.arange(cache.max_seq_len, device=q.device)  # (L,) slot positions
         i = positions[:, None]  # (T, 1) query positions
@@ -637,7 +679,8 @@ class MultiHeadAttention(nn.Module):
                              "need_weights=True; build the module without context_parallel for decoding")
         cp = self.context_parallel
         q, k, v = self._project_heads(x, context)  # (B, H, S_l, D), (B, Hkv, Sk_l, D)
-        if self.rope is not None:  # rotate by global positions
+        q, k = self._normalize(q, k)
+        if self.rope is not None:  # rotate by global positions (dynamic NTK: by the global length)
             S = hwd.global_length(x.shape[1], cp.group, x.device)
             cos, sin = self.rope.angles(0, S, q.dtype, x.device)  # (S, D)
             pos = hwd.positions(S, cp.layout, cp.group, x.device)  # (S_l,)
@@ -707,8 +750,11 @@ class MultiHeadAttention(nn.Module):
                                    self.is_causal if is_causal is None else bool(is_causal))
 
     def _attend_packed(self, x: Tensor, cu_seqlens: Tensor, lengths: tuple[int, ...], positions: Tensor | None,
-                       causal: bool) -> Tensor:
-        """The packed path from (T, E) tokens to (T, E) outputs, every stage traced."""
+                       causal: bool, rope_len: int | None = None) -> Tensor:
+        """The packed path from (T, E) tokens to (T, E) outputs, every stage traced.
+
+        ``rope_len``: the length dynamic NTK scales by (None: the last position + 1).
+        """
         T = x.shape[0]
         q, k, v = self._project(x, None)  # (T, E), (T, Hkv*D)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # (T, E) -> (T, H, D)
@@ -717,14 +763,15 @@ class MultiHeadAttention(nn.Module):
         if trace.ACTIVE:
             trace.record("split heads q", q, "unflatten(-1, (H, D)): packed rows need no transpose")
             trace.record("split heads k, v", k, "the same with H = Hkv")
+        q, k = self._normalize(q, k)
         if self.rope is not None:
             if positions is None:
                 starts = torch.repeat_interleave(cu_seqlens[:-1], torch.tensor(lengths, device=x.device))
                 positions = torch.arange(T, device=x.device) - starts  # (T,) position within each sequence
-            q, k = self.rope.at(q, positions), self.rope.at(k, positions)
+            q, k = self.rope.at(q, positions, seq_len=rope_len), self.rope.at(k, positions, seq_len=rope_len)
             if trace.ACTIVE:
-                trace.record("rotary positions", q, f"rotate q and k pairs (i, i + D/2) by each token's position "
-                             f"in its sequence x {self.rope.base:g}^(-2i/D)")
+                trace.record("rotary positions", q, f"{self.rope.describe()}, each token's position in its "
+                             "sequence")
         out = packing.attend_packed(
             q, k, v, lengths, lengths,
             is_causal=causal,
