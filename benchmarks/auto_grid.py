@@ -150,7 +150,8 @@ def main(argv=None) -> None:
 
     table = Table(title=f"default MultiHeadAttention / minimal SDPA module on {cpu_name()} "
                         f"({torch.get_num_threads()} threads, torch {torch.__version__}); paired medians of "
-                        f"{args.repeats} repeats in turns, {'CPU' if args.cpu_time else 'wall'} time (< 1: headwise faster)")
+                        f"{args.repeats} repeats in turns, {'CPU' if args.cpu_time else 'wall'} time "
+                        "(< 1: headwise faster)")
     for col in ("B", "S", "E", "H", "padding", "path", "forward", "forward+backward"):
         table.add_column(col, justify="right")
     if args.paths:
