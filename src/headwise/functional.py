@@ -240,7 +240,7 @@ def _logs_choices() -> bool:
     return dispatch_logger.isEnabledFor(logging.DEBUG)
 
 
-def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None) -> tuple:
+def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d=None) -> tuple:
     """What the checks and the decision read, as a dict key (AttributeError for non-tensors).
 
     With a mask: its shape, dtype and device (what its validation reads), the full q, k, v
@@ -250,7 +250,7 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None) -> tupl
     qs, ks, vs = q.shape, k.shape, v.shape
     shapes: tuple
     if mask is not None:
-        lengths = _key_lengths(_as_4d(mask)) if backend == "auto" else None
+        lengths = _key_lengths(mask_4d) if backend == "auto" else None  # mask_4d: _as_4d(mask)
         shapes = (qs, ks, vs, mask.shape, mask.dtype, mask.device, lengths)
     elif backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
         # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, S == Sk (causal with S != Sk ranks differently
@@ -273,14 +273,15 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     if (window is None and alibi_slopes is None and not need_weights
             and not trace.ACTIVE and not torch.compiler.is_compiling() and not _logs_choices()):
         try:
-            key = _signature(q, k, v, is_causal, dropout_p, scale, backend, attention_mask)
+            mask_4d = None if attention_mask is None else _as_4d(attention_mask, q.dtype)
+            key = _signature(q, k, v, is_causal, dropout_p, scale, backend, attention_mask, mask_4d)
             kernel, args = _REPEATS[key]
         except (AttributeError, KeyError, TypeError):  # not tensors, not seen, or unhashable flags
             pass
         else:
             if find_kernel(kernel.name) is kernel:  # still the kernel registered under its name
-                if attention_mask is not None:  # validated as this signature was: only reshape it
-                    args = {**args, "attention_mask": _as_4d(attention_mask, q.dtype)}
+                if mask_4d is not None:  # validated as this signature was: only its layout changes
+                    args = {**args, "attention_mask": mask_4d}
                 return kernel.fn(q, k, v, **args)[0]  # (B, H, S, D)
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                               backend, window, alibi_slopes)

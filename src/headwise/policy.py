@@ -30,7 +30,7 @@ def reads_values(t: torch.Tensor) -> bool:
     >>> reads_values(torch.ones(2))
     True
     """
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return t.is_cpu and not torch.compiler.is_compiling()
 
 
 # ---- the module's padding-free path ---------------------------------------------------
