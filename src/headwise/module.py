@@ -169,8 +169,9 @@ class MultiHeadAttention(nn.Module):
         backend: the kernel: ``"auto"`` or a name from :func:`headwise.available_backends`.
         packing: the padding-free path for self-attention with a 2-D padding mask: ``True``
             always takes it (projections on the real tokens only, attention per length
-            bucket), ``False`` never, ``"auto"`` where ``policy.PACK_MIN_PADDING`` of the
-            batch is padding and the kernel is ``"auto"``. (``backend="varlen"`` used to
+            bucket), ``False`` never, ``"auto"`` where the kernel is ``"auto"`` and
+            :func:`headwise.policy.estimate_packing` prices the packed path under the dense
+            one (:meth:`plan` gives both prices). (``backend="varlen"`` used to
             mean ``packing=True``; without ``packing=`` it still does, with a warning; with
             ``packing=`` given it names the kernel.)
         rope_parameters: Hugging Face's ``config.rope_parameters`` dict (``rope_type``
@@ -212,7 +213,7 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,  # None: num_heads (no grouping)
         is_causal: bool = False,
         backend: str = "auto",
-        packing: bool | str = "auto",  # "auto": by the padding share (policy.PACK_MIN_PADDING)
+        packing: bool | str = "auto",  # "auto": where the cost model prices it lower (policy.estimate_packing)
         rope: bool = False,
         rope_base: float | None = None,  # None: 10000 when rope=True; a value turns rope on
         alibi: bool = False,
