@@ -1,0 +1,51 @@
+"""The benchmark scripts behind "auto"'s cost model still run (tiny sizes, one repeat: no timing is judged)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from headwise import policy
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_pack_cost_measures_every_unit_cost(training, monkeypatch):
+    pack_cost = _load("pack_cost")
+    monkeypatch.setattr(pack_cost, "_seconds", lambda fn, repeats: _once(fn))
+    costs = pack_cost.measure(training, repeats=1)
+    assert isinstance(costs, policy.Costs)
+    assert all(math.isfinite(value) for value in vars(costs).values())
+
+
+def _once(fn) -> float:
+    import time
+
+    fn()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_auto_grid_pairs_the_modules_and_both_paths():
+    auto_grid = _load("auto_grid")
+    row = auto_grid.pair(2, 16, 32, 2, 0.4, repeats=1, paths=True, window=1e-4)
+    assert set(row.ratio) == set(row.other) == set(row.path) == {"fwd", "train"}
+    assert all(path in ("dense", "packed") for path in row.path.values())
+    assert all(ratio > 0 for ratio in (*row.ratio.values(), *row.other.values()))
+    assert 0 < row.padding < 1
+    dense = auto_grid.pair(1, 8, 32, 2, 0.0, repeats=1, window=1e-4)
+    assert dense.path == {"fwd": "dense", "train": "dense"} and dense.other == {}
