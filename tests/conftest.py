@@ -43,12 +43,15 @@ def _seeded():
 
 
 def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=None,
-                        keep=None, dropout_p=0.0, window=None, alibi_slopes=None):
+                        keep=None, dropout_p=0.0, window=None, alibi_slopes=None, softcap=None, sinks=None):
     """The mask contract written out independently of headwise, in float64.
 
     ``keep`` (B, H, S, Sk) bool, if given, is the dropout keep mask to apply.
     ``window``: key j allowed only if i + Sk - S - window < j <= i + Sk - S.
     ``alibi_slopes`` (H,): adds -slope_h * |i + Sk - S - j|.
+    ``softcap``: the scaled scores become softcap * tanh(s / softcap) before bias and mask.
+    ``sinks`` (H,): each row's denominator gains exp(sink_h), which adds nothing to the output.
+    Differentiable in q, k, v and sinks (gradients are float64).
     Returns (out (B, H, S, D), weights (B, H, S, Sk)).
     """
     q, k, v = q.double(), k.double(), v.double()
@@ -80,11 +83,20 @@ def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=
         allowed = allowed & (key > pos - window)
     if alibi_slopes is not None:
         bias = bias - alibi_slopes.double()[None, :, None, None] * (pos - key).abs().double()
-    s = q @ k.transpose(-2, -1) * scale + bias
+    s = q @ k.transpose(-2, -1) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s + bias
     row_max = torch.where(allowed, s, torch.tensor(-math.inf, dtype=s.dtype)).amax(-1, keepdim=True)
+    sink = None if sinks is None else sinks.double()[None, :, None, None].expand(B, H, S, 1)  # (B, H, S, 1)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     e = torch.exp(torch.where(allowed, s, row_max) - row_max) * allowed
-    weights = e / e.sum(-1, keepdim=True).clamp_min(1e-300)
+    denominator = e.sum(-1, keepdim=True)
+    if sink is not None:
+        denominator = denominator + torch.exp(sink - row_max)
+    weights = e / denominator.clamp_min(1e-300)
     p = weights
     if keep is not None:
         p = weights * keep / (1 - dropout_p)

@@ -24,7 +24,8 @@ from headwise.masks import normalize_mask
 __all__ = ["attention", "available_backends", "choose_backend"]
 
 
-def _check_structure(q: Tensor, window: int | None, alibi_slopes: Tensor | None) -> None:
+def _check_structure(q: Tensor, window: int | None, alibi_slopes: Tensor | None,
+                     softcap: float | None = None, sinks: Tensor | None = None) -> None:
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int):
             raise TypeError(f"window must be an int or None, got {type(window).__name__} ({window!r})")
@@ -45,6 +46,25 @@ def _check_structure(q: Tensor, window: int | None, alibi_slopes: Tensor | None)
             raise ValueError(
                 f"alibi_slopes is on {alibi_slopes.device} but the queries are on {q.device}"
             )
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__} ({softcap!r})")
+        if not math.isfinite(softcap) or softcap <= 0:
+            raise ValueError(f"softcap must be a finite number > 0 (Gemma 2 uses 50.0), got {softcap}")
+    if sinks is not None:
+        H = q.shape[1]
+        if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+            raise TypeError(
+                f"sinks must be a floating tensor of shape (H,), one logit per query head, got "
+                f"{type(sinks).__name__ if not isinstance(sinks, Tensor) else sinks.dtype}; "
+                "e.g. torch.zeros(num_heads)"
+            )
+        if sinks.shape != (H,):
+            raise ValueError(f"sinks must have shape (H,) = ({H},), one logit per query head, "
+                             f"got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks is on {sinks.device} but the queries are on {q.device}; "
+                             "move it with sinks.to(q.device)")
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str) -> None:
@@ -132,7 +152,8 @@ def _as_4d(mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 
 def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
-             need_weights: bool, window: int | None, alibi: bool) -> Request:
+             need_weights: bool, window: int | None, alibi: bool, softcap: bool = False,
+             sinks: bool = False) -> Request:
     B, H, S, D = q.shape
     lengths = _key_lengths(mask)
     return Request(
@@ -154,18 +175,20 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad),
         key_padding=_key_padding(lengths, k.shape[2]),
         key_lengths=lengths,
+        softcap=softcap,
+        sinks=sinks,
     )
 
 
 def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
-             window=None, alibi_slopes=None):
+             window=None, alibi_slopes=None, softcap=None, sinks=None):
     _check_inputs(q, k, v, dropout_p, backend)
-    _check_structure(q, window, alibi_slopes)
+    _check_structure(q, window, alibi_slopes, softcap, sinks)
     B, H, S, _ = q.shape
     mask = normalize_mask(attention_mask, batch=B, heads=H, q_len=S, k_len=k.shape[2],
                           device=q.device, dtype=q.dtype)
     request = _request(q, k, mask, is_causal, dropout_p, need_weights, window,
-                       alibi_slopes is not None)
+                       alibi_slopes is not None, softcap is not None, sinks is not None)
     return mask, select(request, backend)
 
 
@@ -182,11 +205,17 @@ def attention(
     need_weights: bool = False,
     window: int | None = None,  # None: unlimited
     alibi_slopes: Tensor | None = None,  # None: no ALiBi bias
+    softcap: float | None = None,  # None: no logit soft-capping
+    sinks: Tensor | None = None,  # None: no attention sinks
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention with headwise's mask contract.
 
     ``softmax(q k^T * scale + mask) v``, per head; a query row that may attend nothing
     returns zeros (and zero gradients), never NaN.
+
+    The order of operations: ``s = q k^T * scale``; ``s = softcap * tanh(s / softcap)``;
+    ALiBi's bias and the mask; softmax over ``[s, sink_h]`` with the sink column dropped;
+    dropout; ``@ v``.
 
     Args:
         q: queries (B, H, S, D).
@@ -206,9 +235,15 @@ def attention(
             ``i + Sk - S - window < j <= i + Sk - S`` (implies causal).
         alibi_slopes: (H,) slopes; adds ``-slope_h * |i + Sk - S - j|`` to the scores
             (``headwise.masks.alibi_slopes(H)`` gives the ALiBi paper's).
+        softcap: logit soft-capping as in Gemma 2: the scaled scores become
+            ``softcap * tanh(scores / softcap)`` before ALiBi and the mask (a float > 0).
+        sinks: (H,) floating sink logits on q's device, one per query head, as in gpt-oss:
+            each row's softmax gets one more column ``sinks[h]`` that takes probability
+            mass and adds nothing to the output; gradients reach ``sinks`` too.
 
     Returns:
-        The output (B, H, S, D), or ``(output, weights)`` when ``need_weights``.
+        The output (B, H, S, D), or ``(output, weights)`` when ``need_weights`` (with
+        ``sinks`` each row of the weights sums to ``1 - p(sink)``, less than 1).
 
     Raises:
         TypeError: non-tensor or non-floating inputs, dtypes that differ, a bad mask dtype.
@@ -218,11 +253,15 @@ def attention(
     >>> q = k = v = torch.randn(2, 8, 5, 16)
     >>> attention(q, k, v, torch.tensor([[1, 1, 1, 0, 0], [1] * 5])).shape
     torch.Size([2, 8, 5, 16])
+    >>> out, w = attention(q, k, v, softcap=50.0, sinks=torch.zeros(8), need_weights=True)
+    >>> bool((w.sum(-1) < 1).all())  # the sinks hold the rest of each row
+    True
     """
     if trace.ACTIVE:
         trace.begin_call()
     return attend(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-                  backend=backend, need_weights=need_weights, window=window, alibi_slopes=alibi_slopes)
+                  backend=backend, need_weights=need_weights, window=window, alibi_slopes=alibi_slopes,
+                  softcap=softcap, sinks=sinks)
 
 
 # A repeated maskless call (same signature: shapes, dtypes, devices, flags) reuses the
@@ -263,14 +302,15 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d
 
 
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
-           backend="auto", need_weights=False, window=None, alibi_slopes=None):
+           backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None):
     """:func:`attention` without opening a new call in an active trace (the module opens it).
 
     In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
     stages the kernel declares for this call (kernels hold no hooks of their own).
     """
     key = None
-    if (window is None and alibi_slopes is None and not need_weights
+    # The memo's signature holds no softcap or sinks: calls with either take the full path.
+    if (window is None and alibi_slopes is None and not need_weights and softcap is None and sinks is None
             and not trace.ACTIVE and not torch.compiler.is_compiling() and not _logs_choices()):
         try:
             mask_4d = None if attention_mask is None else _as_4d(attention_mask, q.dtype)
@@ -284,7 +324,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
                     args = {**args, "attention_mask": mask_4d}
                 return kernel.fn(q, k, v, **args)[0]  # (B, H, S, D)
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
-                              backend, window, alibi_slopes)
+                              backend, window, alibi_slopes, softcap, sinks)
     B, H, S, D = q.shape
     if trace.ACTIVE and trace.recording():
         if attention_mask is not None:
@@ -295,7 +335,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     scale_given = scale is not None
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
-        out = attached_zeros(q, k, v)  # (B, H, S, D), in q's graph: zero gradients
+        out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]))  # (B, H, S, D): zero gradients
         if trace.ACTIVE:
             trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
         return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
@@ -307,6 +347,8 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         need_weights=need_weights,
         window=window,
         alibi_slopes=alibi_slopes,
+        softcap=None if softcap is None else float(softcap),
+        sinks=sinks,
     )
     out, weights = dispatch.kernel.fn(q, k, v, **args)
     if key is not None:
@@ -340,6 +382,8 @@ def choose_backend(
     backend: str = "auto",
     window: int | None = None,
     alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Dispatch:
     """Which backend :func:`attention` would run for these arguments, and why.
 
@@ -353,7 +397,7 @@ def choose_backend(
     'sdpa'
     """
     return _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
-                    window, alibi_slopes)[1]
+                    window, alibi_slopes, softcap, sinks)[1]
 
 
 def available_backends() -> list[str]:

@@ -29,6 +29,8 @@ def bmm_attention(
     need_weights: bool,
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
+    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
+    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -41,7 +43,8 @@ def bmm_attention(
     v3 = v.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
     scores = torch.bmm(q3, k3.transpose(1, 2))  # (B*H, S, D) x (B*H, D, Sk) -> (B*H, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B*H, S, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
+                                            softcap, sinks)
     out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, D) -> (B*H, S, D)
     out = out.reshape(B, H, S, D)  # (B*H, S, D) -> (B, H, S, D)
     return out, weights if need_weights else None

@@ -15,6 +15,16 @@ Grouped-query attention runs on a (B, Hkv, G, S, D) view of q: the G query heads
 share a kv head are stacked into one matmul against that kv head, so k and v are never
 copied to H heads.
 
+Logit soft-capping (``softcap * tanh(s / softcap)``) is applied to each tile right after
+its product, before ALiBi and the mask; backward recomputes the tile's ``tanh`` ``t`` and
+multiplies the scores' gradient by its derivative ``1 - t^2``. Attention sinks are
+applied after the tiles, from the log-sum-exp: with the keys' ``lse`` of a row and its
+head's sink logit ``sink``, the row's full denominator is ``logaddexp(lse, sink)``, so the
+output is ``out * sigmoid(lse - sink)``. Forward saves that full log-sum-exp, so backward's
+``p = exp(s - lse)`` and ``delta = rowsum(dO * O)`` are the sink-aware ones as they stand,
+and the sink's own gradient is ``-sum over rows of delta * exp(sink - lse)`` (its column's
+probability times ``0 - delta``: a sink adds nothing to the output).
+
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S query length,
 Sk key length, D head dim, bq / bk the rows / columns of one tile.
 """
@@ -67,7 +77,8 @@ class _Plan:
     """Shapes, tiling and the mask of one call, shared by forward and backward."""
 
     def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool,
-                 window: int | None, slopes: Tensor | None, block_q: int, block_k: int):
+                 window: int | None, slopes: Tensor | None, block_q: int, block_k: int,
+                 softcap: float | None = None, sinks: Tensor | None = None):
         B, H, S, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
         self.B, self.H, self.Hkv, self.G, self.S, self.Sk, self.D = B, H, Hkv, H // Hkv, S, Sk, D
@@ -78,6 +89,10 @@ class _Plan:
         self.slopes5 = None  # (1, Hkv, G, 1, 1) ALiBi slopes
         if slopes is not None:
             self.slopes5 = slopes.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
+        self.softcap = softcap
+        self.sinks5 = None  # (1, Hkv, G, 1, 1) sink logits
+        if sinks is not None:
+            self.sinks5 = sinks.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
         self.q_blocks = [(i, min(i + block_q, S)) for i in range(0, S, block_q)]
         self.k_blocks = [(j, min(j + block_k, Sk)) for j in range(0, Sk, block_k)]
         self.mask5 = None
@@ -109,8 +124,9 @@ class _Plan:
 
 
 def _scores(plan: _Plan, qt: Tensor, kt: Tensor, i0: int, j0: int, mask_t: Tensor | None,
-            causal: Tensor | None) -> Tensor:
-    """Masked scores of one tile (B, Hkv, G, bq, bk); ``qt`` is already scaled.
+            causal: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Masked scores of one tile (B, Hkv, G, bq, bk) and, with soft-capping, the tile's
+    ``tanh(s / softcap)`` (else None); ``qt`` is already scaled.
 
     Every step after the matmul works in place on the tile: the elementwise passes, not
     the matmuls, dominate a blockwise kernel written in PyTorch.
@@ -118,6 +134,10 @@ def _scores(plan: _Plan, qt: Tensor, kt: Tensor, i0: int, j0: int, mask_t: Tenso
     B, Hkv, G, bq, _ = qt.shape
     s = torch.matmul(qt.reshape(B, Hkv, G * bq, qt.shape[-1]), kt.transpose(-2, -1))
     s = s.reshape(B, Hkv, G, bq, kt.shape[-2])  # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
+    t = None
+    if plan.softcap is not None:
+        t = s.div_(plan.softcap).tanh_()  # (B, Hkv, G, bq, bk), kept for backward's 1 - t^2
+        s = t * plan.softcap
     if mask_t is not None:  # a bool mask is stored inverted (True = blocked)
         s = s.masked_fill_(mask_t, float("-inf")) if mask_t.dtype == torch.bool else s.add_(mask_t)
     if plan.slopes5 is not None:
@@ -126,7 +146,7 @@ def _scores(plan: _Plan, qt: Tensor, kt: Tensor, i0: int, j0: int, mask_t: Tenso
         s = s.sub_(plan.slopes5 * (i - j).abs().to(s.dtype))  # ALiBi: (1, Hkv, G, 1, 1) x (bq, bk)
     if causal is not None:
         s = s.masked_fill_(~causal, float("-inf"))
-    return s
+    return s, t
 
 
 def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float,
@@ -139,7 +159,7 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
     for tile, (i0, i1), (j0, j1), causal in plan.tiles():
         qt = qs[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
-        s = _scores(plan, qt, kt, i0, j0, plan.mask_tile(i0, i1, j0, j1), causal)
+        s, _ = _scores(plan, qt, kt, i0, j0, plan.mask_tile(i0, i1, j0, j1), causal)
         before = running.get(i0)
         m_tile = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G, bq, 1)
         m_new = m_tile if before is None else torch.maximum(before[0], m_tile)
@@ -161,8 +181,18 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
             running[i0] = (m_new, alpha * l_old + l_tile, alpha * acc + pv)
     for i0, i1 in plan.q_blocks:
         if i0 not in running:
-            continue  # every tile of these rows is causally blocked: zeros, lse 0
+            continue  # every tile of these rows is causally blocked: zeros, lse 0 (a sink takes it all)
         m, l, acc = running.pop(i0)
+        if plan.sinks5 is not None:
+            # The sink joins the denominator: lse = logaddexp(m + log l, sink), and
+            # acc / exp(lse - m) is the output (B, Hkv, G, bq, D).
+            m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            total = torch.logaddexp(m_safe + torch.log(l), plan.sinks5)  # (B, Hkv, G, bq, 1)
+            alive = total > float("-inf")  # False only where the keys and the sink are all -inf
+            total = torch.where(alive, total, 0.0)
+            out[:, :, :, i0:i1] = acc * torch.exp(m_safe - total)
+            lse[:, :, :, i0:i1] = total
+            continue
         alive = l > 0
         out[:, :, :, i0:i1] = acc / torch.where(alive, l, torch.ones_like(l))
         lse[:, :, :, i0:i1] = torch.where(alive, m + torch.log(torch.where(alive, l, 1.0)), 0.0)
@@ -183,12 +213,17 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     #   = c * p * (dp_kept - delta / c): the factor c moves onto the small matmul results.
     keep_scale = 1 / (1 - dropout_p)
     delta = (dout * out).sum(dim=-1, keepdim=True) / keep_scale  # (B, Hkv, G, S, 1)
+    dsinks5 = None  # d sink = -sum over rows of delta * p(sink), p(sink) = exp(sink - lse)
+    if plan.sinks5 is not None:
+        p_sink = torch.exp(plan.sinks5 - lse)  # (B, Hkv, G, S, 1)
+        dsinks5 = -(delta * keep_scale * p_sink).sum(dim=(0, 3, 4), keepdim=True)  # (1, Hkv, G, 1, 1)
     for tile, (i0, i1), (j0, j1), causal in plan.tiles():
         bq, bk = i1 - i0, j1 - j0
         qt, dot = qs[:, :, :, i0:i1], dout[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
         kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
         mask_t = plan.mask_tile(i0, i1, j0, j1)
-        p = _scores(plan, qt, kt, i0, j0, mask_t, causal).sub_(lse[:, :, :, i0:i1]).exp_()  # (B, Hkv, G, bq, bk)
+        s, t = _scores(plan, qt, kt, i0, j0, mask_t, causal)
+        p = s.sub_(lse[:, :, :, i0:i1]).exp_()  # (B, Hkv, G, bq, bk)
         dot3 = dot.reshape(B, Hkv, G * bq, D)
         dp = torch.matmul(dot3, vt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk)
         # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
@@ -202,7 +237,9 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         # (B, Hkv, bk, G*bq) x (B, Hkv, G*bq, D) -> (B, Hkv, bk, D)
         dv[:, :, j0:j1] += dv_tile.mul_(keep_scale) if dropout_p > 0 else dv_tile
         ds = dp.sub_(delta[:, :, :, i0:i1]).mul_(p)  # ds / c, (B, Hkv, G, bq, bk)
-        ds3 = ds.reshape(B, Hkv, G * bq, bk)
+        # Soft-capping: d(softcap * tanh(x / softcap)) / dx = 1 - t^2 carries ds back to q k^T * scale.
+        ds_raw = ds if t is None else ds * (1 - t * t)  # (B, Hkv, G, bq, bk)
+        ds3 = ds_raw.reshape(B, Hkv, G * bq, bk)
         dq[:, :, :, i0:i1] += torch.matmul(ds3, kt).reshape(B, Hkv, G, bq, D).mul_(scale * keep_scale)
         # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
         dk_tile = torch.matmul(ds3.transpose(-2, -1), qt.reshape(B, Hkv, G * bq, D))
@@ -214,32 +251,34 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
             g = ds.sum(dim=reduce_dims, keepdim=True) if reduce_dims else ds
             rows = slice(i0, i1) if dmask5.shape[3] != 1 else slice(None)
             dmask5[:, :, :, rows, j0:j1] += g
-    return dq, dk, dv, dmask5
+    return dq, dk, dv, dmask5, dsinks5
 
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, window, slopes, dropout_p, scale, seed, block_q, block_k):
-        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k)
+    def forward(ctx, q, k, v, mask, is_causal, window, slopes, dropout_p, scale, seed, block_q, block_k,
+                softcap, sinks):
+        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k, softcap, sinks)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
         out, lse = _forward(plan, qg, k, v, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, mask, slopes)
-        ctx.args = (is_causal, window, dropout_p, scale, seed, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse, mask, slopes, sinks)
+        ctx.args = (is_causal, window, dropout_p, scale, seed, block_q, block_k, softcap)
         return out.reshape(plan.B, plan.H, plan.S, plan.D)  # (B, Hkv, G, S, D) -> (B, H, S, D)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, mask, slopes = ctx.saved_tensors
-        is_causal, window, dropout_p, scale, seed, block_q, block_k = ctx.args
-        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k)
+        q, k, v, out, lse, mask, slopes, sinks = ctx.saved_tensors
+        is_causal, window, dropout_p, scale, seed, block_q, block_k, softcap = ctx.args
+        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k, softcap, sinks)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, Hkv, G, S, D)
         dout = dout.reshape(out.shape)  # (B, H, S, D) -> (B, Hkv, G, S, D)
         mask_grad = mask is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dmask5 = _backward(plan, qg, k, v, out, lse, dout, scale, dropout_p, seed,
-                                       mask_grad)
+        dq, dk, dv, dmask5, dsinks5 = _backward(plan, qg, k, v, out, lse, dout, scale, dropout_p, seed,
+                                                mask_grad)
         dmask = dmask5.reshape(mask.shape) if dmask5 is not None else None
-        return dq.reshape(q.shape), dk, dv, dmask, *([None] * 9)
+        dsinks = dsinks5.reshape(sinks.shape).to(sinks.dtype) if dsinks5 is not None else None  # (H,)
+        return dq.reshape(q.shape), dk, dv, dmask, *([None] * 9), dsinks
 
 
 def chunked_attention(
@@ -254,6 +293,8 @@ def chunked_attention(
     need_weights: bool,
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
+    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
+    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
     block_q: int | None = None,  # None: policy.CHUNKED_BLOCK_Q
     block_k: int | None = None,  # None: policy.CHUNKED_BLOCK_K
 ) -> tuple[Tensor, Tensor | None]:
@@ -264,9 +305,11 @@ def chunked_attention(
         q, k, v = q.float(), k.float(), v.float()
         if attention_mask is not None and attention_mask.is_floating_point():
             attention_mask = attention_mask.float()
+        if sinks is not None:
+            sinks = sinks.float()
     out = _ChunkedAttention.apply(
         q, k, v, attention_mask, is_causal, window, alibi_slopes, dropout_p, scale, seed,
-        block_q or policy.CHUNKED_BLOCK_Q, block_k or policy.CHUNKED_BLOCK_K,
+        block_q or policy.CHUNKED_BLOCK_Q, block_k or policy.CHUNKED_BLOCK_K, softcap, sinks,
     )
     return out.to(dtype), None
 

@@ -26,8 +26,10 @@ def mask_softmax_dropout(
     dropout_p: float,
     window: int | None = None,
     alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Mask the scaled scores, softmax them, and apply dropout: the middle of attention.
+    """Cap, mask the scaled scores, softmax them, and apply dropout: the middle of attention.
 
     Args:
         scores: scaled scores (B, H, S, Sk).
@@ -36,17 +38,30 @@ def mask_softmax_dropout(
         dropout_p: dropout probability on the weights (0 disables it).
         window: causal sliding window length (None: unlimited).
         alibi_slopes: (H,) ALiBi slopes (None: no positional bias).
+        softcap: soft-capping ``softcap * tanh(scores / softcap)``, before ALiBi and the
+            mask (None: none).
+        sinks: (H,) sink logits: one more column in each row's softmax, dropped after it
+            (None: none).
 
     Returns:
         ``(weights, dropped)``, both (B, H, S, Sk): the probabilities (zero rows where
-        nothing may be attended) and the same after dropout.
+        nothing may be attended; with sinks each row sums to less than 1) and the same
+        after dropout.
     """
     S, Sk = scores.shape[-2:]
     mask = combined_mask(attention_mask, is_causal, S, Sk, scores.device, window)  # (B|1, H|1, S|1, Sk)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap  # (B, H, S, Sk), in (-softcap, softcap)
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes.to(scores.dtype), S, Sk)  # + (1, H, S, Sk)
     scores = masked_scores(scores, mask)  # (B, H, S, Sk)
-    weights = safe_softmax(scores)  # (B, H, S, Sk)
+    if sinks is None:
+        weights = safe_softmax(scores)  # (B, H, S, Sk)
+    else:
+        B, H = scores.shape[:2]
+        column = sinks.to(scores.dtype).reshape(1, H, 1, 1).expand(B, H, S, 1)  # (H,) -> (B, H, S, 1)
+        scores = torch.cat([scores, column], dim=-1)  # (B, H, S, Sk + 1): the sink is key Sk
+        weights = safe_softmax(scores)[..., :Sk]  # (B, H, S, Sk + 1) -> (B, H, S, Sk), the sink dropped
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights  # (B, H, S, Sk)
     return weights, dropped
 

@@ -85,17 +85,39 @@ def alibi_note(call: Call) -> str:
     return f"+ -slope_h * |{_position(Sk - S)} - j|, {which}: a (1, H, S, Sk) = {(1, H, S, Sk)} bias"
 
 
+def softcap_note(call: Call) -> str:
+    """Soft-capping with the call's real cap."""
+    return (f"softcap * tanh(scores / softcap), softcap = {call.softcap:.4g}: every score squashed into "
+            f"(-{call.softcap:.4g}, {call.softcap:.4g})")
+
+
+def sinks_note(call: Call) -> str:
+    """The sink column with the call's real sink logits."""
+    sinks = call.sinks.tolist() if call.sinks is not None else []
+    _, H, _, S, Sk, _ = call.sizes
+    which = f"logit {sinks[0]:.3g}" if H == 1 else f"logits {sinks[0]:.3g} (head 0) to {sinks[-1]:.3g} (head {H - 1})"
+    return f"one sink column per head appended as key {Sk}, sink {which}: (B, H, S, Sk + 1)"
+
+
 def middle(call: Call) -> list[KernelStage]:
     """The stages of :func:`headwise.kernels.common.mask_softmax_dropout`, in its order:
-    alibi (when given), mask, softmax, dropout, each (B, H, S, Sk)."""
+    softcap, alibi (when given), mask, sinks (when given), softmax, dropout, each
+    (B, H, S, Sk) but the sinks' (B, H, S, Sk + 1)."""
     B, H, _, S, Sk, _ = call.sizes
     shape, dtype = (B, H, S, Sk), call.q.dtype
     stages = []
+    if call.softcap is not None:
+        stages.append(KernelStage("softcap", shape, dtype, softcap_note(call)))
     if call.alibi_slopes is not None:
         stages.append(KernelStage("alibi", shape, dtype, alibi_note(call)))
     stages.append(KernelStage("mask", shape, dtype, mask_note(call)))
-    stages.append(KernelStage("softmax", shape, dtype,
-                              f"softmax over Sk = {Sk} keys; a row with nothing to attend -> zeros, not NaN"))
+    if call.sinks is None:
+        softmax = f"softmax over Sk = {Sk} keys; a row with nothing to attend -> zeros, not NaN"
+    else:
+        stages.append(KernelStage("sinks", (B, H, S, Sk + 1), dtype, sinks_note(call)))
+        softmax = (f"softmax over Sk + 1 = {Sk + 1} columns, the sink column dropped after it: each row sums "
+                   "to 1 - p(sink); a row with nothing else to attend -> zeros")
+    stages.append(KernelStage("softmax", shape, dtype, softmax))
     p = call.dropout_p
     dropout = (f"p = {p}: zero weights at random, scale the rest by 1/(1-p) = {1 / (1 - p):.4g}" if p > 0
                else "p = 0: identity")
@@ -114,7 +136,8 @@ def textbook(call: Call, *, scores: str, weighted_sum: str, copies_kv: str | Non
             copies k and v to H heads first (a ``repeat kv heads`` stage when Hkv < H).
 
     Returns:
-        [repeat kv heads], scaling, scores, [alibi], mask, softmax, dropout, weighted sum.
+        [repeat kv heads], scaling, scores, [softcap], [alibi], mask, [sinks], softmax,
+        dropout, weighted sum.
     """
     B, H, _, S, Sk, D = call.sizes
     dtype = call.q.dtype
@@ -129,10 +152,14 @@ def textbook(call: Call, *, scores: str, weighted_sum: str, copies_kv: str | Non
 def fused_steps(call: Call) -> list[str]:
     """The textbook stages a fused kernel does for this call, by their names."""
     steps = ["scaling", "scores"]
+    if call.softcap is not None:
+        steps.append(f"softcap {call.softcap:.4g}")
     if call.alibi_slopes is not None:
         steps.append("alibi")
     if call.attention_mask is not None or call.is_causal:
         steps.append("mask")
+    if call.sinks is not None:
+        steps.append("sinks")
     steps.append("softmax")
     if call.dropout_p > 0:
         steps.append("dropout")

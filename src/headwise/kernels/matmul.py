@@ -29,6 +29,8 @@ def matmul_attention(
     need_weights: bool,
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
+    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
+    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
 ) -> tuple[Tensor, Tensor | None]:
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:
@@ -38,7 +40,8 @@ def matmul_attention(
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     scores = torch.matmul(q, k.transpose(-2, -1))  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
+                                            softcap, sinks)
     out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)
     return out, weights if need_weights else None
 

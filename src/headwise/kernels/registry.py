@@ -6,7 +6,7 @@ D head dim.
 A kernel is a function with one keyword-only signature::
 
     kernel(q, k, v, *, attention_mask, is_causal, dropout_p, scale, need_weights,
-           window, alibi_slopes) -> (out, weights)
+           window, alibi_slopes, softcap, sinks) -> (out, weights)
 
 * ``q`` (B, H, S, D), ``k`` and ``v`` (B, Hkv, Sk, D) with ``H % Hkv == 0``;
 * ``attention_mask`` is ``None`` or already normalised by
@@ -14,8 +14,18 @@ A kernel is a function with one keyword-only signature::
 * ``window`` (None or int >= 1): query ``i`` attends keys ``j`` with
   ``i + Sk - S - window < j <= i + Sk - S``; a window implies the causal bound;
 * ``alibi_slopes`` (None or (H,)): add ``-slope_h * |i + Sk - S - j|`` to the scores;
+* ``softcap`` (None or float > 0): logit soft-capping, ``s = softcap * tanh(s / softcap)``
+  on the scaled scores, before ALiBi and the mask (Gemma 2);
+* ``sinks`` (None or (H,) floating): one logit per head, an extra column of the softmax's
+  denominator that takes probability mass and adds nothing to the output (gpt-oss);
+* the order of operations is ``s = q k^T * scale``; softcap; ALiBi and the mask; softmax
+  over ``[s, sink_h]`` with the sink column dropped; dropout; ``@ v``;
 * ``out`` is (B, H, S, D); ``weights`` is the (B, H, S, Sk) softmax before dropout when
-  ``need_weights`` is True (only kernels that declare ``supports_weights``), else None.
+  ``need_weights`` is True (only kernels that declare ``supports_weights``), else None
+  (with sinks its rows sum to less than 1: the sink holds the rest).
+
+A kernel that does not take ``softcap`` or ``sinks`` still accepts the keywords and refuses
+them in its ``refuses`` (``Request.softcap`` / ``Request.sinks``), so "auto" routes around it.
 
 Kernels never own parameters and never validate caller input: :func:`headwise.attention`
 has done that. The built-in kernels are listed in one place, ``headwise.kernels.BUILTIN``;
@@ -62,6 +72,8 @@ class Request:
     alibi: bool = False  # ALiBi slopes given
     key_padding: float | None = None  # share of padded keys (to 0.05) for a key padding mask on CPU
     key_lengths: tuple[int, ...] | None = None  # real keys per batch row, known where key_padding is
+    softcap: bool = False  # logit soft-capping asked for
+    sinks: bool = False  # per-head sink logits given
 
     @property
     def is_gqa(self) -> bool:
@@ -92,6 +104,8 @@ class Call:
         window: causal sliding window length (None: unlimited).
         alibi_slopes: (H,) ALiBi slopes (None: no positional bias).
         scale_given: True when the caller passed ``scale=``; False when it is ``1 / sqrt(D)``.
+        softcap: logit soft-capping ``softcap * tanh(s / softcap)`` (None: none).
+        sinks: (H,) sink logits (None: no sinks).
     """
 
     q: Tensor
@@ -105,6 +119,8 @@ class Call:
     window: int | None = None  # None: unlimited
     alibi_slopes: Tensor | None = None  # None: no ALiBi
     scale_given: bool = False
+    softcap: float | None = None  # None: no soft-capping
+    sinks: Tensor | None = None  # None: no sink logits
 
     @property
     def sizes(self) -> tuple[int, int, int, int, int, int]:

@@ -11,6 +11,14 @@ Three things differ between torch's SDPA and our contract, and are handled here:
   version: such rows are unblocked before the call (so no 0/0 arises inside SDPA) and
   zeroed after it (so no gradient leaves them).
 
+Attention sinks are exact through SDPA's own arguments: one zero key and one zero value
+are appended, and the additive mask's column for that key is the head's sink logit, so
+``q . 0 * scale + sink_h = sink_h`` joins the softmax's denominator and adds nothing to
+the output (gradients reach the sinks through the mask). It costs a copy of k and v one
+key longer and an explicit float mask. Logit soft-capping cannot be expressed: SDPA
+applies no function to the scores between the product and the softmax, so the kernel
+refuses ``softcap``.
+
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim.
 """
@@ -23,7 +31,7 @@ from torch import Tensor
 
 from headwise import policy
 from headwise.kernels import describe
-from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.kernels.registry import Call, Kernel, KernelStage, Request
 from headwise.masks import alibi_bias, combined_mask, row_is_dead
 
 # enable_gqa arrived in torch 2.5; before it, kv heads are repeated (a copy).
@@ -63,10 +71,41 @@ def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict]:
 
 
 def _own_arguments(attention_mask: Tensor | None, is_causal: bool, window: int | None,
-                   alibi_slopes: Tensor | None, S: int, Sk: int) -> bool:
-    """True when SDPA's own arguments express the call: no mask, no window, no ALiBi, and
-    causal only where S == Sk (SDPA's causal is top-left aligned, ours bottom-right)."""
-    return attention_mask is None and window is None and alibi_slopes is None and (not is_causal or S == Sk)
+                   alibi_slopes: Tensor | None, S: int, Sk: int, sinks: Tensor | None = None) -> bool:
+    """True when SDPA's own arguments express the call: no mask, no window, no ALiBi, no
+    sinks, and causal only where S == Sk (SDPA's causal is top-left aligned, ours bottom-right)."""
+    return (attention_mask is None and window is None and alibi_slopes is None and sinks is None
+            and (not is_causal or S == Sk))
+
+
+def with_sink(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+              sinks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """k, v and the mask with one more key, the sink: a zero key and value whose mask
+    column is the head's sink logit. Shared with the ``varlen`` kernel.
+
+    Args:
+        q: queries (B, H, S, D).
+        k: keys (B, Hkv, Sk, D).
+        v: values (B, Hkv, Sk, D).
+        mask: (B|1, H|1, S|1, Sk) bool (True = attend) or additive float, or None.
+        sinks: (H,) sink logits.
+
+    Returns:
+        ``(k, v, mask)``: (B, Hkv, Sk + 1, D) twice and a float mask (B|1, H, S|1, Sk + 1).
+    """
+    B, H, S, _ = q.shape
+    Sk = k.shape[2]
+    zero = k.new_zeros(B, k.shape[1], 1, k.shape[3])  # (B, Hkv, 1, D)
+    k = torch.cat([k, zero], dim=2)  # (B, Hkv, Sk + 1, D)
+    v = torch.cat([v, zero], dim=2)  # (B, Hkv, Sk + 1, D)
+    if mask is None:
+        mask = q.new_zeros(1, 1, 1, Sk)  # (1, 1, 1, Sk): every key visible
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    b, s = mask.shape[0], mask.shape[2]
+    column = sinks.to(q.dtype).reshape(1, H, 1, 1).expand(b, H, s, 1)  # (H,) -> (B|1, H, S|1, 1)
+    mask = torch.cat([mask.expand(b, H, s, Sk), column], dim=-1)  # (B|1, H, S|1, Sk + 1)
+    return k, v, mask
 
 
 def _folded_mask(q: Tensor, k: Tensor, attention_mask: Tensor | None, is_causal: bool, window: int | None,
@@ -96,15 +135,29 @@ def sdpa_attention(
     need_weights: bool,
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
+    softcap: float | None = None,  # must be None: SDPA cannot cap its scores (refused by dispatch)
+    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
 ) -> tuple[Tensor, Tensor | None]:
-    if _own_arguments(attention_mask, is_causal, window, alibi_slopes, q.shape[-2], k.shape[-2]):
+    if softcap is not None:
+        raise ValueError(f"the sdpa kernel cannot soft-cap the scores (softcap={softcap}): "
+                         "F.scaled_dot_product_attention applies no tanh; use backend 'chunked' or 'matmul'")
+    if _own_arguments(attention_mask, is_causal, window, alibi_slopes, q.shape[-2], k.shape[-2], sinks):
         k, v, extra = _grouped(q, k, v)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )  # (B, H, S, D)
         return out, None
     mask = _folded_mask(q, k, attention_mask, is_causal, window, alibi_slopes)  # (B|1, H|1, S|1, Sk)
+    if sinks is not None:
+        k, v, mask = with_sink(q, k, v, mask, sinks)  # one more key: (.., Sk + 1, ..)
     return sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale), None  # (B, H, S, D)
+
+
+def _refuses(r: Request) -> str | None:
+    if r.softcap:
+        return ("cannot soft-cap the scores (softcap): F.scaled_dot_product_attention applies no function "
+                "between q k^T and the softmax; use backend 'chunked' or 'matmul'")
+    return None
 
 
 _TORCH_BACKENDS = {0: "math", 1: "flash attention", 2: "memory-efficient", 3: "cuDNN", 4: "overrideable"}
@@ -147,7 +200,7 @@ def sdpa_stages(call: Call) -> list[KernelStage]:
     if Hkv != H:
         grouped = (describe.shared_kv(call) + " (enable_gqa)" if SDPA_HAS_GQA
                    else f"; k, v repeated to H = {H} heads first (a copy; torch < 2.5 has no enable_gqa)")
-    if _own_arguments(call.attention_mask, call.is_causal, call.window, call.alibi_slopes, S, Sk):
+    if _own_arguments(call.attention_mask, call.is_causal, call.window, call.alibi_slopes, S, Sk, call.sinks):
         mask = None
         how = "in F.scaled_dot_product_attention" + ("(is_causal=True)" if call.is_causal else "") + grouped
     else:
@@ -157,6 +210,9 @@ def sdpa_stages(call: Call) -> list[KernelStage]:
             folded.append(describe.causal_rule(call))
         if call.alibi_slopes is not None:
             folded.append("ALiBi")
+        if call.sinks is not None:
+            k, v, mask = with_sink(q, k, v, mask, call.sinks)
+            folded.append(f"the sink logits as the column of one appended zero key and value, Sk + 1 = {Sk + 1}")
         if mask is None:  # _own_arguments is False: something was folded
             raise RuntimeError("sdpa_stages: no folded mask where the call's own arguments do not suffice")
         kind = str(mask.dtype).removeprefix("torch.")
@@ -175,5 +231,6 @@ KERNEL = Kernel(
     summary="torch.nn.functional.scaled_dot_product_attention (fused where torch can)",
     native_gqa=SDPA_HAS_GQA,
     fused=True,
+    refuses=_refuses,
     stages=sdpa_stages,
 )

@@ -521,6 +521,10 @@ def _refuses(r: Request) -> str | None:
                 "use backend 'sdpa' or 'chunked' for per-query or per-head masks")
     if r.dropout_p > 0:
         return f"has no dropout (dropout_p={r.dropout_p}); use backend 'sdpa' or 'chunked'"
+    if r.softcap:
+        return "has no logit soft-capping (softcap); use backend 'chunked'"
+    if r.sinks:
+        return "has no attention sinks (sinks); use backend 'sdpa' or 'chunked'"
     return None
 
 
@@ -829,6 +833,8 @@ def triton_attention(
     need_weights: bool,
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
+    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
+    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
 ) -> tuple[Tensor, Tensor | None]:
     """Fused attention on a GPU (or Triton's interpreter); see the module docstring.
 
@@ -857,6 +863,8 @@ def triton_attention(
         )
     if dropout_p > 0:
         raise ValueError(f"the triton kernel has no dropout (dropout_p={dropout_p}); use backend 'sdpa' or 'chunked'")
+    if softcap is not None or sinks is not None:
+        raise ValueError("the triton kernel has no logit soft-capping or attention sinks; use backend 'chunked'")
     B, H, S, D = q.shape
     Sk = k.shape[2]
     if S == 0 or Sk == 0:  # nothing to compute; rows with no keys are zeros by the contract

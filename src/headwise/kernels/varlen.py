@@ -7,7 +7,10 @@ attends on its own, reading a view of its first keys when the padding is on the 
 similar key counts, each run with only as many key columns as its longest row has real
 keys. Causality, windows and ALiBi are rebuilt from the keys' original positions, and the
 rest of a mask (3-D, 4-D, float) is gathered at the kept keys' columns, so the result is
-the dense result for every mask of the contract. Queries are all kept (the functional
+the dense result for every mask of the contract. Attention sinks join each bucket's SDPA
+call as one appended zero key (see :mod:`headwise.kernels.sdpa`); a row with no real key
+gives zeros with or without them. Logit soft-capping is refused, as SDPA cannot apply it.
+Queries are all kept (the functional
 contract gives padded queries an output too); the module's packed path
 (:mod:`headwise.varlen`) also drops padded queries.
 
@@ -23,8 +26,8 @@ from torch import Tensor
 from headwise import policy
 from headwise.kernels import describe
 from headwise.kernels.common import attached_zeros, length_buckets
-from headwise.kernels.registry import Call, Kernel, KernelStage
-from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages
+from headwise.kernels.registry import Call, Kernel, KernelStage, Request
+from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages, with_sink
 
 
 def _real_keys(m: Tensor, B: int, Sk: int) -> tuple[Tensor, Tensor, list[int]]:
@@ -78,10 +81,16 @@ def varlen_attention(
     need_weights: bool,
     window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
+    softcap: float | None = None,  # must be None: refused, SDPA cannot cap its scores
+    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
 ) -> tuple[Tensor, Tensor | None]:
     if attention_mask is None:  # no padding to drop: the dense kernel is the same computation
         return sdpa_attention(q, k, v, attention_mask=None, is_causal=is_causal, dropout_p=dropout_p,
-                              scale=scale, need_weights=False, window=window, alibi_slopes=alibi_slopes)
+                              scale=scale, need_weights=False, window=window, alibi_slopes=alibi_slopes,
+                              softcap=softcap, sinks=sinks)
+    if softcap is not None:
+        raise ValueError(f"the varlen kernel cannot soft-cap the scores (softcap={softcap}); "
+                         "use backend 'chunked' or 'matmul'")
     B, H, S, D = q.shape
     Sk = k.shape[2]
     m = attention_mask  # (B|1, H|1, S|1, Sk)
@@ -91,7 +100,7 @@ def varlen_attention(
     rest = None if m.dtype == torch.bool and m.shape[1:3] == (1, 1) else m.expand(B, -1, -1, -1)  # (B, H|1, S|1, Sk)
     groups = _groups(lengths)
     if not groups:  # no row has a key: the contract's zero rows, in the graph of q, k and v
-        return attached_zeros(q, k, v), None  # (B, H, S, D)
+        return attached_zeros(q, k, v, *([] if sinks is None else [sinks])), None  # (B, H, S, D)
     span = torch.arange(Sk, device=q.device)  # (Sk,)
     # Right padding (real keys first, the usual layout) needs no gather: a row reads k[b, :, :L, :].
     prefix = bool((keys == (span[None, :] < sizes[:, None])).all())
@@ -136,6 +145,8 @@ def varlen_attention(
             mask = bias
         else:
             mask = bias.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            kb, vb, mask = with_sink(qb, kb, vb, mask, sinks)  # one more key: (n, .., L + 1, ..)
         ob = sdpa_masked(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale)  # (n, H, S, D)
         for r, o in zip(rows, ob.unbind(0), strict=True):
             out_rows[r] = o
@@ -143,6 +154,13 @@ def varlen_attention(
         zeros = q.new_zeros(H, S, v.shape[-1])
         out_rows.update({r: zeros for r in range(B) if r not in out_rows})
     return torch.stack([out_rows[r] for r in range(B)]), None  # (B, H, S, D)
+
+
+def _refuses(r: Request) -> str | None:
+    if r.softcap:
+        return ("cannot soft-cap the scores (softcap): its buckets run F.scaled_dot_product_attention, which "
+                "applies no function between q k^T and the softmax; use backend 'chunked' or 'matmul'")
+    return None
 
 
 def varlen_stages(call: Call) -> list[KernelStage]:
@@ -158,6 +176,8 @@ def varlen_stages(call: Call) -> list[KernelStage]:
     how = (f"per group of rows with similar real-key counts: {len(groups)} F.scaled_dot_product_attention "
            f"call{'s' if len(groups) > 1 else ''} on {sum(lengths)} of {B * Sk} keys, the widest {max(lengths)} "
            f"keys{describe.shared_kv(call)}")
+    if call.sinks is not None:
+        how += "; the sink logits as one appended zero key per call"
     return [describe.fused(call, "varlen", how, f"the dense scores {describe.scores_shape(call)} never exist")]
 
 
@@ -167,5 +187,6 @@ KERNEL = Kernel(
     summary="drops padded keys per batch row and runs SDPA per length bucket; cost follows real keys",
     native_gqa=True,
     fused=True,
+    refuses=_refuses,
     stages=varlen_stages,
 )
