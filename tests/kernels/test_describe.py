@@ -41,6 +41,10 @@ CASES = {
     "given-scale": {"scale": 0.3},
     "float64-everything": {"dtype": torch.float64, "kv_heads": 2, "Sk": 7, "mask": "key padding",
                            "causal": True, "alibi": True, "dropout": 0.2, "scale": 0.5, "window": 3},
+    "softcap-sinks-gqa-padding": {"softcap": 2.0, "sinks": True, "kv_heads": 2, "mask": "key padding",
+                                  "causal": True, "Sk": 7},
+    "softcap-alibi-dropout": {"softcap": 0.5, "alibi": True, "dropout": 0.2},
+    "sinks-float-3d": {"sinks": True, "mask": "float 3-D"},
 }
 
 
@@ -95,6 +99,10 @@ def inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
               "window": case.get("window"), "scale": case.get("scale")}
     if case.get("alibi"):
         kwargs["alibi_slopes"] = headwise.masks.alibi_slopes(H).to(dtype)
+    if case.get("softcap"):
+        kwargs["softcap"] = case["softcap"]
+    if case.get("sinks"):
+        kwargs["sinks"] = torch.linspace(-1.0, 2.0, H, dtype=dtype)
     return q, k, v, mask, kwargs
 
 
@@ -102,7 +110,9 @@ def expected_names(name: str, case: dict) -> list[str]:
     """The textbook stage names, worked out from the case (not from the descriptions)."""
     copies = ["repeat kv heads"] if name in COPIES_KV and case.get("kv_heads", H) != H else []
     alibi = ["alibi"] if case.get("alibi") else []
-    return [*copies, "scaling", "scores", *alibi, "mask", "softmax", "dropout", "weighted sum"]
+    softcap = ["softcap"] if case.get("softcap") else []
+    sinks = ["sinks"] if case.get("sinks") else []
+    return [*copies, "scaling", "scores", *softcap, *alibi, "mask", *sinks, "softmax", "dropout", "weighted sum"]
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -191,6 +201,15 @@ def test_alibi_and_dropout_notes_carry_their_values():
     assert notes["softmax"] == "softmax over Sk = 7 keys; a row with nothing to attend -> zeros, not NaN"
 
 
+def test_softcap_and_sinks_notes_carry_their_values():
+    notes = _notes("matmul", {"softcap": 2.0, "sinks": True, "Sk": 7})
+    assert notes["softcap"] == "softcap * tanh(scores / softcap), softcap = 2: every score squashed into (-2, 2)"
+    assert notes["sinks"] == ("one sink column per head appended as key 7, sink logits -1 (head 0) to 2 (head 3): "
+                              "(B, H, S, Sk + 1)")
+    assert notes["softmax"] == ("softmax over Sk + 1 = 8 columns, the sink column dropped after it: each row sums "
+                                "to 1 - p(sink); a row with nothing else to attend -> zeros")
+
+
 # Fused kernels: one stage that names what it fused and what it never materialised.
 
 def _fused(name: str, q, k, v, mask=None, **kwargs):
@@ -219,6 +238,19 @@ def test_chunked_lists_only_the_steps_it_did():
     note = _fused("chunked", q, k, v, dropout_p=0.1, alibi_slopes=headwise.masks.alibi_slopes(H)).note
     assert note.startswith("scaling, scores, alibi, softmax, dropout, weighted sum tile by tile")
     assert "1 of 1 tiles" in note and f"scores ({B}, {H}, {S}, {S}) not materialised" in note
+
+
+def test_fused_kernels_name_softcap_and_sinks():
+    q, k, v, _, _ = inputs({"kv_heads": 2})
+    sinks = torch.zeros(H)
+    chunked = _fused("chunked", q, k, v, is_causal=True, softcap=30.0, sinks=sinks).note
+    assert chunked.startswith("scaling, scores, softcap 30, mask, sinks, softmax, weighted sum tile by tile")
+    sdpa = _fused("sdpa", q, k, v, is_causal=True, sinks=sinks).note
+    assert sdpa.startswith("scaling, scores, mask, sinks, softmax, weighted sum in F.scaled_dot_product_attention "
+                           f"with one (1, {H}, {S}, {S + 1}) float32 mask")
+    assert f"the sink logits as the column of one appended zero key and value, Sk + 1 = {S + 1}" in sdpa
+    varlen = _fused("varlen", q, k, v, headwise.masks.key_padding_mask([5, 2], 5), sinks=sinks).note
+    assert "mask, sinks, softmax" in varlen and "the sink logits as one appended zero key per call" in varlen
 
 
 def test_varlen_names_its_groups_and_the_keys_it_kept():
