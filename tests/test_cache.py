@@ -24,6 +24,8 @@ FEATURES = {
     "scaled_rope+qk_norm": {"num_kv_heads": 2, "qk_norm": "rms", "rotary_dim": 4, "rope_parameters": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8}},
+    "sinks": {"num_kv_heads": 2, "rope": True, "sinks": True},
+    "softcap_sinks": {"num_kv_heads": 2, "window": 4, "softcap": 1.0, "sinks": True},
 }
 
 
@@ -58,8 +60,14 @@ SPLITS = pytest.mark.parametrize("splits", [[1] * S, [4, 1, 1, 1, 1, 1, 1], [6, 
 def _check_decoding_equals_one_causal_forward(backend, feature, padding, splits, static=False):
     torch.manual_seed(0)
     mha = headwise.MultiHeadAttention(E, H, backend=backend, **FEATURES[feature]).eval()
+    if mha.sinks is not None:  # learned sinks, not the zeros they start from
+        torch.nn.init.normal_(mha.sinks, std=2.0)
     x = torch.randn(B, S, E)
     mask = _padding(padding)
+    if backend == "sdpa" and mha.softcap is not None:  # SDPA cannot cap: refused, at the first call
+        with pytest.raises(ValueError, match="backend 'sdpa' cannot soft-cap the scores"):
+            mha(x, mask, is_causal=True)
+        return
     with torch.no_grad():
         full = mha(x, mask, is_causal=True)
         stepped = _decode(mha, x, mask, splits, static=static)

@@ -57,6 +57,8 @@ MODULE_CASES = {
     "qk_norm-yarn-partial": ({"qk_norm": "rms", "rotary_dim": 4, "is_causal": True, "rope_parameters": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}}, "pad", {}),
     "need-weights": ({}, "pad", {"need_weights": True}),
+    "sinks": ({"sinks": True, "num_kv_heads": 2}, "pad", {}),
+    "softcap-sinks-causal": ({"softcap": 2.0, "sinks": True, "num_kv_heads": 2, "is_causal": True}, "pad", {}),
 }
 
 
@@ -117,6 +119,8 @@ ATTENTION_CASES = {
     "causal-longer-keys": (None, {"is_causal": True}),
     "window-alibi": ("pad", {"window": 2, "alibi_slopes": headwise.masks.alibi_slopes(H)}),
     "weights": ("pad", {"need_weights": True}),
+    "softcap-sinks": ("pad", {"softcap": 2.0, "sinks": torch.linspace(-1.0, 1.0, H)}),
+    "sinks": ("4d", {"sinks": torch.linspace(-1.0, 1.0, H)}),
 }
 
 
@@ -141,7 +145,8 @@ DYNAMIC_NTK = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings":
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"rope": True, "num_kv_heads": 2}, {"alibi": True, "window": 3},
-                                    {"rope_parameters": DYNAMIC_NTK, "qk_norm": "rms"}])
+                                    {"rope_parameters": DYNAMIC_NTK, "qk_norm": "rms"},
+                                    {"softcap": 1.0, "sinks": True, "num_kv_heads": 2}])
 def test_static_cache_decodes_every_step_on_one_graph(kwargs):
     torch.manual_seed(0)
     mha = headwise.MultiHeadAttention(E, H, **kwargs).eval()

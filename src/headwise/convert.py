@@ -81,7 +81,7 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
 
     Raises:
         ValueError: what torch's module has no counterpart for: grouped-query heads,
-            rotary positions, ALiBi, a sliding window, q/k normalisation.
+            rotary positions, ALiBi, a sliding window, q/k normalisation, soft-capping, sinks.
     """
     if mha.num_kv_heads != mha.num_heads:
         raise ValueError(
@@ -91,7 +91,9 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
     extras = [name for name, on in (("rope", mha.rope is not None),
                                     ("alibi", mha.alibi_slopes is not None),
                                     ("window", mha.window is not None),
-                                    ("qk_norm", mha.qk_norm is not None)) if on]
+                                    ("qk_norm", mha.qk_norm is not None),
+                                    ("softcap", mha.softcap is not None),
+                                    ("sinks", mha.sinks is not None)) if on]
     if extras:
         raise ValueError(f"torch.nn.MultiheadAttention has no {', '.join(extras)}; "
                          "build this module without them to convert it")

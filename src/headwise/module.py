@@ -18,6 +18,7 @@ fused ``qkv_weight`` / ``qkv_bias`` entry loads too)::
     k_proj.weight   (Hkv * D, E)   k_proj.bias   (Hkv * D,)
     v_proj.weight   (Hkv * D, E)   v_proj.bias   (Hkv * D,)
     out_proj.weight (E, E)         out_proj.bias (E,)
+    sinks           (H,)           with sinks=True only
 
 (no ``*.bias`` entries when ``bias=False``).
 """
@@ -185,6 +186,12 @@ class MultiHeadAttention(nn.Module):
             and before rope, with learned weights ``q_norm.weight`` and ``k_norm.weight``
             (D,) shared by the heads (``torch.nn.RMSNorm``), as Qwen3 does. None: none.
         qk_norm_eps: the epsilon of those norms.
+        softcap: logit soft-capping, ``softcap * tanh(scores / softcap)`` on the scaled
+            scores before ALiBi and the mask, as Gemma 2 does (None: none).
+        sinks: True adds a learnable ``sinks`` parameter (H,), one sink logit per query
+            head, initialised to zeros (each row's softmax then starts with one extra
+            ``exp(0)`` in its denominator); the sink takes probability mass and adds
+            nothing to the output, as in gpt-oss. It is in the state dict as ``sinks``.
         context_parallel: a :class:`headwise.distributed.ContextParallel`: :meth:`forward`
             then takes this rank's shard (B, S_l, E) of the sequence (and of a 2-D mask)
             and attends over every rank's keys (rotary positions are global); no cache,
@@ -194,8 +201,9 @@ class MultiHeadAttention(nn.Module):
     Raises:
         ValueError: sizes that do not divide, dropout outside [0, 1), unknown backend,
             packing not "auto" / True / False, rope parameters that do not fit (named),
-            qk_norm not None / "rms".
-        TypeError: sizes that are not integers.
+            qk_norm not None / "rms", softcap not > 0, softcap or sinks with
+            context_parallel.
+        TypeError: sizes that are not integers, softcap not a number, sinks not a bool.
 
     >>> mha = MultiHeadAttention(128, 8)
     >>> x = torch.rand(3, 2, 128)
@@ -222,6 +230,8 @@ class MultiHeadAttention(nn.Module):
         rotary_dim: int | None = None,  # None: all D dims rotate (or partial_rotary_factor); a value turns rope on
         qk_norm: str | None = None,  # None: no normalisation; "rms": RMSNorm of each head's q and k before rope
         qk_norm_eps: float = 1e-6,
+        softcap: float | None = None,  # None: no logit soft-capping
+        sinks: bool = False,  # True: a learnable (H,) sink logit per head (gpt-oss)
         context_parallel=None,  # None: one process; a headwise.distributed.ContextParallel splits the sequence
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -262,6 +272,18 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"qk_norm must be None or 'rms' (RMSNorm of each head's q and k), got {qk_norm!r}")
         if isinstance(qk_norm_eps, bool) or not isinstance(qk_norm_eps, (int, float)) or not qk_norm_eps > 0:
             raise ValueError(f"qk_norm_eps must be a positive number, got {qk_norm_eps!r}")
+        if softcap is not None:
+            if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+                raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__} ({softcap!r})")
+            if not math.isfinite(softcap) or softcap <= 0:
+                raise ValueError(f"softcap must be a finite number > 0 (Gemma 2 uses 50.0), got {softcap}")
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks must be True or False (a learnable sink logit per head), got "
+                            f"{type(sinks).__name__} ({sinks!r})")
+        if context_parallel is not None and (softcap is not None or sinks):
+            raise ValueError("context_parallel has no logit soft-capping or attention sinks (its ring merges and "
+                             "Ulysses' kernels take neither); build the module without softcap/sinks, or without "
+                             "context_parallel")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -300,6 +322,12 @@ class MultiHeadAttention(nn.Module):
         self.alibi_slopes: Tensor | None
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None,
                              persistent=False)
+        self.softcap = None if softcap is None else float(softcap)
+        self.sinks: nn.Parameter | None
+        if sinks:  # zeros: each row's denominator starts with exp(0) for the sink
+            self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
+        else:
+            self.register_parameter("sinks", None)
 
     def _reset_qkv(self) -> None:
         """nn.Linear's initialisation for each of the three projections (fan_in = E for all)."""
@@ -341,6 +369,8 @@ class MultiHeadAttention(nn.Module):
             f", qk_norm={self.qk_norm!r}" if self.qk_norm is not None else "",
             ", alibi=True" if self.alibi_slopes is not None else "",
             f", window={self.window}" if self.window is not None else "",
+            f", softcap={self.softcap:g}" if self.softcap is not None else "",
+            ", sinks=True" if self.sinks is not None else "",
             f", context_parallel={self.context_parallel}" if self.context_parallel is not None else "",
         ])
         return (
@@ -623,6 +653,8 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights,
             window=window,
             alibi_slopes=slopes,
+            softcap=self.softcap,
+            sinks=self.sinks,
         )
         out, weights = out if need_weights else (out, None)
         out = out.transpose(1, 2).flatten(2)  # (B, H, S, D) -> (B, S, H, D) -> (B, S, E), one copy
@@ -780,6 +812,7 @@ class MultiHeadAttention(nn.Module):
             is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend, window=self.window, alibi_slopes=self.alibi_slopes,
+            softcap=self.softcap, sinks=self.sinks,
         )  # (T, H, D), attention within each sequence
         out = out.flatten(1)  # (T, H, D) -> (T, E)
         if trace.ACTIVE:
@@ -835,6 +868,8 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             window=window,
             alibi_slopes=slopes,
+            softcap=self.softcap,
+            sinks=self.sinks,
         )
         return Dispatch(d.backend, d.reason, d.passed_over, d.request, path="dense", path_reason=plan.why)
 
@@ -863,7 +898,8 @@ class MultiHeadAttention(nn.Module):
                 mask = mask.reshape(n, L)
             d = choose_backend(q, k, k, mask, is_causal=plan.is_causal,
                                dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
-                               window=self.window, alibi_slopes=self.alibi_slopes)
+                               window=self.window, alibi_slopes=self.alibi_slopes, softcap=self.softcap,
+                               sinks=self.sinks)
             per_bucket.append((n * L, n, L, d))
         if not per_bucket:  # no real token at all
             return Dispatch("none", "no real token: nothing to attend", MappingProxyType({}), None,

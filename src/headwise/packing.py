@@ -108,6 +108,8 @@ def packed_attention(
     dropout_p: float = 0.0,
     scale: float | None = None,  # None: 1 / sqrt(D)
     backend: str = "auto",
+    softcap: float | None = None,  # None: no logit soft-capping
+    sinks: Tensor | None = None,  # None: no attention sinks
 ) -> Tensor:
     """Attention within each of B packed sequences, without padding: the CPU/GPU
     counterpart of flash-attn's ``flash_attn_varlen_func``.
@@ -138,6 +140,11 @@ def packed_attention(
         scale: multiplier of ``q k^T``.
         backend: ``"auto"`` or a name from :func:`headwise.available_backends`; it runs
             each length bucket.
+        softcap: logit soft-capping ``softcap * tanh(s / softcap)`` of the scaled scores,
+            before ALiBi and the mask (as in :func:`headwise.attention`).
+        sinks: (H,) sink logits, one per query head: an extra softmax column that adds
+            nothing to the output (as in :func:`headwise.attention`); a sequence without
+            keys still outputs zeros.
 
     Returns:
         (Tq, H, D) outputs, in the packed order of ``q``.
@@ -158,7 +165,7 @@ def packed_attention(
     """
     if trace.ACTIVE:
         trace.begin_call()
-    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes)
+    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks)
     lengths_q = _lengths(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q")
     if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0]:
         lengths_k = lengths_q  # self-attention passes one tensor twice: read it once (a device sync)
@@ -173,7 +180,8 @@ def packed_attention(
     _check_longest(max_seqlen_q, "max_seqlen_q", lengths_q, "query")
     _check_longest(max_seqlen_k, "max_seqlen_k", lengths_k, "key")
     return _attend_buckets(q, k, v, lengths_q, lengths_k, is_causal=is_causal, window=window,
-                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend)
+                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
+                           softcap=softcap, sinks=sinks)
 
 
 def attend_packed(
@@ -189,6 +197,8 @@ def attend_packed(
     dropout_p: float = 0.0,
     scale: float | None = None,  # None: 1 / sqrt(D)
     backend: str = "auto",
+    softcap: float | None = None,  # None: no logit soft-capping
+    sinks: Tensor | None = None,  # None: no attention sinks
 ) -> Tensor:
     """:func:`packed_attention` with the sequence lengths as Python ints: reads no offsets
     and opens no new call in an active trace (the module's packed path opens it).
@@ -197,7 +207,7 @@ def attend_packed(
         q: (Tq, H, D) packed queries, Tq = ``sum(lengths_q)``.
         k, v: (Tk, Hkv, D) packed keys and values, Tk = ``sum(lengths_k)``.
         lengths_q, lengths_k: the B query and key lengths (self-attention: the same twice).
-        is_causal, window, alibi_slopes, dropout_p, scale, backend: as in
+        is_causal, window, alibi_slopes, dropout_p, scale, backend, softcap, sinks: as in
             :func:`packed_attention`.
 
     Returns:
@@ -211,7 +221,7 @@ def attend_packed(
     >>> attend_packed(q, k, v, (2, 3), (2, 3), is_causal=True).shape
     torch.Size([5, 2, 4])
     """
-    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes)
+    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks)
     lengths_q, lengths_k = tuple(lengths_q), tuple(lengths_k)
     if len(lengths_q) != len(lengths_k):
         raise ValueError(f"lengths_q has {len(lengths_q)} sequences but lengths_k has {len(lengths_k)}; "
@@ -222,13 +232,14 @@ def attend_packed(
             raise ValueError(f"{name} {lengths} must be >= 0 and sum to the {rows} packed rows of {t} "
                              f"(they sum to {sum(lengths)})")
     return _attend_buckets(q, k, v, lengths_q, lengths_k, is_causal=is_causal, window=window,
-                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend)
+                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
+                           softcap=softcap, sinks=sinks)
 
 
 # --- validation ---------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes) -> None:
+def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap=None, sinks=None) -> None:
     """What attend would check per bucket, checked once up front (and also where no bucket runs)."""
     for name, t, shape in (("q", q, "(Tq, H, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, D)")):
         if not isinstance(t, Tensor):
@@ -258,7 +269,7 @@ def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes) -> None:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if backend != "auto":
         get_kernel(backend)  # raises ValueError listing the known names
-    _check_structure(q, window, alibi_slopes)  # q.shape[1] is H in (T, H, D) as in (B, H, S, D)
+    _check_structure(q, window, alibi_slopes, softcap, sinks)  # q.shape[1] is H in (T, H, D) as in (B, H, S, D)
 
 
 _REMEDY = "offsets are 0 then the cumulative lengths: F.pad(lengths.cumsum(0), (1, 0))"
@@ -367,10 +378,10 @@ def bucket_shapes(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...]) -> lis
 
 
 def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_slopes, dropout_p, scale,
-                    backend) -> Tensor:
+                    backend, softcap=None, sinks=None) -> Tensor:
     """Attend each group of sequences (checked inputs), and put the rows back in packed order."""
     kwargs = {"is_causal": is_causal, "window": window, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
-              "scale": scale, "backend": backend}
+              "scale": scale, "backend": backend, "softcap": softcap, "sinks": sinks}
     H, D = q.shape[1], v.shape[-1]
     # Where a sequence's queries and keys sit in a padded bucket only matters to a rule that
     # reads positions; without one, both sides are right-padded (the layout the varlen
@@ -415,7 +426,7 @@ def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_s
     for b in keyless:  # no key to attend: the contract's zero rows (q's rows get zero gradients)
         pieces[b] = q.new_zeros(lengths_q[b], H, D)
     if not groups:  # no sequence attends: zeros still in the graph of q, k and v
-        out = attached_zeros(q, k, v)  # (Tq, H, D)
+        out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]))  # (Tq, H, D)
     else:
         out = torch.cat([p for p in pieces if p is not None])  # (Tq, H, D), in the packed order
     if trace.ACTIVE:
