@@ -149,12 +149,50 @@ def test_output_attentions_from_config_when_call_does_not_say():
     assert weights is None
 
 
-def test_softcap_and_sinks_refused():
-    q = k = v = torch.randn(1, 2, 3, 4)
-    with pytest.raises(ValueError, match=r'no logit softcapping \(softcap=30.0\).*attn_implementation="eager"'):
-        headwise_attention_forward(FakeAttention(), q, k, v, None, softcap=30.0)
-    with pytest.raises(ValueError, match=r"no attention sinks \(s_aux\)"):
-        headwise_attention_forward(FakeAttention(), q, k, v, None, s_aux=torch.zeros(2))
+def _hf_mask(B: int, S: int, Sk: int) -> torch.Tensor:
+    """A float (B, 1, S, Sk) mask as transformers builds it: 0 or finfo.min, causal, left padding."""
+    allowed = torch.ones(B, 1, S, Sk, dtype=torch.bool).tril(Sk - S)
+    allowed[1, ..., :3] = False  # batch row 1 is left-padded
+    return torch.zeros(B, 1, S, Sk).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def test_softcap_equals_gemma2_eager_attention():
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    torch.manual_seed(0)
+    module = FakeAttention(is_causal=True)
+    module.num_key_value_groups, module.head_dim, module.training = 2, 8, False
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)  # (B, H|Hkv, S|Sk, D)
+    mask = _hf_mask(2, 5, 7)
+    kwargs = {"scaling": 0.4, "softcap": 1.5, "sliding_window": 4, "output_attentions": True}
+    (ours, w_ours), (theirs, w_theirs) = (f(module, q, k, v, mask, **kwargs)
+                                          for f in (headwise_attention_forward, eager_attention_forward))
+    live = (mask == 0).any(-1)[:, 0]  # (B, S): rows with a key (eager averages dead rows, headwise gives 0)
+    torch.testing.assert_close(ours[live], theirs[live], atol=1e-6, rtol=1e-6)  # (B, S, H, D) rows
+    torch.testing.assert_close(w_ours.transpose(1, 2)[live], w_theirs.transpose(1, 2)[live], atol=1e-6, rtol=1e-6)
+    assert (ours[~live] == 0).all()
+    uncapped, _ = headwise_attention_forward(module, q, k, v, mask, scaling=0.4)
+    assert (uncapped - theirs)[live].abs().max() > 1e-2  # the cap bites at these scores
+
+
+def test_s_aux_equals_gpt_oss_eager_attention():
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.manual_seed(0)
+    module = FakeAttention(is_causal=True)
+    module.num_key_value_groups, module.training = 2, False
+    module.sinks = nn.Parameter(2 * torch.randn(4))  # (H,)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    mask = _hf_mask(2, 5, 7)
+    ours, w_ours = headwise_attention_forward(module, q, k, v, mask, scaling=0.4, s_aux=module.sinks,
+                                              output_attentions=True)
+    theirs, w_theirs = eager_attention_forward(module, q, k, v, mask, scaling=0.4)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(w_ours, w_theirs, atol=1e-6, rtol=1e-6)
+    assert (w_ours.sum(-1) < 1).all()
+    (d_ours,) = torch.autograd.grad(ours.sum(), module.sinks)
+    (d_theirs,) = torch.autograd.grad(theirs.sum(), module.sinks)
+    torch.testing.assert_close(d_ours, d_theirs, atol=1e-6, rtol=1e-6)
 
 
 # ---------------------------------------------------------------- a real BERT: all-MiniLM-L6-v2
@@ -305,3 +343,87 @@ def test_llama_greedy_generation_matches_sdpa(llama_config, llama_batch):
         model = _llama(llama_config, impl)
         out[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(out["headwise"], out["sdpa"])
+
+
+# ---------------------------------------------------------------- Gemma 2 (soft-capping) and gpt-oss (sinks)
+
+
+def _gemma2_config(softcap: float | None = 1.0):
+    from transformers import Gemma2Config
+
+    # attn_logit_softcapping=1.0 (Gemma 2 ships 50.0) and weights of std 0.1 (not 0.02): scores
+    # large enough for the cap to change the logits; sliding_window=4 on layer 0.
+    return Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                        sliding_window=4, attn_logit_softcapping=softcap, query_pre_attn_scalar=16,
+                        initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _gpt_oss_config():
+    from transformers import GptOssConfig
+
+    return GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                        num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _model(config, impl):
+    """A small random-weight model; gpt-oss's sinks drawn with std 2 (its init, std 0.02, barely bites)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)  # the same random weights for every implementation
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(getattr(layer, "sinks", None), nn.Parameter):
+                layer.sinks.normal_(std=2.0, generator=gen)
+    return model
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcap_and_sinks_models_match_eager(family, llama_batch):
+    ids, mask = llama_batch  # left padding
+    config = _gemma2_config() if family == "gemma2" else _gpt_oss_config()
+    with torch.no_grad():
+        ours = _model(config, "headwise")(input_ids=ids, attention_mask=mask).logits  # (B, S, V)
+        eager = _model(config, "eager")(input_ids=ids, attention_mask=mask).logits
+        if family == "gemma2":
+            other = _model(_gemma2_config(softcap=None), "headwise")(input_ids=ids, attention_mask=mask).logits
+        else:
+            plain = _model(config, "headwise")
+            for layer in plain.modules():
+                if isinstance(getattr(layer, "sinks", None), nn.Parameter):
+                    layer.sinks.fill_(-torch.inf)  # exp(-inf) = 0: no sink
+            other = plain(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert torch.isfinite(ours).all()
+    assert (ours[real] - eager[real]).abs().max() < 1e-5
+    assert (other[real] - eager[real]).abs().max() > 1e-3  # without the feature the logits differ: the test bites
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcap_and_sinks_models_generate_like_eager(family, llama_batch):
+    ids, mask = llama_batch
+    config = _gemma2_config() if family == "gemma2" else _gpt_oss_config()
+    out = {}
+    for impl in ("headwise", "eager"):
+        out[impl] = _model(config, impl).generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                                  do_sample=False)
+    assert torch.equal(out["headwise"], out["eager"])
+
+
+def test_gpt_oss_passes_its_sinks_and_gemma2_its_cap(monkeypatch, llama_batch):
+    seen = []
+
+    def spy(q, k, v, mask, **kwargs):
+        seen.append((kwargs["softcap"], None if kwargs["sinks"] is None else tuple(kwargs["sinks"].shape)))
+        return headwise_attention(q, k, v, mask, **kwargs)
+
+    headwise_attention = hw_hf.attention
+    monkeypatch.setattr(hw_hf, "attention", spy)
+    ids, mask = llama_batch
+    with torch.no_grad():
+        _model(_gemma2_config(), "headwise")(input_ids=ids, attention_mask=mask)
+        _model(_gpt_oss_config(), "headwise")(input_ids=ids, attention_mask=mask)
+    assert seen == [(1.0, None)] * 2 + [(None, (4,))] * 2

@@ -36,10 +36,15 @@ follows) maps onto :func:`headwise.attention`:
   them after dropout; the two agree in eval mode).
 * ``position_bias`` (B|1, H, S, Sk), for models with learned relative positions, is
   folded into a floating mask.
+* ``softcap`` (Gemma 2's ``attn_logit_softcapping``) becomes ``softcap=``: the scaled
+  scores are capped with ``softcap * tanh(s / softcap)`` before the mask, as Gemma 2's
+  eager attention does; "auto" then runs a kernel that can cap (not SDPA).
+* ``s_aux`` (gpt-oss passes its module's ``sinks`` parameter, (H,)) becomes ``sinks=``:
+  one more softmax column per head that adds nothing to the output, as gpt-oss's eager
+  attention concatenates and drops it. A row with nothing else to attend gives zeros.
+* ``sliding_window`` is read from the mask (transformers builds sliding-window masks for
+  the layers that have one) and ``scaling`` is the ``scale=``.
 * Returns ``(attn_output (B, S, H, D), attn_weights or None)``.
-
-Not supported, with a ``ValueError`` naming the alternative: ``softcap`` and attention
-sinks (``s_aux``).
 """
 
 from __future__ import annotations
@@ -148,24 +153,17 @@ def headwise_attention_forward(
         is_causal: causal flag, honoured when no mask is given and S > 1.
         position_bias: (B|1, H, S, Sk) additive bias.
         backend: headwise backend (``register(backend=...)`` fixes it).
-        **kwargs: transformers' extra keyword arguments; ``output_attentions`` is read,
-            ``softcap`` and ``s_aux`` are refused, the rest are already in the mask.
+        **kwargs: transformers' extra keyword arguments; ``output_attentions``,
+            ``softcap`` (logit soft-capping) and ``s_aux`` ((H,) sink logits) are read, the
+            rest (``sliding_window``, ...) are already in the mask.
 
     Returns:
-        ``(attn_output (B, S, H, D), attn_weights (B, H, S, Sk) or None)``.
+        ``(attn_output (B, S, H, D), attn_weights (B, H, S, Sk) or None)``; with ``s_aux``
+        the weights' rows sum to less than 1 (the sink holds the rest).
 
     Raises:
-        ValueError: ``softcap`` or ``s_aux`` given; anything :func:`headwise.attention`
-            refuses.
+        ValueError: anything :func:`headwise.attention` refuses.
     """
-    if kwargs.get("softcap") is not None:
-        raise ValueError(
-            f"headwise attention has no logit softcapping (softcap={kwargs['softcap']}); "
-            'load this model with attn_implementation="eager"'
-        )
-    if kwargs.get("s_aux") is not None:
-        raise ValueError('headwise attention has no attention sinks (s_aux); load this model with '
-                         'attn_implementation="eager"')
     S, Sk = query.shape[2], key.shape[2]
     output_attentions = kwargs.get("output_attentions")
     if output_attentions is None:
@@ -188,6 +186,8 @@ def headwise_attention_forward(
         scale=scaling,
         backend=backend,
         need_weights=bool(output_attentions),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
     )
     out, weights = result if isinstance(result, tuple) else (result, None)  # (B, H, S, D), (B, H, S, Sk)
     return out.transpose(1, 2).contiguous(), weights  # (B, H, S, D) -> (B, S, H, D)
