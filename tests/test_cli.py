@@ -51,6 +51,18 @@ def test_explain_default_and_options(capsys):
     assert "repeat kv heads" in out and "causal" in out and "(2, 2, 6, 16)" in out
 
 
+def test_explain_shows_softcap_and_sinks_stage_by_stage(capsys):
+    argv = ["explain", "--batch", "2", "--seq", "4", "--dim", "32", "--heads", "4", "--mask", "lengths", "4,2",
+            "--causal", "--softcap", "5", "--sinks"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "softcap=5 sinks, backend 'matmul'" in out
+    assert "softcap * tanh(scores / softcap), softcap = 5" in out
+    assert "(2, 4, 4, 5)" in out and "one sink column per head appended as key 4" in out  # (B, H, S, Sk + 1)
+    assert main([*argv, "--backend", "auto"]) == 0
+    assert "softcap 5, mask, sinks, softmax, weighted sum tile by tile" in capsys.readouterr().out  # chunked
+
+
 def test_explain_plot_writes_a_real_png_of_the_right_size(tmp_path, capsys):
     from headwise.plot import figure_size
 
@@ -77,6 +89,8 @@ def test_equivalences_table(capsys):
     (["explain", "--mask", "lengths", "a,b"], "comma-separated integers"),
     (["explain", "--heads", "7"], "num_heads (7) must divide embed_dim (512)"),
     (["explain", "--plot-batch", "9", "--plot", "x.png"], "--plot-batch 9 is outside"),
+    (["explain", "--softcap", "-1"], "--softcap must be > 0 (Gemma 2 uses 50), got -1.0"),
+    (["explain", "--softcap", "big"], "invalid float value"),
     (["equivalences", "--seed", "zero"], "invalid int value"),
 ])
 def test_command_errors_are_one_line(argv, message, capsys):

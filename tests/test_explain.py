@@ -27,11 +27,25 @@ def test_lengths_causal_and_groups():
     torch.testing.assert_close(e.weights.sum(-1), torch.ones(2, 4, 5))
 
 
+def test_softcap_and_sinks_configuration():
+    config = ExplainConfig(batch=2, seq=5, dim=32, heads=4, lengths=(5, 2), causal=True, softcap=2.0, sinks=True)
+    e = explain(config)
+    names = e.trace.names()
+    assert names[names.index("scores"):names.index("softmax") + 1] == ["scores", "softcap", "mask", "sinks", "softmax"]
+    live = e.allowed[:, None].expand_as(e.weights).any(-1)  # (B, H, S) rows with a key
+    assert (e.weights.sum(-1)[live] < 1).all()  # the sinks hold the rest
+    assert explain(config).weights.equal(e.weights)  # the sink logits come from the seed
+    assert not explain(ExplainConfig(**{**config.__dict__, "seed": 1})).weights.equal(e.weights)
+    assert command(config) == ("headwise explain --batch 2 --seq 5 --dim 32 --heads 4 --mask lengths 5,2 --causal "
+                               "--softcap 2 --sinks")
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"lengths": (3,)}, r"gives 1 lengths for --batch 4"),
     ({"lengths": (3, 4, 11, 2)}, r"\[11\] are outside \[0, --seq 10\]"),
     ({"heads": 0}, r"--heads must be positive"),
     ({"heads": 7}, r"num_heads \(7\) must divide embed_dim \(512\)"),
+    ({"softcap": 0.0}, r"--softcap must be > 0 \(Gemma 2 uses 50\), got 0.0"),
 ])
 def test_bad_configurations_raise(changes, message):
     with pytest.raises(ValueError, match=message):

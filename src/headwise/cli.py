@@ -99,7 +99,8 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"--mask kind must be 'lengths', got {kind!r}; e.g. --mask lengths 10,7,3,5")
     config = ExplainConfig(batch=args.batch, seq=args.seq, dim=args.dim, heads=args.heads,
                            lengths=_lengths(spec) if spec else None, causal=args.causal,
-                           kv_heads=args.kv_heads, backend=args.backend, seed=args.seed)
+                           kv_heads=args.kv_heads, backend=args.backend, seed=args.seed,
+                           softcap=args.softcap, sinks=args.sinks)
     explained = explain(config)
     if args.markdown:
         console.file.write(markdown_page(explained))
@@ -108,7 +109,9 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
         title=f"B={config.batch} S={config.seq} E={config.dim} H={config.heads}"
         + (f" Hkv={config.kv_heads}" if config.kv_heads else "")
         + (f" lengths={list(config.lengths)}" if config.lengths else "")
-        + (" causal" if config.causal else "") + f", backend {config.backend!r}"))
+        + (" causal" if config.causal else "")
+        + (f" softcap={config.softcap:g}" if config.softcap is not None else "")
+        + (" sinks" if config.sinks else "") + f", backend {config.backend!r}"))
     if args.plot:
         row = args.plot_batch
         if row is None:  # the row with the most padding shows the mask best
@@ -233,6 +236,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="batch row to plot (default: the one with the most padding)")
     ex.add_argument("--markdown", action="store_true",
                     help="print the 'How multi-head attention works' page instead of the table")
+    ex.add_argument("--softcap", type=float, default=None,
+                    help="logit soft-capping: scores -> softcap * tanh(scores / softcap), as in Gemma 2")
+    ex.add_argument("--sinks", action="store_true",
+                    help="attention sinks: one random sink logit per head (from --seed), as in gpt-oss")
     ex.set_defaults(run=_explain)
 
     eq = sub.add_parser("equivalences", help="measure the documents' equivalent forms side by side",

@@ -29,6 +29,8 @@ class ExplainConfig:
         kv_heads: Hkv for grouped-query attention (None: H).
         backend: the kernel to trace ("matmul" shows every stage; fused ones show one).
         seed: random seed for weights and inputs.
+        softcap: logit soft-capping (None: none).
+        sinks: attention sinks, with random sink logits (standard normal, from ``seed``).
     """
 
     batch: int = 4
@@ -40,6 +42,8 @@ class ExplainConfig:
     kv_heads: int | None = None
     backend: str = "matmul"
     seed: int = 0
+    softcap: float | None = None  # None: no soft-capping
+    sinks: bool = False
 
     def validate(self) -> None:
         """Raise ValueError with the values and the remedy for a configuration that cannot run."""
@@ -55,6 +59,8 @@ class ExplainConfig:
             bad = [n for n in self.lengths if not 0 <= n <= self.seq]
             if bad:
                 raise ValueError(f"mask lengths {bad} are outside [0, --seq {self.seq}]")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"--softcap must be > 0 (Gemma 2 uses 50), got {self.softcap}")
 
 
 @dataclass(frozen=True)
@@ -85,19 +91,25 @@ def explain(config: ExplainConfig) -> Explained:
     >>> e = explain(ExplainConfig(batch=2, seq=3, dim=16, heads=2, lengths=(3, 2)))
     >>> e.weights.shape, e.trace.stages[-1].name
     (torch.Size([2, 2, 3, 3]), 'zero padding')
+    >>> "sinks" in explain(ExplainConfig(batch=1, seq=3, dim=16, heads=2, softcap=5.0, sinks=True)).trace.names()
+    True
     """
     config.validate()
     gen = torch.Generator().manual_seed(config.seed)
     torch.manual_seed(config.seed)
+    extras = {"softcap": config.softcap, "sinks": config.sinks}
     mha = MultiHeadAttention(config.dim, config.heads, num_kv_heads=config.kv_heads,
-                             is_causal=config.causal, backend=config.backend).eval()
+                             is_causal=config.causal, backend=config.backend, **extras).eval()
     x = torch.randn(config.batch, config.seq, config.dim, generator=gen)  # (B, S, E)
+    if mha.sinks is not None:  # random sink logits, as a trained model's would be, from the seed
+        with torch.no_grad():
+            mha.sinks.copy_(torch.randn(config.heads, generator=gen))  # (H,)
     mask = None if config.lengths is None else key_padding_mask(list(config.lengths), config.seq)
     with torch.no_grad():
         with trace() as t:
             output = mha(x, mask)
         weights_mha = MultiHeadAttention(config.dim, config.heads, num_kv_heads=config.kv_heads,
-                                         is_causal=config.causal, backend="matmul").eval()
+                                         is_causal=config.causal, backend="matmul", **extras).eval()
         weights_mha.load_state_dict(mha.state_dict())
         _, weights = weights_mha(x, mask, need_weights=True)  # (B, H, S, S)
     allowed = torch.ones(config.batch, config.seq, config.seq, dtype=torch.bool)  # (B, S, Sk)
@@ -120,6 +132,10 @@ def command(config: ExplainConfig) -> str:
         parts.append("--mask lengths " + ",".join(map(str, config.lengths)))
     if config.causal:
         parts.append("--causal")
+    if config.softcap is not None:
+        parts.append(f"--softcap {config.softcap:g}")
+    if config.sinks:
+        parts.append("--sinks")
     return " ".join(parts)
 
 
