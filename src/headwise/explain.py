@@ -97,9 +97,9 @@ def explain(config: ExplainConfig) -> Explained:
     config.validate()
     gen = torch.Generator().manual_seed(config.seed)
     torch.manual_seed(config.seed)
-    extras = {"softcap": config.softcap, "sinks": config.sinks}
     mha = MultiHeadAttention(config.dim, config.heads, num_kv_heads=config.kv_heads,
-                             is_causal=config.causal, backend=config.backend, **extras).eval()
+                             is_causal=config.causal, backend=config.backend, softcap=config.softcap,
+                             sinks=config.sinks).eval()
     x = torch.randn(config.batch, config.seq, config.dim, generator=gen)  # (B, S, E)
     if mha.sinks is not None:  # random sink logits, as a trained model's would be, from the seed
         with torch.no_grad():
@@ -109,7 +109,8 @@ def explain(config: ExplainConfig) -> Explained:
         with trace() as t:
             output = mha(x, mask)
         weights_mha = MultiHeadAttention(config.dim, config.heads, num_kv_heads=config.kv_heads,
-                                         is_causal=config.causal, backend="matmul", **extras).eval()
+                                         is_causal=config.causal, backend="matmul", softcap=config.softcap,
+                                         sinks=config.sinks).eval()
         weights_mha.load_state_dict(mha.state_dict())
         _, weights = weights_mha(x, mask, need_weights=True)  # (B, H, S, S)
     allowed = torch.ones(config.batch, config.seq, config.seq, dtype=torch.bool)  # (B, S, Sk)
