@@ -9,8 +9,9 @@ threshold they read lives in :mod:`headwise.policy` with the benchmark that sets
 1. ``need_weights=True``: only kernels that materialise the probabilities can serve;
    ``matmul`` is the plainest of them and as fast as the other textbook forms.
 2. Otherwise ``sdpa``: PyTorch's fused kernel, the fastest dense path on CPU and GPU.
-3. On CUDA in fp16/bf16 with a mask, a window, ALiBi or causal with S != Sk (where SDPA's
-   flash kernel cannot run): ``triton``, which keeps them fused.
+3. On CUDA in fp16/bf16 with a mask, a window, ALiBi, causal with S != Sk or attention
+   sinks (where SDPA's flash kernel cannot run), or logit soft-capping (which SDPA cannot
+   do at all): ``triton``, which keeps them fused.
 4. With a key padding mask whose key counts can be read without a device sync (on the
    CPU) and that pads at least ``VARLEN_MIN_PADDING`` of the keys: ``varlen``, which drops
    the padded keys per batch row, where :func:`headwise.policy.estimate_varlen` prices it
@@ -103,10 +104,11 @@ def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.
     if r.need_weights:
         return _WEIGHT_ORDER, "need_weights=True: it returns the probabilities and is the plainest"
     structured = r.mask_kind != "none" or r.window is not None or r.alibi or (r.is_causal and r.q_len != r.k_len)
-    if r.device.type == "cuda" and r.dtype in (torch.float16, torch.bfloat16) and structured:
+    if r.device.type == "cuda" and r.dtype in (torch.float16, torch.bfloat16) and (structured or r.softcap
+                                                                                  or r.sinks):
         return _CUDA_STRUCTURED_ORDER, (
-            "SDPA's flash kernel takes no mask, window, ALiBi or bottom-right causal with S != Sk and falls "
-            "back to slower kernels; triton keeps them fused and skips padded key tiles"
+            "SDPA's flash kernel takes no mask, window, ALiBi, bottom-right causal with S != Sk or sinks and "
+            "falls back to slower kernels (and cannot soft-cap); triton keeps them fused and skips padded key tiles"
         )
     min_padding, inference, training = varlen
     if r.key_lengths is not None and r.key_padding is not None and r.key_padding >= min_padding and r.batch > 1:

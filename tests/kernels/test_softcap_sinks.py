@@ -86,7 +86,7 @@ def test_matches_float64_reference_with_gradients(backend, feature, case):
     q, k, v, sinks, mask, kwargs = _call(case, feature)
     refusal = _refusal(backend, q, k, v, mask, kwargs)
     if refusal is not None:  # only where the kernel says it cannot: checked in the refusal test
-        assert backend in ("sdpa", "varlen", "triton") and "softcap" in feature + refusal, refusal
+        assert backend in ("sdpa", "varlen") and "softcap" in feature + refusal, refusal
         return
     out = headwise.attention(q, k, v, mask, backend=backend, **kwargs)
     leaves = [q, k, v] + ([sinks] if sinks is not None else [])
@@ -138,12 +138,19 @@ def test_refusals_name_the_feature_and_auto_routes_around_them(monkeypatch):
     weights = headwise.choose_backend(q, k, v, mask, need_weights=True, **kwargs)
     assert weights.backend == "matmul"
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the CPU request is then one triton could serve
-    triton = get_kernel("triton")
     request = dataclasses.replace(dispatch.request, dtype=torch.float32)
-    assert triton.refuses(request) == "has no logit soft-capping (softcap); use backend 'chunked'"
-    assert triton.refuses(dataclasses.replace(request, softcap=False)) == (
-        "has no attention sinks (sinks); use backend 'sdpa' or 'chunked'")
-    assert triton.refuses(dataclasses.replace(request, softcap=False, sinks=False)) is None
+    assert get_kernel("triton").refuses(request) is None  # triton takes both (tests/kernels/test_triton.py)
+    cuda = dataclasses.replace(request, device=torch.device("cuda"), dtype=torch.float16)
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        d = headwise.dispatch.select(cuda)
+    assert d.backend == "triton"  # CUDA half precision with a mask: the fused kernel, softcap and sinks included
+    maskless = dataclasses.replace(cuda, mask_kind="none", mask_shape=None, is_causal=False, key_padding=None)
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        assert headwise.dispatch.select(maskless).backend == "triton"  # not chunked: softcap alone routes there
+        assert headwise.dispatch.select(dataclasses.replace(maskless, softcap=False)).backend == "triton"  # sinks
+        assert headwise.dispatch.select(dataclasses.replace(maskless, softcap=False, sinks=False)).backend == "sdpa"
 
 
 @pytest.mark.parametrize("backend", [n for n in BACKENDS if get_kernel(n).supports_weights])

@@ -275,6 +275,50 @@ def test_float_key_mask_gets_its_gradient(interpreter, batch_rows):
 
 
 @needs_triton
+@pytest.mark.parametrize("softcap, sinks, form, window", [
+    (0.5, False, "left_pad", None),  # a strong cap: every score saturates towards +-0.5
+    (50.0, True, "float_pad", None),  # Gemma 2's cap, where the scores sit near tanh's linear part
+    (None, True, "hole", 9),
+    (2.0, True, "right_pad", None),
+], ids=["softcap-strong", "softcap-gemma-sinks", "sinks-window", "softcap-sinks"])
+def test_softcap_and_sinks_match_float64_reference(interpreter, softcap, sinks, form, window):
+    """Outputs, dq, dk, dv and the sinks' gradient within 1e-5 of the float64 reference,
+    with GQA, ALiBi, causal S < Sk, and a fully padded row (zeros with or without sinks)."""
+    q, k, v, gen = make_inputs(2, 4, 2, 21, 37, 16, seed=11)
+    mask = key_mask(form, 2, 37, gen)
+    s = (2 * torch.randn(4, generator=gen)).to(DEVICE).requires_grad_() if sinks else None
+    kw = dict(is_causal=True, window=window, softcap=softcap, sinks=s,
+              alibi_slopes=headwise.masks.alibi_slopes(4).to(DEVICE))
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out = headwise.attention(q, k, v, None if mask is None else mask.to(DEVICE), backend="triton", **kw)
+    leaves = (q, k, v) + ((s,) if sinks else ())
+    got = torch.autograd.grad(out, leaves, grad_out)
+    exact = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    kw64 = {**kw, "alibi_slopes": kw["alibi_slopes"].cpu(), "sinks": exact[3] if sinks else None}
+    want_out, weights = reference_attention(*exact[:3], mask, **kw64)
+    want = torch.autograd.grad(want_out, exact, grad_out.cpu().double())
+    assert_close(out, want_out)
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
+    assert (out[-1].detach() == 0).all()  # the fully padded batch row
+
+
+@needs_triton
+def test_float_key_bias_gradient_with_softcap(interpreter):
+    """The key bias is added after the cap: its gradient is the capped scores', not
+    multiplied by 1 - tanh^2 (which only reaches q and k)."""
+    q, k, v, gen = make_inputs(2, 4, 2, 21, 37, 16, seed=12)
+    bias = key_mask("float_pad", 2, 37, gen).clone().to(DEVICE).requires_grad_()
+    out = headwise.attention(q, k, v, bias, is_causal=True, softcap=1.0, backend="triton")
+    got = torch.autograd.grad(out.sum(), (q, k, bias))
+    qd, kd, vd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    bd = bias.detach().cpu().double().requires_grad_()
+    want_out, _ = reference_attention(qd, kd, vd, bd, is_causal=True, softcap=1.0)
+    for a, b in zip(got, torch.autograd.grad(want_out.sum(), (qd, kd, bd)), strict=True):
+        assert_close(a, b)
+
+
+@needs_triton
 def test_strided_inputs_and_expanded_grad(interpreter):
     """q, k, v as transposed (B, S, H, D) projections and a stride-0 gradient from .sum()."""
     gen = torch.Generator().manual_seed(8)
@@ -317,8 +361,11 @@ def test_torch_compile_traces_around_the_kernel(interpreter):
 def test_custom_op_registration_passes_opcheck(interpreter):
     q, k, v, gen = make_inputs(1, 2, 1, 17, 18, 16, seed=10)
     bias = torch.zeros(1, 18, device=DEVICE).masked_fill(torch.arange(18, device=DEVICE) > 12, float("-inf"))
-    args = (q, k, v, bias.requires_grad_(), None, 0.25, True, None)
+    args = (q, k, v, bias.requires_grad_(), None, 0.25, True, None, None, None)
     torch.library.opcheck(triton_flash._flash_forward, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    sinks = torch.randn(2, generator=gen).to(DEVICE).requires_grad_()
+    torch.library.opcheck(triton_flash._flash_forward, (*args[:8], 1.5, sinks),  # softcap and sinks
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

@@ -25,6 +25,14 @@ What makes it headwise's and not the Triton tutorial's:
   boundary pay for the position mask.
 * A row that may attend nothing gets output 0 and log-sum-exp ``+inf``, so backward's
   ``p = exp2(s - lse)`` is 0 there and no NaN appears, forward or backward.
+* Logit soft-capping: each tile's product becomes ``softcap * tanh(q k^T * scale / softcap)``
+  before the bias and ALiBi; backward multiplies the scores' gradient by ``1 - tanh^2``.
+  ``tanh`` is built from ``exp2`` (Triton's interpreter has no libdevice), with a short
+  series near 0 so small scores keep their relative precision.
+* Attention sinks: after the key tiles the head's sink logit joins the running max and
+  sum as one more column with no value, so the saved log-sum-exp already includes it;
+  backward's ``p`` and ``delta`` are then the sink-aware ones, and the sinks' gradient
+  ``-sum over rows of delta * exp(sink - lse)`` is summed on the host.
 * Scores are kept in base 2 (``qk_scale = scale * log2(e)``), as in the tutorial: one
   ``exp2`` per score. The key bias and the ALiBi slopes are converted on the host.
 
@@ -186,38 +194,68 @@ def _query_tile_bounds(n0, S, Sk, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
     return t_lo, t_full_lo, t_full_hi, t_hi
 
 
+def _tanh(x):
+    """tanh from exp2: ``(1 - e) / (1 + e)``, ``e = exp(-2|x|)``, signed; below |x| = 1/16 its
+    series ``x - x^3/3 + 2x^5/15 - 17x^7/315`` (error < 1e-12), where ``1 - e`` would cancel."""
+    a = tl.abs(x)
+    e = tl.math.exp2(a * -2.8853900817779268)  # exp(-2|x|), 2 * log2(e)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = a * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    t = tl.where(a < 0.0625, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+def _capped(raw, qk_scale, cap_in, cap_out, HAS_SOFTCAP: tl.constexpr):
+    """Base-2 scores of a raw product ``q k^T`` and, with soft-capping, ``t = tanh(raw * scale /
+    softcap)`` for backward's ``1 - t^2`` (else 0.0): ``cap_in = scale / softcap``,
+    ``cap_out = softcap * log2(e)``."""
+    if HAS_SOFTCAP:
+        t = _tanh(raw * cap_in)
+        s = t * cap_out
+    else:
+        t = 0.0
+        s = raw * qk_scale
+    return s, t
+
+
 def _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, offset, window, qk_scale,
+                 cap_in, cap_out,
                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  MASK_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """The key tile at ``pos`` of the loop (of the live-tile list with a mask): its key
-    offsets, keys (BN, BD) and masked, scaled scores (BM, BN). Shared by forward and dq."""
+    offsets, keys (BN, BD), masked, scaled (and capped) scores (BM, BN) and the tile's tanh
+    (0.0 without soft-capping). Shared by forward and dq."""
     if HAS_BIAS:
         tile = tl.load(Tiles + pos)
     else:
         tile = pos
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k = _load_tile(K, offs_n, offs_d, s_ks, s_kd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
-    s = _dot(q, tl.trans(k), None, PRECISION) * qk_scale
+    s, t = _capped(_dot(q, tl.trans(k), None, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
     # (BM, BD) x (BD, BN) -> (BM, BN)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(Bias + offs_n, mask=offs_n < Sk, other=float("-inf"))[None, :]
     s = _mask_scores(s, offs_m[:, None], offs_n[None, :], bias, slope, Sk, offset, window,
                      MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI)
-    return offs_n, k, s
+    return offs_n, k, s, t
 
 
 def _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
-               s_ks, s_kd, s_vs, s_vd, start, end, Sk, offset, window, qk_scale,
+               s_ks, s_kd, s_vs, s_vd, start, end, Sk, offset, window, qk_scale, cap_in, cap_out,
                HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               PRECISION: tl.constexpr):
     """Online softmax over key tiles ``start..end`` (positions in the live-tile list with a mask)."""
     for pos in range(start, end):
-        offs_n, k, s = _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, offset,
-                                    window, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, MASK_POS, IS_CAUSAL,
-                                    HAS_WINDOW, HAS_BIAS, HAS_ALIBI, PRECISION)  # s: (BM, BN)
+        offs_n, k, s, _ = _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, offset,
+                                       window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, MASK_POS,
+                                       IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
+                                       PRECISION)  # s: (BM, BN)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # -inf max = nothing attended yet: shift by 0 so exp2(-inf - 0) = 0, never NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -231,13 +269,14 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
     return acc, l_i, m_i
 
 
-def _fwd_kernel(Q, K, V, Out, Lse, Bias, Tiles, Cum, Slopes,
+def _fwd_kernel(Q, K, V, Out, Lse, Bias, Tiles, Cum, Slopes, Sinks,
                 s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                 s_ob, s_oh, s_os, s_od, s_biasb, s_tb, s_cb,
-                G, S, Sk, qk_scale, window,
+                G, S, Sk, qk_scale, window, cap_in, cap_out,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -267,16 +306,24 @@ def _fwd_kernel(Q, K, V, Out, Lse, Bias, Tiles, Cum, Slopes,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
                                s_ks, s_kd, s_vs, s_vd, t_lo, t_full_lo, Sk, offset, window, qk_scale,
-                               HEAD_D, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_BIAS,
-                               HAS_ALIBI, PRECISION)
+                               cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW,
+                               HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
                                s_ks, s_kd, s_vs, s_vd, t_full_lo, t_full_hi, Sk, offset, window,
-                               qk_scale, HEAD_D, BLOCK_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW,
-                               HAS_BIAS, HAS_ALIBI, PRECISION)
+                               qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, False, IS_CAUSAL,
+                               HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
                                s_ks, s_kd, s_vs, s_vd, t_full_hi, t_hi, Sk, offset, window, qk_scale,
-                               HEAD_D, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_BIAS,
-                               HAS_ALIBI, PRECISION)
+                               cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW,
+                               HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
+    if HAS_SINKS:  # the sink: one more column of the softmax (base 2), with no value
+        sink = tl.load(Sinks + h)
+        m_new = tl.maximum(m_i, sink)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_shift)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     dead = l_i == 0.0  # rows that may attend nothing: output 0, lse +inf (backward's p = 0)
     l_safe = tl.where(dead, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -302,11 +349,11 @@ def _bwd_delta_kernel(Out, DO, Delta, s_ob, s_oh, s_os, s_od, s_dob, s_doh, s_do
 
 
 def _dkdv_inner(dk, dv, dbias, k, v, Q, DO, Lse, Delta, bias, slope, offs_n, offs_d,
-                s_qs, s_qd, s_dos, s_dod, start, end, S, Sk, offset, window, qk_scale,
+                s_qs, s_qd, s_dos, s_dod, start, end, S, Sk, offset, window, qk_scale, cap_in, cap_out,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASK_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                PRECISION: tl.constexpr):
+                HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dk, dv (and the key bias gradient) of one key tile over query tiles start..end.
 
     Works on transposed tiles (BN, BM) so that dk and dv come out as (BN, BD) directly.
@@ -318,7 +365,7 @@ def _dkdv_inner(dk, dv, dbias, k, v, Q, DO, Lse, Delta, bias, slope, offs_n, off
         do = _load_tile(DO, offs_m, offs_d, s_dos, s_dod, S, HEAD_D, True, BLOCK_D != HEAD_D)  # (BM, BD)
         lse = tl.load(Lse + offs_m, mask=offs_m < S, other=float("inf"))  # (BM,)
         delta = tl.load(Delta + offs_m, mask=offs_m < S, other=0.0)  # (BM,)
-        s_t = _dot(k, tl.trans(q), None, PRECISION) * qk_scale
+        s_t, t_t = _capped(_dot(k, tl.trans(q), None, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
         # (BN, BD) x (BD, BM) -> (BN, BM)
         s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], bias, slope, Sk, offset, window,
                            MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI)
@@ -328,10 +375,12 @@ def _dkdv_inner(dk, dv, dbias, k, v, Q, DO, Lse, Delta, bias, slope, offs_n, off
         dp_t = _dot(v, tl.trans(do), None, PRECISION)
         # (BN, BD) x (BD, BM) -> (BN, BM)
         ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM): dL/d(scaled score + bias)
-        dk = _dot(_lowp(ds_t, q.dtype, PRECISION), q, dk, PRECISION)
-        # (BN, BM) x (BM, BD) -> (BN, BD)
         if BIAS_GRAD:
             dbias += tl.sum(ds_t, 1)
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)  # through softcap * tanh(x / softcap): dL/d(scaled score)
+        dk = _dot(_lowp(ds_t, q.dtype, PRECISION), q, dk, PRECISION)
+        # (BN, BM) x (BM, BD) -> (BN, BD)
     return dk, dv, dbias
 
 
@@ -339,11 +388,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Slopes,
                      s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                      s_dob, s_doh, s_dos, s_dod, s_dkb, s_dkh, s_dks, s_dkd,
                      s_dvb, s_dvh, s_dvs, s_dvd, s_biasb,
-                     G, S, Sk, qk_scale, scale, window,
+                     G, S, Sk, qk_scale, scale, window, cap_in, cap_out,
                      HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -382,16 +431,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Slopes,
         Delta_h = Delta + (b * H + h) * S
         dk, dv, dbias = _dkdv_inner(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, offs_n,
                                     offs_d, s_qs, s_qd, s_dos, s_dod, t_lo, t_full_lo, S, Sk, offset,
-                                    window, qk_scale, HEAD_D, BLOCK_D, BLOCK_M, True, IS_CAUSAL,
-                                    HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD, PRECISION)
+                                    window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M, True,
+                                    IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD, HAS_SOFTCAP,
+                                    PRECISION)
         dk, dv, dbias = _dkdv_inner(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, offs_n,
                                     offs_d, s_qs, s_qd, s_dos, s_dod, t_full_lo, t_full_hi, S, Sk,
-                                    offset, window, qk_scale, HEAD_D, BLOCK_D, BLOCK_M, False,
-                                    IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD, PRECISION)
+                                    offset, window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M,
+                                    False, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD,
+                                    HAS_SOFTCAP, PRECISION)
         dk, dv, dbias = _dkdv_inner(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, offs_n,
                                     offs_d, s_qs, s_qd, s_dos, s_dod, t_full_hi, t_hi, S, Sk, offset,
-                                    window, qk_scale, HEAD_D, BLOCK_D, BLOCK_M, True, IS_CAUSAL,
-                                    HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD, PRECISION)
+                                    window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M, True,
+                                    IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD, HAS_SOFTCAP,
+                                    PRECISION)
     _store_tile(DK + b * s_dkb + hk64 * s_dkh, dk * scale, offs_n, offs_d, s_dks, s_dkd, Sk, HEAD_D, PRECISION)
     _store_tile(DV + b * s_dvb + hk64 * s_dvh, dv, offs_n, offs_d, s_dvs, s_dvd, Sk, HEAD_D, PRECISION)
     if BIAS_GRAD:  # (B, Hkv, Sk) partial sums; the host adds the kv heads
@@ -399,19 +451,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Slopes,
 
 
 def _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d,
-              s_ks, s_kd, s_vs, s_vd, start, end, Sk, offset, window, qk_scale,
+              s_ks, s_kd, s_vs, s_vd, start, end, Sk, offset, window, qk_scale, cap_in, cap_out,
               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               MASK_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+              HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              PRECISION: tl.constexpr):
     for pos in range(start, end):
-        offs_n, k, s = _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, offset,
-                                    window, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, MASK_POS, IS_CAUSAL,
-                                    HAS_WINDOW, HAS_BIAS, HAS_ALIBI, PRECISION)  # s: (BM, BN)
+        offs_n, k, s, t = _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, offset,
+                                       window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, MASK_POS,
+                                       IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
+                                       PRECISION)  # s: (BM, BN)
         v = _load_tile(V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
         p = tl.math.exp2(s - lse[:, None])  # (BM, BN)
         dp = _dot(do, tl.trans(v), None, PRECISION)
         # (BM, BD) x (BD, BN) -> (BM, BN)
         ds = p * (dp - delta[:, None])  # (BM, BN)
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)  # through softcap * tanh(x / softcap)
         dq = _dot(_lowp(ds, k.dtype, PRECISION), k, dq, PRECISION)
         # (BM, BN) x (BN, BD) -> (BM, BD)
     return dq
@@ -420,10 +476,11 @@ def _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d,
 def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ, Bias, Tiles, Cum, Slopes,
                    s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                    s_dob, s_doh, s_dos, s_dod, s_dqb, s_dqh, s_dqs, s_dqd, s_biasb, s_tb, s_cb,
-                   G, S, Sk, qk_scale, scale, window,
+                   G, S, Sk, qk_scale, scale, window, cap_in, cap_out,
                    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -454,19 +511,19 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ, Bias, Tiles, Cum, Slopes,
         t_full_hi, t_hi = tl.load(Cum + t_full_hi), tl.load(Cum + t_hi)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, s_vs,
-                   s_vd, t_lo, t_full_lo, Sk, offset, window, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True,
-                   IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, PRECISION)
+                   s_vd, t_lo, t_full_lo, Sk, offset, window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D,
+                   BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, s_vs,
-                   s_vd, t_full_lo, t_full_hi, Sk, offset, window, qk_scale, HEAD_D, BLOCK_D, BLOCK_N,
-                   False, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, PRECISION)
+                   s_vd, t_full_lo, t_full_hi, Sk, offset, window, qk_scale, cap_in, cap_out, HEAD_D,
+                   BLOCK_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, s_vs,
-                   s_vd, t_full_hi, t_hi, Sk, offset, window, qk_scale, HEAD_D, BLOCK_D, BLOCK_N, True,
-                   IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, PRECISION)
+                   s_vd, t_full_hi, t_hi, Sk, offset, window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D,
+                   BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
     _store_tile(DQ + b * s_dqb + h64 * s_dqh, dq * scale, offs_m, offs_d, s_dqs, s_dqd, S, HEAD_D, PRECISION)
 
 
 _DEVICE_CODE = (_load_tile, _store_tile, _dot, _lowp, _mask_scores, _key_tile_bounds, _query_tile_bounds,
-                _tile_scores,
+                _tanh, _capped, _tile_scores,
                 _fwd_inner, _fwd_kernel, _bwd_delta_kernel, _dkdv_inner, _bwd_dkdv_kernel,
                 _dq_inner, _bwd_dq_kernel)
 
@@ -521,10 +578,6 @@ def _refuses(r: Request) -> str | None:
                 "use backend 'sdpa' or 'chunked' for per-query or per-head masks")
     if r.dropout_p > 0:
         return f"has no dropout (dropout_p={r.dropout_p}); use backend 'sdpa' or 'chunked'"
-    if r.softcap:
-        return "has no logit soft-capping (softcap); use backend 'chunked'"
-    if r.sinks:
-        return "has no attention sinks (sinks); use backend 'sdpa' or 'chunked'"
     return None
 
 
@@ -682,11 +735,17 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _cap_factors(scale: float, softcap: float | None) -> tuple[float, float]:
+    """``(cap_in, cap_out)``: base-2 capped scores are ``tanh(q k^T * cap_in) * cap_out``."""
+    return (0.0, 0.0) if softcap is None else (scale / softcap, softcap * LOG2E)
+
+
 @torch.library.custom_op("headwise::triton_flash_forward", mutates_args=())
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None,
                    alibi_slopes: Tensor | None, scale: float, is_causal: bool,
-                   window: int | None) -> tuple[Tensor, Tensor]:
-    """Output (B, H, S, D) and base-2 log-sum-exp (B, H, S) fp32 (``+inf``: dead row)."""
+                   window: int | None, softcap: float | None, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Output (B, H, S, D) and base-2 log-sum-exp (B, H, S) fp32 (``+inf``: dead row), the
+    sinks' column (``sinks`` (H,) fp32) included."""
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     out = q.new_empty(B, H, S, D)
@@ -695,31 +754,33 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None,
     kernels = _compiled(interpret)
     bias2 = None if key_bias is None else (key_bias * LOG2E).contiguous()  # (B|1, Sk), base-2 units
     slopes2 = None if alibi_slopes is None else (alibi_slopes * LOG2E).contiguous()  # (H,)
+    sinks2 = None if sinks is None else (sinks * LOG2E).contiguous()  # (H,), base-2 units
     flags = dict(HEAD_D=D, BLOCK_D=_block_d(D), IS_CAUSAL=is_causal or window is not None,
                  HAS_WINDOW=window is not None, HAS_BIAS=key_bias is not None,
-                 HAS_ALIBI=alibi_slopes is not None, PRECISION=_precision(q.dtype, interpret))
+                 HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap is not None,
+                 PRECISION=_precision(q.dtype, interpret))
 
     def run(c: TileConfig) -> None:
         tiles, cum = (lse, lse) if bias2 is None else _live_key_tiles(bias2, c.block_n)
         bias_stride = 0 if bias2 is None or bias2.shape[0] == 1 else bias2.stride(0)
         kernels._fwd_kernel[(_cdiv(S, c.block_m), H, B)](
             q, k, v, out, lse, q if bias2 is None else bias2, tiles, cum,
-            q if slopes2 is None else slopes2,
+            q if slopes2 is None else slopes2, q if sinks2 is None else sinks2,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             bias_stride, 0 if tiles.shape[0] == 1 else tiles.stride(0),
             0 if cum.shape[0] == 1 else cum.stride(0),
-            H // Hkv, S, Sk, scale * LOG2E, window or 0,
+            H // Hkv, S, Sk, scale * LOG2E, window or 0, *_cap_factors(scale, softcap),
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
-            **flags,
+            HAS_SINKS=sinks is not None, **flags,
         )
 
     with _on(q.device):
-        _launch("forward", D, q.dtype, interpret, (q.dtype, tuple(flags.items())), run)
+        _launch("forward", D, q.dtype, interpret, (q.dtype, tuple(flags.items()), sinks is not None), run)
     return out, lse
 
 
 @_flash_forward.register_fake
-def _(q, k, v, key_bias, alibi_slopes, scale, is_causal, window):
+def _(q, k, v, key_bias, alibi_slopes, scale, is_causal, window, softcap, sinks):
     B, H, S, D = q.shape
     return q.new_empty(B, H, S, D), q.new_empty(B, H, S, dtype=torch.float32)
 
@@ -728,9 +789,11 @@ def _(q, k, v, key_bias, alibi_slopes, scale, is_causal, window):
 def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     key_bias: Tensor | None, alibi_slopes: Tensor | None, scale: float,
                     is_causal: bool, window: int | None,
-                    bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dq (B, H, S, D), dk and dv (B, Hkv, Sk, D), and d key_bias (B|1, Sk) fp32 when
-    ``bias_grad`` (else an empty tensor)."""
+                    bias_grad: bool, softcap: float | None,
+                    sinks: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq (B, H, S, D), dk and dv (B, Hkv, Sk, D), d key_bias (B|1, Sk) fp32 when
+    ``bias_grad`` (else an empty tensor), and d sinks (H,) fp32 when ``sinks`` is given
+    (else an empty tensor)."""
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -744,14 +807,16 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     bias_stride = 0 if bias2 is None or bias2.shape[0] == 1 else bias2.stride(0)
     flags = dict(HEAD_D=D, BLOCK_D=_block_d(D), IS_CAUSAL=is_causal or window is not None,
                  HAS_WINDOW=window is not None, HAS_BIAS=key_bias is not None,
-                 HAS_ALIBI=alibi_slopes is not None, PRECISION=_precision(q.dtype, interpret))
+                 HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap is not None,
+                 PRECISION=_precision(q.dtype, interpret))
+    cap_in, cap_out = _cap_factors(scale, softcap)
 
     def run_dkdv(c: TileConfig) -> None:
         kernels._bwd_dkdv_kernel[(_cdiv(Sk, c.block_n), Hkv, B)](
             q, k, v, dout, lse, delta, dk, dv, dbias, q if bias2 is None else bias2,
             q if slopes2 is None else slopes2,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            bias_stride, G, S, Sk, scale * LOG2E, scale, window or 0,
+            bias_stride, G, S, Sk, scale * LOG2E, scale, window or 0, cap_in, cap_out,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BIAS_GRAD=bias_grad,
             num_warps=c.num_warps, num_stages=c.num_stages, **flags,
         )
@@ -764,7 +829,7 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
             bias_stride, 0 if tiles.shape[0] == 1 else tiles.stride(0),
             0 if cum.shape[0] == 1 else cum.stride(0),
-            G, S, Sk, scale * LOG2E, scale, window or 0,
+            G, S, Sk, scale * LOG2E, scale, window or 0, cap_in, cap_out,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
             **flags,
         )
@@ -778,34 +843,40 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         )
         _launch("dkdv", D, q.dtype, interpret, key, run_dkdv)
         _launch("dq", D, q.dtype, interpret, key, run_dq)
+    dsinks = q.new_empty(0, dtype=torch.float32)
+    if sinks is not None:  # d sink_h = -sum over rows of delta * p(sink), p(sink) = 2^(sink * log2(e) - lse)
+        p_sink = torch.exp2(sinks[None, :, None] * LOG2E - lse)  # (B, H, S); 0 where lse = +inf
+        dsinks = -(delta * p_sink).sum(dim=(0, 2))  # (H,)
     if not bias_grad:
-        return dq, dk, dv, q.new_empty(0, dtype=torch.float32)
+        return dq, dk, dv, q.new_empty(0, dtype=torch.float32), dsinks
     dbias = dbias.sum(1)  # (B, Hkv, Sk) -> (B, Sk): the kv heads share one key bias
     if key_bias is not None and key_bias.shape[0] == 1:  # (bias_grad implies a key bias)
         dbias = dbias.sum(0, keepdim=True)  # (B, Sk) -> (1, Sk): the batch shared it too
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, dsinks
 
 
 @_flash_backward.register_fake
-def _(dout, q, k, v, out, lse, key_bias, alibi_slopes, scale, is_causal, window, bias_grad):
+def _(dout, q, k, v, out, lse, key_bias, alibi_slopes, scale, is_causal, window, bias_grad, softcap, sinks):
     dbias = key_bias.new_empty(key_bias.shape) if bias_grad else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_bias, alibi_slopes, scale, is_causal, window = inputs
+    q, k, v, key_bias, alibi_slopes, scale, is_causal, window, softcap, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_bias, alibi_slopes)
-    ctx.args = (scale, is_causal, window)
+    ctx.save_for_backward(q, k, v, out, lse, key_bias, alibi_slopes, sinks)
+    ctx.args = (scale, is_causal, window, softcap)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, key_bias, alibi_slopes = ctx.saved_tensors
-    scale, is_causal, window = ctx.args
+    q, k, v, out, lse, key_bias, alibi_slopes, sinks = ctx.saved_tensors
+    scale, is_causal, window, softcap = ctx.args
     bias_grad = key_bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = _flash_backward(dout, q, k, v, out, lse, key_bias, alibi_slopes, scale,
-                                        is_causal, window, bias_grad)
-    return dq, dk, dv, dbias if bias_grad else None, None, None, None, None
+    dq, dk, dv, dbias, dsinks = _flash_backward(dout, q, k, v, out, lse, key_bias, alibi_slopes, scale,
+                                                is_causal, window, bias_grad, softcap, sinks)
+    return (dq, dk, dv, dbias if bias_grad else None, None, None, None, None, None,
+            dsinks if sinks is not None else None)
 
 
 _flash_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -848,6 +919,8 @@ def triton_attention(
         need_weights: must be False (the registry never asks this kernel for weights).
         window: causal sliding window (None: unlimited).
         alibi_slopes: (H,) ALiBi slopes (None: none).
+        softcap: logit soft-capping (None: none).
+        sinks: (H,) sink logits (None: none).
 
     Returns:
         ``(out, None)`` with out (B, H, S, D) in q's dtype.
@@ -863,15 +936,15 @@ def triton_attention(
         )
     if dropout_p > 0:
         raise ValueError(f"the triton kernel has no dropout (dropout_p={dropout_p}); use backend 'sdpa' or 'chunked'")
-    if softcap is not None or sinks is not None:
-        raise ValueError("the triton kernel has no logit soft-capping or attention sinks; use backend 'chunked'")
     B, H, S, D = q.shape
     Sk = k.shape[2]
     if S == 0 or Sk == 0:  # nothing to compute; rows with no keys are zeros by the contract
-        return attached_zeros(q, k, v), None  # (B, H, S, D), in the graph: zero gradients
+        return attached_zeros(q, k, v, *([] if sinks is None else [sinks])), None  # (B, H, S, D): zero gradients
     key_bias = _key_bias(attention_mask, Sk)  # (B|1, Sk) fp32 or None
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()  # (H,)
-    out, _ = _flash_forward(q, k, v, key_bias, slopes, float(scale), bool(is_causal), window)
+    sinks32 = None if sinks is None else sinks.float().contiguous()  # (H,)
+    out, _ = _flash_forward(q, k, v, key_bias, slopes, float(scale), bool(is_causal), window,
+                            None if softcap is None else float(softcap), sinks32)
     return out, None
 
 
@@ -886,6 +959,10 @@ def triton_stages(call: Call) -> list[KernelStage]:
                 "are all padding skipped")
     if call.is_causal:
         how += f"; {describe.causal_rule(call)}, tiles it blocks entirely skipped"
+    if call.softcap is not None:
+        how += f"; each tile capped at {call.softcap:.4g} with tanh before the mask"
+    if call.sinks is not None:
+        how += "; the sink logits join the running max and sum after the key tiles"
     how += describe.shared_kv(call)
     return [describe.fused(call, "triton", how, f"scores {describe.scores_shape(call)} not materialised")]
 
@@ -893,7 +970,7 @@ def triton_stages(call: Call) -> list[KernelStage]:
 KERNEL = Kernel(
     name="triton",
     fn=triton_attention,
-    summary="FlashAttention-2 in Triton: key padding, causal, window, GQA, ALiBi; skips padded tiles",
+    summary="FlashAttention-2 in Triton: key padding, causal, window, GQA, ALiBi, softcap, sinks; skips padded tiles",
     native_gqa=True,
     fused=True,
     available=_available,
