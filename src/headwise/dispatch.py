@@ -17,9 +17,17 @@ threshold they read lives in :mod:`headwise.policy` with the benchmark that sets
    the padded keys per batch row, where :func:`headwise.policy.estimate_varlen` prices it
    under SDPA (the multiply-adds it saves against its fixed cost per call); the reason
    gives both estimates.
-5. Except when SDPA cannot use a fused kernel (dropout on CPU) and its fallback would
+5. Attention sinks on CPU: SDPA takes them as one zero key whose float mask column is
+   the sink logit, and an explicit mask keeps it off its fused kernel. From
+   ``SINKS_CHUNKED_MIN_SCORES`` scores per head (S x Sk), when gradients are needed or
+   the mask is per query (causal, window, ALiBi, a 3-D/4-D mask): ``chunked``, which
+   applies the sinks from its log-sum-exp.
+6. Except when SDPA cannot use a fused kernel (dropout on CPU) and its fallback would
    materialise a large (B, H, S, Sk) score matrix: then ``chunked``, whose memory grows
    as O(S), runs instead.
+
+Logit soft-capping is refused by ``sdpa`` and ``varlen`` (SDPA cannot cap), so "auto"
+runs the next kernel of the ranking that can.
 """
 
 from __future__ import annotations
@@ -99,7 +107,8 @@ def _scores_bytes(r: Request) -> int:
     return r.batch * r.heads * r.q_len * r.k_len * r.dtype.itemsize
 
 
-def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.Costs]) -> tuple[tuple[str, ...], str]:
+def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.Costs],
+             sinks_min: int = 0) -> tuple[tuple[str, ...], str]:
     """Preference order for a request, and the sentence that explains it."""
     if r.need_weights:
         return _WEIGHT_ORDER, "need_weights=True: it returns the probabilities and is the plainest"
@@ -123,6 +132,14 @@ def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.
         priced = f"; {r.key_padding:.0%} of the keys are padding, but {estimate}"
     else:
         priced = ""
+    per_query = r.is_causal or r.alibi or (r.mask_shape is not None and r.mask_shape[2] != 1)
+    if (r.sinks and r.device.type == "cpu" and r.q_len * r.k_len >= sinks_min
+            and (r.requires_grad or per_query)):
+        return _LOW_MEMORY_ORDER, (
+            f"sinks on CPU with S x Sk = {r.q_len * r.k_len} >= SINKS_CHUNKED_MIN_SCORES {sinks_min} and "
+            f"{'gradients' if r.requires_grad else 'a per-query mask'}: SDPA's sink column needs an explicit "
+            "float mask, which keeps it off its fused kernel; chunked applies the sinks from its log-sum-exp"
+        )
     size = _scores_bytes(r)
     if r.device.type == "cpu" and r.dropout_p > 0 and size > budget:
         return _LOW_MEMORY_ORDER, (
@@ -155,7 +172,7 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
     select_ = _select.__wrapped__ if compiling else _select
     dispatch = select_(request, backend, tuple(kernels().values()), policy.SCORES_BUDGET_BYTES,
                        (policy.VARLEN_MIN_PADDING, policy.INFERENCE_COSTS, policy.TRAINING_COSTS),
-                       (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH))
+                       (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH), policy.SINKS_CHUNKED_MIN_SCORES)
     if backend == "auto" and not compiling and logger.isEnabledFor(logging.DEBUG):
         logger.debug("auto chose %s", dispatch)
     return dispatch
@@ -163,7 +180,8 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
 
 @functools.lru_cache(maxsize=1024)
 def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budget: int,
-            varlen: tuple[float, policy.Costs, policy.Costs], bucketing: tuple[float, int]) -> Dispatch:
+            varlen: tuple[float, policy.Costs, policy.Costs], bucketing: tuple[float, int],
+            sinks_min: int = 0) -> Dispatch:
     # The cache key holds everything the decision reads: the request, the registered
     # kernel objects (identity-hashed, so re-registering or replacing one invalidates
     # earlier decisions), the thresholds and unit costs, and the bucketing policy that
@@ -180,7 +198,7 @@ def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budg
             )
         others = {n: f"backend={backend!r} was requested" for n in registry if n != backend}
         return Dispatch(backend, "requested explicitly", MappingProxyType(others), request)
-    ranking, because = _ranking(request, budget, varlen)
+    ranking, because = _ranking(request, budget, varlen, sinks_min)
     order = [n for n in ranking if n in registry] + [n for n in registry if n not in ranking]
     passed: dict[str, str] = {}
     chosen = None

@@ -240,6 +240,17 @@ VARLEN_MIN_PADDING_SHORT = 0.7
 # kernel's O(S) peak beside the materialising paths.
 SCORES_BUDGET_BYTES = 256 * 2**20
 
+# Attention sinks on CPU: from this many scores per head (S x Sk), "auto" runs the chunked
+# kernel (sinks from its log-sum-exp) instead of SDPA with one zero key and a float mask
+# column for the sinks (the explicit mask keeps SDPA off its fused kernel), when gradients
+# are needed or the mask is per query. Measured with headwise.attention on B=2, H=8,
+# Hkv=2, D=64, fp32, 1 thread, 2-core AMD EPYC (best of 3-5, noisy within ~20%), forward /
+# forward+backward ms, sdpa vs chunked: S=512 full 23/170 vs 20/115, causal 30/115 vs
+# 50/145; S=768 full 51/349 vs 84/262, causal 77/327 vs 74/237; S=1024 full 96/604 vs
+# 149/483, causal 146/719 vs 149/464; S=2048 full 344/2842 vs 504/1497, causal 496/2253 vs
+# 370/1261; B=1 S=4096 causal forward 1733 vs 669.
+SINKS_CHUNKED_MIN_SCORES = 768 * 768
+
 # ---- length buckets (packing.py, kernels/varlen.py) -------------------------------------
 # A length bucket takes sequences down to (1 - BUCKET_SLACK) of its longest one, so at most
 # this share of a bucket is padding. Chosen, not swept: benchmarks/pack_threshold.py

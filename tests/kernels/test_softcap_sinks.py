@@ -265,3 +265,20 @@ def test_the_repeated_call_memo_never_serves_softcap_or_sinks():
     torch.testing.assert_close(capped, reference_attention(q, k, v, softcap=0.1)[0].float())
     torch.testing.assert_close(sunk, reference_attention(q, k, v, sinks=torch.full((2,), 3.0))[0].float())
     assert not torch.allclose(capped, plain) and not torch.allclose(sunk, plain)
+
+
+def test_auto_sends_large_sink_calls_on_cpu_to_chunked(monkeypatch):
+    """SDPA with sinks needs an explicit float mask: from SINKS_CHUNKED_MIN_SCORES scores per
+    head, with gradients or a per-query mask, "auto" ranks chunked first (policy.py has the
+    measurements)."""
+    monkeypatch.setattr(policy, "SINKS_CHUNKED_MIN_SCORES", 6 * 6)
+    sinks = torch.zeros(H)
+    q, k = torch.randn(1, H, 6, D), torch.randn(1, 2, 6, D)
+    assert headwise.choose_backend(q, k, k, sinks=sinks).backend == "sdpa"  # forward only, no mask
+    causal = headwise.choose_backend(q, k, k, sinks=sinks, is_causal=True)
+    assert causal.backend == "chunked"
+    assert causal.reason.startswith("sinks on CPU with S x Sk = 36 >= SINKS_CHUNKED_MIN_SCORES 36 and a per-query mask")
+    training = headwise.choose_backend(q.requires_grad_(), k, k, sinks=sinks)
+    assert training.backend == "chunked" and "and gradients:" in training.reason
+    assert headwise.choose_backend(q[:, :, :5], k, k, sinks=sinks).backend == "sdpa"  # 30 scores: below
+    assert headwise.choose_backend(q, k, k, is_causal=True).backend == "sdpa"  # no sinks: the rule is silent
