@@ -23,12 +23,14 @@ BACKENDS = headwise.available_backends()
 SLOPES = headwise.masks.alibi_slopes(4)
 
 
-def reference(q, k, v, cu_q, cu_k, *, is_causal=False, window=None, alibi_slopes=None, scale=None):
+def reference(q, k, v, cu_q, cu_k, *, is_causal=False, window=None, alibi_slopes=None, scale=None,
+              softcap=None, sinks=None):
     """The packed contract in float64, one sequence and one head at a time.
 
     Sequence b: queries q[cu_q[b]:cu_q[b + 1]], keys k[cu_k[b]:cu_k[b + 1]]; query i sits at
     key position i + Lk - Lq; causal keeps j <= that, a window also j > that - window, ALiBi
-    adds -slope * |that - j|. A query with no key allowed gets zeros.
+    adds -slope * |that - j|. A query with no key allowed gets zeros. ``softcap`` caps the
+    scaled scores with tanh first; ``sinks`` (H,) add exp(sink_h) to each denominator.
     """
     q, k, v = q.double(), k.double(), v.double()
     H, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
@@ -52,12 +54,17 @@ def reference(q, k, v, cu_q, cu_k, *, is_causal=False, window=None, alibi_slopes
         for h in range(H):
             g = h // (H // Hkv)  # the kv head query head h reads
             s = q[q0:q1, h] @ k[k0:k1, g].T * scale  # (Lq, D) x (D, Lk) -> (Lq, Lk)
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
             if alibi_slopes is not None:
                 s = s - float(alibi_slopes[h]) * (at - j).abs().double()
             s = s.masked_fill(~allowed, -math.inf)
             top = torch.where(allowed.any(1, keepdim=True), s.amax(1, keepdim=True), 0.0).detach()  # (Lq, 1)
             e = torch.exp(s - top)  # masked keys: exp(-inf) = 0
-            w = e / e.sum(1, keepdim=True).clamp_min(1e-300)  # all-masked rows: 0 / tiny = 0
+            total = e.sum(1, keepdim=True)
+            if sinks is not None:
+                total = total + torch.exp(sinks[h].double() - top)  # the sink's column, no value
+            w = e / total.clamp_min(1e-300)  # all-masked rows: 0 / tiny = 0
             heads.append(w @ v[k0:k1, g])  # (Lq, Lk) x (Lk, D) -> (Lq, D)
         pieces.append(torch.stack(heads, 1))  # (Lq, H, D)
     return torch.cat(pieces)  # (Tq, H, D)
@@ -122,6 +129,33 @@ def test_every_backend_matches_the_reference_in_float64_with_gradients(backend, 
 @pytest.mark.parametrize("heads", ["mha", "mqa"])
 def test_mha_and_mqa_match_the_reference_in_float64_with_gradients(case, rule, heads):
     check(case, rule, HEADS[heads])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["cross", "empty"])
+@pytest.mark.parametrize("features", [{"softcap": 0.7}, {"sinks": True}, {"softcap": 0.7, "sinks": True}],
+                         ids=["softcap", "sinks", "both"])
+def test_softcap_and_sinks_match_the_reference_with_gradients(backend, case, features):
+    """Every bucket gets the same cap and the same per-head sinks; sequences without keys
+    still output zeros. A kernel that cannot cap (sdpa, varlen) refuses."""
+    lengths_q, lengths_k = CASES[case]
+    q, k, v, cu_q, cu_k = inputs(lengths_q, lengths_k)
+    sinks = None
+    if "sinks" in features:
+        sinks = torch.tensor([1.0, -0.5, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    kwargs = {**RULES["all"], "softcap": features.get("softcap"), "sinks": sinks}
+    if "softcap" in features and backend in ("sdpa", "varlen"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' cannot soft-cap the scores"):
+            headwise.packed_attention(q, k, v, cu_q, cu_k, backend=backend, **kwargs)
+        return
+    out = headwise.packed_attention(q, k, v, cu_q, cu_k, backend=backend, **kwargs)
+    want = reference(q, k, v, cu_q, cu_k, **kwargs)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    leaves = (q, k, v) + (() if sinks is None else (sinks,))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got, expected = (torch.autograd.grad(o, leaves, g, allow_unused=True, materialize_grads=True) for o in (out, want))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
 def test_the_cross_case_shifts_sequences_within_a_bucket():
