@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo as dynamo
+import torch._dynamo.testing  # noqa: F401  (dynamo.testing.CompileCounter: not imported by torch._dynamo itself)
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
