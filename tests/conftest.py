@@ -1,7 +1,7 @@
 """Shared fixtures: the float64 reference every kernel is compared against.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
-D head dim.
+D head dim of q and k, Dv head dim of v.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def _seeded():
 
 
 def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=None,
-                        keep=None, dropout_p=0.0, window=None, alibi_slopes=None, softcap=None, sinks=None):
+                        keep=None, dropout_p=0.0, window=None, alibi_slopes=None, softcap=None, sinks=None,
+                        sink_tokens=0):
     """The mask contract written out independently of headwise, in float64.
 
     ``keep`` (B, H, S, Sk) bool, if given, is the dropout keep mask to apply.
@@ -51,8 +52,10 @@ def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=
     ``alibi_slopes`` (H,): adds -slope_h * |i + Sk - S - j|.
     ``softcap``: the scaled scores become softcap * tanh(s / softcap) before bias and mask.
     ``sinks`` (H,): each row's denominator gains exp(sink_h), which adds nothing to the output.
+    ``sink_tokens`` n (with a window): keys j < n stay allowed too where j <= i + Sk - S.
+    ``v`` may have its own head dim Dv.
     Differentiable in q, k, v and sinks (gradients are float64).
-    Returns (out (B, H, S, D), weights (B, H, S, Sk)).
+    Returns (out (B, H, S, Dv), weights (B, H, S, Sk)).
     """
     q, k, v = q.double(), k.double(), v.double()
     B, H, S, D = q.shape
@@ -80,7 +83,7 @@ def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=
     if is_causal or window is not None:
         allowed = allowed & (key <= pos)
     if window is not None:
-        allowed = allowed & (key > pos - window)
+        allowed = allowed & ((key > pos - window) | (key < sink_tokens))
     if alibi_slopes is not None:
         bias = bias - alibi_slopes.double()[None, :, None, None] * (pos - key).abs().double()
     s = q @ k.transpose(-2, -1) * scale

@@ -1,7 +1,7 @@
 """The functional API: validate once, normalise the mask, dispatch to a kernel.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
-D head dim.
+D head dim of q and k, Dv head dim of v.
 """
 
 from __future__ import annotations
@@ -25,12 +25,19 @@ __all__ = ["attention", "available_backends", "choose_backend"]
 
 
 def _check_structure(q: Tensor, window: int | None, alibi_slopes: Tensor | None,
-                     softcap: float | None = None, sinks: Tensor | None = None) -> None:
+                     softcap: float | None = None, sinks: Tensor | None = None, sink_tokens: int = 0) -> None:
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int):
             raise TypeError(f"window must be an int or None, got {type(window).__name__} ({window!r})")
         if window < 1:
             raise ValueError(f"window must be >= 1 (keys per query, its own included), got {window}")
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int):
+        raise TypeError(f"sink_tokens must be an int, got {type(sink_tokens).__name__} ({sink_tokens!r})")
+    if sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be >= 0 (the first keys kept visible under the window), got {sink_tokens}")
+    if sink_tokens and window is None:
+        raise ValueError(f"sink_tokens={sink_tokens} keeps the first keys visible under a sliding window; "
+                         "give window=W too (without a window every earlier key is visible already)")
     if alibi_slopes is not None:
         H = q.shape[1]
         if not isinstance(alibi_slopes, Tensor) or not alibi_slopes.is_floating_point():
@@ -87,17 +94,18 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: st
             f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); "
             "move them to one device"
         )
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (B, Hkv, Sk, D)"
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, Sk): k is (B, Hkv, Sk, D), "
+            "v (B, Hkv, Sk, Dv); only the last dimension (the head dim) may differ"
         )
     B, H, _, D = q.shape
     if k.shape[0] != B:
         raise ValueError(f"q has batch {B} but k and v have batch {k.shape[0]}")
     if k.shape[-1] != D:
         raise ValueError(
-            f"q head dim ({D}) differs from k/v head dim ({k.shape[-1]}); "
-            "project q, k and v to the same head_dim"
+            f"q head dim ({D}) differs from k head dim ({k.shape[-1]}); "
+            "project q and k to the same head_dim (v may have its own)"
         )
     Hkv = k.shape[1]
     if Hkv == 0 or H % Hkv:
@@ -153,7 +161,7 @@ def _as_4d(mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 
 def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
              need_weights: bool, window: int | None, alibi: bool, softcap: bool = False,
-             sinks: bool = False) -> Request:
+             sinks: bool = False, value_dim: int | None = None, sink_tokens: int = 0) -> Request:
     B, H, S, D = q.shape
     lengths = _key_lengths(mask)
     return Request(
@@ -177,18 +185,21 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         key_lengths=lengths,
         softcap=softcap,
         sinks=sinks,
+        value_dim=D if value_dim is None else value_dim,
+        sink_tokens=sink_tokens,
     )
 
 
 def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
-             window=None, alibi_slopes=None, softcap=None, sinks=None):
+             window=None, alibi_slopes=None, softcap=None, sinks=None, sink_tokens=0):
     _check_inputs(q, k, v, dropout_p, backend)
-    _check_structure(q, window, alibi_slopes, softcap, sinks)
+    _check_structure(q, window, alibi_slopes, softcap, sinks, sink_tokens)
     B, H, S, _ = q.shape
     mask = normalize_mask(attention_mask, batch=B, heads=H, q_len=S, k_len=k.shape[2],
                           device=q.device, dtype=q.dtype)
     request = _request(q, k, mask, is_causal, dropout_p, need_weights, window,
-                       alibi_slopes is not None, softcap is not None, sinks is not None)
+                       alibi_slopes is not None, softcap is not None, sinks is not None, v.shape[-1],
+                       sink_tokens)
     return mask, select(request, backend)
 
 
@@ -207,6 +218,7 @@ def attention(
     alibi_slopes: Tensor | None = None,  # None: no ALiBi bias
     softcap: float | None = None,  # None: no logit soft-capping
     sinks: Tensor | None = None,  # None: no attention sinks
+    sink_tokens: int = 0,  # 0: none; n: the first n keys stay visible under the window
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention with headwise's mask contract.
 
@@ -221,7 +233,8 @@ def attention(
         q: queries (B, H, S, D).
         k: keys (B, Hkv, Sk, D); ``H % Hkv == 0`` (Hkv < H: grouped-query attention,
             query head ``h`` reads kv head ``h // (H // Hkv)``).
-        v: values (B, Hkv, Sk, D).
+        v: values (B, Hkv, Sk, Dv); Dv may differ from D (a value head dim of its own, as
+            multi-head latent attention uses).
         attention_mask: bool/integer (True = attend) or float (additive) mask, 2-D
             (B, Sk) key padding, 3-D (B, S, Sk) or 4-D broadcastable to (B, H, S, Sk).
         is_causal: query ``i`` may attend key ``j`` iff ``j <= i + Sk - S``; ANDed with
@@ -241,14 +254,20 @@ def attention(
             each row's softmax gets one more column ``sinks[h]`` that takes probability
             mass and adds nothing to the output; gradients reach ``sinks`` too.
 
+        sink_tokens: StreamingLLM's attention sinks, with a window only: the first
+            ``sink_tokens`` keys stay visible too, so query ``i`` attends key ``j`` iff
+            ``i + Sk - S - window < j <= i + Sk - S`` or ``j < sink_tokens and j <= i + Sk - S``.
+
+
     Returns:
-        The output (B, H, S, D), or ``(output, weights)`` when ``need_weights`` (with
+        The output (B, H, S, Dv), or ``(output, weights)`` when ``need_weights`` (with
         ``sinks`` each row of the weights sums to ``1 - p(sink)``, less than 1).
 
     Raises:
         TypeError: non-tensor or non-floating inputs, dtypes that differ, a bad mask dtype.
         ValueError: shapes that do not fit, devices that differ, dropout outside [0, 1),
-            an unknown backend, or a backend that cannot serve the request.
+            sink tokens without a window, an unknown backend, or a backend that cannot serve
+            the request.
 
     >>> q = k = v = torch.randn(2, 8, 5, 16)
     >>> attention(q, k, v, torch.tensor([[1, 1, 1, 0, 0], [1] * 5])).shape
@@ -256,12 +275,14 @@ def attention(
     >>> out, w = attention(q, k, v, softcap=50.0, sinks=torch.zeros(8), need_weights=True)
     >>> bool((w.sum(-1) < 1).all())  # the sinks hold the rest of each row
     True
+    >>> attention(q, k, torch.randn(2, 8, 5, 24), window=2, sink_tokens=1).shape  # Dv = 24
+    torch.Size([2, 8, 5, 24])
     """
     if trace.ACTIVE:
         trace.begin_call()
     return attend(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
                   backend=backend, need_weights=need_weights, window=window, alibi_slopes=alibi_slopes,
-                  softcap=softcap, sinks=sinks)
+                  softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
 
 
 # A repeated maskless call (same signature: shapes, dtypes, devices, flags) reuses the
@@ -293,8 +314,9 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d
         shapes = (qs, ks, vs, mask.shape, mask.dtype, mask.device, lengths)
     elif backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
         # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, S == Sk (causal with S != Sk ranks differently
-        # on CUDA in half precision) and k, v alike: all the checks and "auto" read
-        shapes = (qs[0], qs[1], qs[3], ks[0], ks[1], ks[3], qs[2] > 1, ks[2] > 0, qs[2] == ks[2], ks == vs)
+        # on CUDA in half precision), k, v alike but for v's head dim, and Dv: all the checks and "auto" read
+        shapes = (qs[0], qs[1], qs[3], ks[0], ks[1], ks[3], qs[2] > 1, ks[2] > 0, qs[2] == ks[2], ks[:3] == vs[:3],
+                  vs[3])
     else:
         shapes = (qs, ks, vs)
     return (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, is_causal, dropout_p, scale, backend,
@@ -302,7 +324,8 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d
 
 
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
-           backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None):
+           backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
+           sink_tokens=0):
     """:func:`attention` without opening a new call in an active trace (the module opens it).
 
     In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
@@ -322,9 +345,9 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
             if find_kernel(kernel.name) is kernel:  # still the kernel registered under its name
                 if mask_4d is not None:  # validated as this signature was: only its layout changes
                     args = {**args, "attention_mask": mask_4d}
-                return kernel.fn(q, k, v, **args)[0]  # (B, H, S, D)
+                return kernel.fn(q, k, v, **args)[0]  # (B, H, S, Dv)
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
-                              backend, window, alibi_slopes, softcap, sinks)
+                              backend, window, alibi_slopes, softcap, sinks, sink_tokens)
     B, H, S, D = q.shape
     if trace.ACTIVE and trace.recording():
         if attention_mask is not None:
@@ -335,7 +358,8 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     scale_given = scale is not None
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
-        out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]))  # (B, H, S, D): zero gradients
+        also = [] if sinks is None else [sinks]
+        out = attached_zeros(q, k, v, *also, size=v.shape[-1])  # (B, H, S, Dv), in q's graph: zero gradients
         if trace.ACTIVE:
             trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
         return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
@@ -349,6 +373,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         alibi_slopes=alibi_slopes,
         softcap=None if softcap is None else float(softcap),
         sinks=sinks,
+        sink_tokens=sink_tokens,
     )
     out, weights = dispatch.kernel.fn(q, k, v, **args)
     if key is not None:
@@ -384,6 +409,7 @@ def choose_backend(
     alibi_slopes: Tensor | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    sink_tokens: int = 0,
 ) -> Dispatch:
     """Which backend :func:`attention` would run for these arguments, and why.
 
@@ -397,7 +423,7 @@ def choose_backend(
     'sdpa'
     """
     return _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
-                    window, alibi_slopes, softcap, sinks)[1]
+                    window, alibi_slopes, softcap, sinks, sink_tokens)[1]
 
 
 def available_backends() -> list[str]:

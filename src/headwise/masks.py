@@ -12,6 +12,9 @@ Rules (the README repeats them):
 * causal: query ``i`` may attend key ``j`` iff ``j <= i + (Sk - S)`` (bottom-right
   alignment, so decoding with a cache works). Causal and a mask combine with AND.
 * sliding window ``W``: additionally ``j > i + (Sk - S) - W``; a window implies causal.
+* sink tokens ``n`` (StreamingLLM, with a window only): the first ``n`` keys stay visible
+  under the window: query ``i`` attends key ``j`` iff ``i + Sk - S - W < j <= i + Sk - S``
+  or ``j < n and j <= i + Sk - S``.
 * a query row that may attend nothing outputs zeros and gets zero gradients.
 
 Every kernel receives the mask already normalised by :func:`normalize_mask`: ``None``
@@ -126,7 +129,7 @@ def normalize_mask(
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device | None = None,
-                window: int | None = None) -> Tensor:
+                window: int | None = None, sink_tokens: int = 0) -> Tensor:
     """Bottom-right aligned causal mask: query ``i`` may attend key ``j`` iff ``j <= i + Sk - S``.
 
     Args:
@@ -135,6 +138,8 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | None = None,
         device: where to build it.
         window: also require ``j > i + Sk - S - window`` (a sliding window of ``window``
             keys ending at the query's own position); None: unlimited.
+        sink_tokens: with a window, keys ``j < sink_tokens`` stay visible too (still only
+            where ``j <= i + Sk - S``): StreamingLLM's attention sinks.
 
     Returns:
         Bool tensor ``(S, Sk)``, True = may attend.
@@ -143,12 +148,15 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | None = None,
     [[1, 1, 0], [1, 1, 1]]
     >>> causal_mask(3, 3, window=2).int().tolist()
     [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    >>> causal_mask(4, 4, window=2, sink_tokens=1).int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 1, 1]]
     """
     i = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)  # (S, 1) aligned position
     j = torch.arange(k_len, device=device)[None, :]  # (1, Sk)
     allowed = j <= i  # (S, Sk)
     if window is not None:
-        allowed = allowed & (j > i - window)
+        near = j > i - window  # (S, Sk)
+        allowed = allowed & (near | (j < sink_tokens) if sink_tokens else near)
     return allowed
 
 
@@ -185,15 +193,16 @@ def alibi_bias(slopes: Tensor, q_len: int, k_len: int) -> Tensor:
 
 
 def combined_mask(mask: Tensor | None, is_causal: bool, q_len: int, k_len: int,
-                  device: torch.device, window: int | None = None) -> Tensor | None:
+                  device: torch.device, window: int | None = None, sink_tokens: int = 0) -> Tensor | None:
     """AND a normalised mask with the causal (and window) rule, as one ``(B|1, H|1, S|1, Sk)``.
 
     A bool mask stays bool; a floating mask gets ``-inf`` where causality blocks. A
-    ``window`` implies the causal upper bound.
+    ``window`` implies the causal upper bound; ``sink_tokens`` keeps the window's first
+    keys visible (see :func:`causal_mask`).
     """
     if not is_causal and window is None:
         return mask
-    c = causal_mask(q_len, k_len, device, window)[None, None]  # (1, 1, S, Sk)
+    c = causal_mask(q_len, k_len, device, window, sink_tokens)[None, None]  # (1, 1, S, Sk)
     if mask is None:
         return c
     if mask.dtype == torch.bool:

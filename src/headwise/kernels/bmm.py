@@ -4,7 +4,7 @@
 to H heads before flattening.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
-D head dim.
+D head dim of q and k, Dv head dim of v.
 """
 
 from __future__ import annotations
@@ -31,35 +31,38 @@ def bmm_attention(
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
     softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
     sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
+    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
-        v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+        v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, Dv) -> (B, H, Sk, Dv)
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     q3 = q.reshape(B * H, S, D)  # (B, H, S, D) -> (B*H, S, D)
     k3 = k.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
-    v3 = v.reshape(B * H, Sk, D)  # (B, H, Sk, D) -> (B*H, Sk, D)
+    Dv = v.shape[-1]
+    v3 = v.reshape(B * H, Sk, Dv)  # (B, H, Sk, Dv) -> (B*H, Sk, Dv)
     scores = torch.bmm(q3, k3.transpose(1, 2))  # (B*H, S, D) x (B*H, D, Sk) -> (B*H, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B*H, S, Sk) -> (B, H, S, Sk)
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
-                                            softcap, sinks)
-    out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, D) -> (B*H, S, D)
-    out = out.reshape(B, H, S, D)  # (B*H, S, D) -> (B, H, S, D)
+                                            softcap, sinks, sink_tokens)
+    out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, Dv) -> (B*H, S, Dv)
+    out = out.reshape(B, H, S, Dv)  # (B*H, S, Dv) -> (B, H, S, Dv)
     return out, weights if need_weights else None
 
 
 def bmm_stages(call: Call) -> list[KernelStage]:
     """Explain mode's stages of :func:`bmm_attention` for one call (recorded by headwise.functional)."""
     B, H, _, S, Sk, D = call.sizes
+    Dv = call.value_dim
     return describe.textbook(
         call,
         copies_kv="a copy (bmm cannot broadcast)",
         scores=f"torch.bmm on (B*H, S, D) x (B*H, D, Sk) = ({B * H}, {S}, {D}) x ({B * H}, {D}, {Sk}), "
                "reshaped to (B, H, S, Sk)",
-        weighted_sum=f"torch.bmm on (B*H, S, Sk) x (B*H, Sk, D) = ({B * H}, {S}, {Sk}) x ({B * H}, {Sk}, {D}), "
-                     "reshaped to (B, H, S, D)",
+        weighted_sum=f"torch.bmm on (B*H, S, Sk) x (B*H, Sk, Dv) = ({B * H}, {S}, {Sk}) x ({B * H}, {Sk}, {Dv}), "
+                     "reshaped to (B, H, S, Dv)",
     )
 
 

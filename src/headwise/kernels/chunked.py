@@ -26,7 +26,7 @@ and the sink's own gradient is ``-sum over rows of delta * exp(sink - lse)`` (it
 probability times ``0 - delta``: a sink adds nothing to the output).
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S query length,
-Sk key length, D head dim, bq / bk the rows / columns of one tile.
+Sk key length, D head dim of q and k, Dv head dim of v, bq / bk the rows / columns of one tile.
 """
 
 from __future__ import annotations
@@ -52,24 +52,26 @@ def _tile_drop(seed: int, tile: int, shape: tuple[int, ...], dropout_p: float,
 
 
 def _causal_tile(i0: int, i1: int, j0: int, j1: int, offset: int, window: int | None,
-                 device: torch.device) -> Tensor | None | bool:
-    """The causal (and sliding window) rule on rows [i0, i1) x cols [j0, j1).
+                 device: torch.device, sink_tokens: int = 0) -> Tensor | None | bool:
+    """The causal (and sliding window, with its sink tokens) rule on rows [i0, i1) x cols [j0, j1).
 
     Returns False when the whole tile is blocked, None when it is entirely allowed,
-    else a bool (bq, bk) mask (True = may attend).
+    else a bool (bq, bk) mask (True = may attend). A tile holding a sink key (``j0 <
+    sink_tokens``) is never skipped for lying before the window.
     """
     if j0 > i1 - 1 + offset:
         return False  # every key is after every query
-    if window is not None and j1 - 1 <= i0 + offset - window:
-        return False  # every key is before even the first query's window
-    inside = j1 - 1 <= i0 + offset and (window is None or j0 > i1 - 1 + offset - window)
+    if window is not None and j1 - 1 <= i0 + offset - window and j0 >= sink_tokens:
+        return False  # every key is before even the first query's window, and none is a sink
+    inside = j1 - 1 <= i0 + offset and (window is None or j0 > i1 - 1 + offset - window or j1 <= sink_tokens)
     if inside:
         return None
     i = torch.arange(i0, i1, device=device)[:, None] + offset  # (bq, 1) aligned position
     j = torch.arange(j0, j1, device=device)[None, :]  # (1, bk)
     allowed = j <= i
     if window is not None:
-        allowed = allowed & (j > i - window)
+        near = j > i - window
+        allowed = allowed & (near | (j < sink_tokens) if sink_tokens else near)
     return allowed  # (bq, bk)
 
 
@@ -78,7 +80,7 @@ class _Plan:
 
     def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool,
                  window: int | None, slopes: Tensor | None, block_q: int, block_k: int,
-                 softcap: float | None = None, sinks: Tensor | None = None):
+                 softcap: float | None = None, sinks: Tensor | None = None, sink_tokens: int = 0):
         B, H, S, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
         self.B, self.H, self.Hkv, self.G, self.S, self.Sk, self.D = B, H, Hkv, H // Hkv, S, Sk, D
@@ -86,6 +88,7 @@ class _Plan:
         self.offset = Sk - S  # bottom-right causal alignment
         self.is_causal = is_causal or window is not None
         self.window = window
+        self.sink_tokens = sink_tokens
         self.slopes5 = None  # (1, Hkv, G, 1, 1) ALiBi slopes
         if slopes is not None:
             self.slopes5 = slopes.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
@@ -110,7 +113,7 @@ class _Plan:
             for kj, (j0, j1) in enumerate(self.k_blocks):
                 causal = None
                 if self.is_causal:
-                    causal = _causal_tile(i0, i1, j0, j1, self.offset, self.window, self.device)
+                    causal = _causal_tile(i0, i1, j0, j1, self.offset, self.window, self.device, self.sink_tokens)
                     if causal is False:
                         continue
                 yield qi * n_k + kj, (i0, i1), (j0, j1), causal
@@ -152,13 +155,14 @@ def _scores(plan: _Plan, qt: Tensor, kt: Tensor, i0: int, j0: int, mask_t: Tenso
 def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float,
              seed: int) -> tuple[Tensor, Tensor]:
     B, Hkv, G, S, D = qg.shape
+    Dv = v.shape[-1]
     qs = qg * scale  # scale q once instead of every score tile
-    out = torch.zeros_like(qg)  # (B, Hkv, G, S, D)
+    out = qg.new_zeros(B, Hkv, G, S, Dv)  # (B, Hkv, G, S, Dv)
     lse = torch.zeros(B, Hkv, G, S, 1, dtype=qg.dtype, device=qg.device)
     running: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # query block -> (max, sum, weighted values)
     for tile, (i0, i1), (j0, j1), causal in plan.tiles():
         qt = qs[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
-        kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
+        kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D), (B, Hkv, bk, Dv)
         s, _ = _scores(plan, qt, kt, i0, j0, plan.mask_tile(i0, i1, j0, j1), causal)
         before = running.get(i0)
         m_tile = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G, bq, 1)
@@ -169,10 +173,10 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
         l_tile = p.sum(dim=-1, keepdim=True)
         if dropout_p > 0:
             p = p.masked_fill_(_tile_drop(seed, tile, p.shape, dropout_p, p.device), 0.0)
-        pv = torch.matmul(p.reshape(B, Hkv, G * (i1 - i0), j1 - j0), vt).reshape(B, Hkv, G, i1 - i0, D)
-        # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
+        pv = torch.matmul(p.reshape(B, Hkv, G * (i1 - i0), j1 - j0), vt).reshape(B, Hkv, G, i1 - i0, Dv)
+        # (B, Hkv, G*bq, bk) x (B, Hkv, bk, Dv) -> (B, Hkv, G, bq, Dv)
         if dropout_p > 0:
-            pv = pv.mul_(1 / (1 - dropout_p))  # dropout's rescaling, on the small (bq, D) result
+            pv = pv.mul_(1 / (1 - dropout_p))  # dropout's rescaling, on the small (bq, Dv) result
         if before is None:
             running[i0] = (m_new, l_tile, pv)
         else:
@@ -202,6 +206,7 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
 def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dout: Tensor, scale: float, dropout_p: float, seed: int, mask_grad: bool):
     B, Hkv, G, S, D = qg.shape
+    Dv = v.shape[-1]
     qs = qg * scale  # the scaled queries forward used
     dq = torch.zeros_like(qg)
     dk = torch.zeros_like(k)
@@ -212,21 +217,21 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     # With dropout (keep scale c = 1 / (1 - p)), ds = p * (c * dp_kept - delta)
     #   = c * p * (dp_kept - delta / c): the factor c moves onto the small matmul results.
     keep_scale = 1 / (1 - dropout_p)
-    delta = (dout * out).sum(dim=-1, keepdim=True) / keep_scale  # (B, Hkv, G, S, 1)
+    delta = (dout * out).sum(dim=-1, keepdim=True) / keep_scale  # (B, Hkv, G, S, Dv) -> (B, Hkv, G, S, 1)
     dsinks5 = None  # d sink = -sum over rows of delta * p(sink), p(sink) = exp(sink - lse)
     if plan.sinks5 is not None:
         p_sink = torch.exp(plan.sinks5 - lse)  # (B, Hkv, G, S, 1)
         dsinks5 = -(delta * keep_scale * p_sink).sum(dim=(0, 3, 4), keepdim=True)  # (1, Hkv, G, 1, 1)
     for tile, (i0, i1), (j0, j1), causal in plan.tiles():
         bq, bk = i1 - i0, j1 - j0
-        qt, dot = qs[:, :, :, i0:i1], dout[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
-        kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D)
+        qt, dot = qs[:, :, :, i0:i1], dout[:, :, :, i0:i1]  # (B, Hkv, G, bq, D), (B, Hkv, G, bq, Dv)
+        kt, vt = k[:, :, j0:j1], v[:, :, j0:j1]  # (B, Hkv, bk, D), (B, Hkv, bk, Dv)
         mask_t = plan.mask_tile(i0, i1, j0, j1)
         s, t = _scores(plan, qt, kt, i0, j0, mask_t, causal)
         p = s.sub_(lse[:, :, :, i0:i1]).exp_()  # (B, Hkv, G, bq, bk)
-        dot3 = dot.reshape(B, Hkv, G * bq, D)
+        dot3 = dot.reshape(B, Hkv, G * bq, Dv)
         dp = torch.matmul(dot3, vt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk)
-        # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
+        # (B, Hkv, G*bq, Dv) x (B, Hkv, Dv, bk) -> (B, Hkv, G, bq, bk)
         if dropout_p > 0:
             drop = _tile_drop(seed, tile, p.shape, dropout_p, p.device)
             p_used = p.masked_fill(drop, 0.0)
@@ -234,7 +239,7 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         else:
             p_used = p
         dv_tile = torch.matmul(p_used.reshape(B, Hkv, G * bq, bk).transpose(-2, -1), dot3)
-        # (B, Hkv, bk, G*bq) x (B, Hkv, G*bq, D) -> (B, Hkv, bk, D)
+        # (B, Hkv, bk, G*bq) x (B, Hkv, G*bq, Dv) -> (B, Hkv, bk, Dv)
         dv[:, :, j0:j1] += dv_tile.mul_(keep_scale) if dropout_p > 0 else dv_tile
         ds = dp.sub_(delta[:, :, :, i0:i1]).mul_(p)  # ds / c, (B, Hkv, G, bq, bk)
         # Soft-capping: d(softcap * tanh(x / softcap)) / dx = 1 - t^2 carries ds back to q k^T * scale.
@@ -257,28 +262,28 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, is_causal, window, slopes, dropout_p, scale, seed, block_q, block_k,
-                softcap, sinks):
-        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k, softcap, sinks)
+                softcap, sinks, sink_tokens):
+        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k, softcap, sinks, sink_tokens)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
         out, lse = _forward(plan, qg, k, v, scale, dropout_p, seed)
         ctx.save_for_backward(q, k, v, out, lse, mask, slopes, sinks)
-        ctx.args = (is_causal, window, dropout_p, scale, seed, block_q, block_k, softcap)
-        return out.reshape(plan.B, plan.H, plan.S, plan.D)  # (B, Hkv, G, S, D) -> (B, H, S, D)
+        ctx.args = (is_causal, window, dropout_p, scale, seed, block_q, block_k, softcap, sink_tokens)
+        return out.reshape(plan.B, plan.H, plan.S, v.shape[-1])  # (B, Hkv, G, S, Dv) -> (B, H, S, Dv)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, mask, slopes, sinks = ctx.saved_tensors
-        is_causal, window, dropout_p, scale, seed, block_q, block_k, softcap = ctx.args
-        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k, softcap, sinks)
+        is_causal, window, dropout_p, scale, seed, block_q, block_k, softcap, sink_tokens = ctx.args
+        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k, softcap, sinks, sink_tokens)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, Hkv, G, S, D)
-        dout = dout.reshape(out.shape)  # (B, H, S, D) -> (B, Hkv, G, S, D)
+        dout = dout.reshape(out.shape)  # (B, H, S, Dv) -> (B, Hkv, G, S, Dv)
         mask_grad = mask is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dmask5, dsinks5 = _backward(plan, qg, k, v, out, lse, dout, scale, dropout_p, seed,
                                                 mask_grad)
         dmask = dmask5.reshape(mask.shape) if dmask5 is not None else None
         dsinks = dsinks5.reshape(sinks.shape).to(sinks.dtype) if dsinks5 is not None else None  # (H,)
-        return dq.reshape(q.shape), dk, dv, dmask, *([None] * 9), dsinks
+        return dq.reshape(q.shape), dk, dv, dmask, *([None] * 9), dsinks, None  # None for sink_tokens
 
 
 def chunked_attention(
@@ -297,6 +302,7 @@ def chunked_attention(
     sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
     block_q: int | None = None,  # None: policy.CHUNKED_BLOCK_Q
     block_k: int | None = None,  # None: policy.CHUNKED_BLOCK_K
+    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
     dtype = q.dtype
@@ -309,7 +315,7 @@ def chunked_attention(
             sinks = sinks.float()
     out = _ChunkedAttention.apply(
         q, k, v, attention_mask, is_causal, window, alibi_slopes, dropout_p, scale, seed,
-        block_q or policy.CHUNKED_BLOCK_Q, block_k or policy.CHUNKED_BLOCK_K, softcap, sinks,
+        block_q or policy.CHUNKED_BLOCK_Q, block_k or policy.CHUNKED_BLOCK_K, softcap, sinks, sink_tokens,
     )
     return out.to(dtype), None
 
@@ -320,13 +326,15 @@ def chunked_stages(call: Call) -> list[KernelStage]:
     B, H, Hkv, S, Sk, _ = call.sizes
     bq, bk = policy.CHUNKED_BLOCK_Q, policy.CHUNKED_BLOCK_K  # the tile, as chunked_attention takes it
     plan = _Plan(call.q, call.k, call.attention_mask, call.is_causal, call.window, call.alibi_slopes,
-                 bq, bk)
+                 bq, bk, sink_tokens=call.sink_tokens)
     computed = sum(1 for _ in plan.tiles())
     total = len(plan.q_blocks) * len(plan.k_blocks)
     how = (f"tile by tile with a running max and sum: {computed} of {total} tiles of up to "
            f"{bq} queries x {bk} keys")
     if computed < total:
         how += " (tiles the causal rule blocks entirely are skipped)"
+    if call.sink_tokens:
+        how += f"; the tiles of the {call.sink_tokens} sink keys are kept for every query"
     how += describe.shared_kv(call)
     if call.q.dtype in (torch.float16, torch.bfloat16):
         how += "; accumulated in float32"

@@ -28,6 +28,7 @@ def mask_softmax_dropout(
     alibi_slopes: Tensor | None = None,
     softcap: float | None = None,
     sinks: Tensor | None = None,
+    sink_tokens: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Cap, mask the scaled scores, softmax them, and apply dropout: the middle of attention.
 
@@ -42,6 +43,7 @@ def mask_softmax_dropout(
             mask (None: none).
         sinks: (H,) sink logits: one more column in each row's softmax, dropped after it
             (None: none).
+        sink_tokens: keys kept visible under the window (StreamingLLM; 0: none).
 
     Returns:
         ``(weights, dropped)``, both (B, H, S, Sk): the probabilities (zero rows where
@@ -49,7 +51,8 @@ def mask_softmax_dropout(
         after dropout.
     """
     S, Sk = scores.shape[-2:]
-    mask = combined_mask(attention_mask, is_causal, S, Sk, scores.device, window)  # (B|1, H|1, S|1, Sk)
+    mask = combined_mask(attention_mask, is_causal, S, Sk, scores.device, window,
+                         sink_tokens)  # (B|1, H|1, S|1, Sk)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap  # (B, H, S, Sk), in (-softcap, softcap)
     if alibi_slopes is not None:
@@ -66,12 +69,15 @@ def mask_softmax_dropout(
     return weights, dropped
 
 
-def attached_zeros(like: Tensor, *also: Tensor) -> Tensor:
-    """Zeros shaped like ``like`` that stay in the autograd graph of ``like`` and ``also``
-    (zero gradients, no NaN even where the inputs hold inf), for outputs where nothing
-    may be attended."""
+def attached_zeros(like: Tensor, *also: Tensor, size: int | None = None) -> Tensor:
+    """Zeros shaped like ``like`` (with last dimension ``size``, None: like's) that stay in
+    the autograd graph of ``like`` and ``also`` (zero gradients, no NaN even where the inputs
+    hold inf), for outputs where nothing may be attended: (B, H, S, Dv) from q (B, H, S, D)."""
     never = torch.zeros((), dtype=torch.bool, device=like.device)
-    out = torch.where(never, like, 0.0)
+    if size is None or size == like.shape[-1]:
+        out = torch.where(never, like, 0.0)
+    else:  # v's own head dim: the shape of the output, q's graph through a sum
+        out = like.new_zeros(*like.shape[:-1], size) + torch.where(never, like.sum(), 0.0)
     for t in also:
         out = out + torch.where(never, t.sum(), 0.0)
     return out

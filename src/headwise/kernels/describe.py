@@ -8,7 +8,7 @@ mask's real shape and how it broadcasts, the group size), so it says what this c
 the tensors they really produce.
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S query length,
-Sk key length, D head dim.
+Sk key length, D head dim of q and k, Dv head dim of v.
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ def causal_rule(call: Call) -> str:
     top = _position(Sk - S)
     if call.window is None:
         return f"causal: key j <= {top}"
-    return f"causal window {call.window}: {_position(Sk - S - call.window)} < j <= {top}"
+    rule = f"causal window {call.window}: {_position(Sk - S - call.window)} < j <= {top}"
+    if call.sink_tokens:
+        rule += f", or j < {call.sink_tokens} (sink tokens) and j <= {top}"
+    return rule
 
 
 def mask_note(call: Call) -> str:
@@ -131,7 +134,7 @@ def textbook(call: Call, *, scores: str, weighted_sum: str, copies_kv: str | Non
     Args:
         call: the call.
         scores: the note of the ``q k^T`` product (B, H, S, Sk).
-        weighted_sum: the note of the product with v (B, H, S, D).
+        weighted_sum: the note of the product with v (B, H, S, Dv).
         copies_kv: None when grouped-query heads share their kv head; else why the kernel
             copies k and v to H heads first (a ``repeat kv heads`` stage when Hkv < H).
 
@@ -145,7 +148,7 @@ def textbook(call: Call, *, scores: str, weighted_sum: str, copies_kv: str | Non
     stages.append(scaling(call))
     stages.append(KernelStage("scores", (B, H, S, Sk), dtype, scores))
     stages += middle(call)
-    stages.append(KernelStage("weighted sum", (B, H, S, D), dtype, weighted_sum))
+    stages.append(KernelStage("weighted sum", (B, H, S, call.value_dim), dtype, weighted_sum))
     return stages
 
 
@@ -179,7 +182,7 @@ def shared_kv(call: Call) -> str:
 
 
 def fused(call: Call, name: str, how: str, unmaterialised: str) -> KernelStage:
-    """One fused stage (B, H, S, D): ``"<steps> <how>; <unmaterialised>"``.
+    """One fused stage (B, H, S, Dv): ``"<steps> <how>; <unmaterialised>"``.
 
     Args:
         call: the call.
@@ -187,6 +190,6 @@ def fused(call: Call, name: str, how: str, unmaterialised: str) -> KernelStage:
         how: where and how the steps run, e.g. ``"in one Triton kernel"``.
         unmaterialised: what never exists in memory, with its real shape.
     """
-    B, H, _, S, _, D = call.sizes
+    B, H, _, S, _, _ = call.sizes
     note = f"{', '.join(fused_steps(call))} {how}; {unmaterialised}"
-    return KernelStage(name, (B, H, S, D), call.q.dtype, note, fused=True)
+    return KernelStage(name, (B, H, S, call.value_dim), call.q.dtype, note, fused=True)

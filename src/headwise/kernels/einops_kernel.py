@@ -1,7 +1,7 @@
 """The documents' ``einops`` form: named axes for every rearrangement and product.
 
 Legend: b batch, h query heads, hkv key/value heads, g = h // hkv query heads per kv head,
-s query length, k key length, d head dim.
+s query length, k key length, d head dim (e v's head dim).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def einops_attention(
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
     softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
     sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
+    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     hkv = k.shape[1]
@@ -35,10 +36,10 @@ def einops_attention(
     scores = einops.einsum(qg, k, "b hkv g s d, b hkv k d -> b hkv g s k")
     scores = einops.rearrange(scores, "b hkv g s k -> b (hkv g) s k")  # (B, H, S, Sk)
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
-                                            softcap, sinks)
+                                            softcap, sinks, sink_tokens)
     dropped = einops.rearrange(dropped, "b (hkv g) s k -> b hkv g s k", hkv=hkv)
-    out = einops.einsum(dropped, v, "b hkv g s k, b hkv k d -> b hkv g s d")
-    out = einops.rearrange(out, "b hkv g s d -> b (hkv g) s d")  # (B, H, S, D)
+    out = einops.einsum(dropped, v, "b hkv g s k, b hkv k e -> b hkv g s e")
+    out = einops.rearrange(out, "b hkv g s e -> b (hkv g) s e")  # (B, H, S, Dv)
     return out, weights if need_weights else None
 
 
@@ -49,7 +50,7 @@ def einops_stages(call: Call) -> list[KernelStage]:
         call,
         scores=f"einops.einsum 'b hkv g s d, b hkv k d -> b hkv g s k' with g = {H // Hkv}, "
                "rearranged 'b hkv g s k -> b (hkv g) s k'",
-        weighted_sum="einops.einsum 'b hkv g s k, b hkv k d -> b hkv g s d', rearranged 'b hkv g s d -> b (hkv g) s d'",
+        weighted_sum="einops.einsum 'b hkv g s k, b hkv k e -> b hkv g s e', rearranged 'b hkv g s e -> b (hkv g) s e'",
     )
 
 

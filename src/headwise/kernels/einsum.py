@@ -1,7 +1,7 @@
 """The documents' ``torch.einsum`` form: ``'bhij,bhjd->bhid'``, with a group axis for GQA.
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per kv head,
-S query length, Sk key length, D head dim.
+S query length, Sk key length, D head dim of q and k, Dv head dim of v.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def einsum_attention(
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
     softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
     sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
+    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -36,9 +37,9 @@ def einsum_attention(
     scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k)  # -> (B, Hkv, G, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B, Hkv, G, S, Sk) -> (B, H, S, Sk)
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
-                                            softcap, sinks)
+                                            softcap, sinks, sink_tokens)
     dropped = dropped.reshape(B, Hkv, H // Hkv, S, Sk)  # (B, H, S, Sk) -> (B, Hkv, G, S, Sk)
-    out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v).reshape(B, H, S, D)  # -> (B, H, S, D)
+    out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v).reshape(B, H, S, v.shape[-1])  # -> (B, H, S, Dv)
     return out, weights if need_weights else None
 
 
@@ -49,7 +50,7 @@ def einsum_stages(call: Call) -> list[KernelStage]:
     return describe.textbook(
         call,
         scores=f"einsum('bhgsd,bhkd->bhgsk', q, k), {groups}; reshaped to (B, H, S, Sk)",
-        weighted_sum="einsum('bhgsk,bhkd->bhgsd', weights, v), reshaped to (B, H, S, D)",
+        weighted_sum="einsum('bhgsk,bhkd->bhgsd', weights, v), reshaped to (B, H, S, Dv)",
     )
 
 

@@ -4,7 +4,7 @@ This is the oracle the tests compare every other kernel with, and the first file
 newcomer should open.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
-D head dim.
+D head dim of q and k, Dv head dim of v.
 """
 
 from __future__ import annotations
@@ -31,18 +31,19 @@ def matmul_attention(
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
     softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
     sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
+    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:
         # Grouped-query attention: query head h reads kv head h // (H // Hkv).
         # Readable, but it copies k and v to H heads; einsum/sdpa/chunked do not.
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
-        v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+        v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, Dv) -> (B, H, Sk, Dv)
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     scores = torch.matmul(q, k.transpose(-2, -1))  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
-                                            softcap, sinks)
-    out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)
+                                            softcap, sinks, sink_tokens)
+    out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, Dv) -> (B, H, S, Dv)
     return out, weights if need_weights else None
 
 
@@ -52,7 +53,7 @@ def matmul_stages(call: Call) -> list[KernelStage]:
         call,
         copies_kv="a copy",
         scores="torch.matmul(q, k.transpose(-2, -1)): (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)",
-        weighted_sum="torch.matmul(weights, v): (B, H, S, Sk) x (B, H, Sk, D) -> (B, H, S, D)",
+        weighted_sum="torch.matmul(weights, v): (B, H, S, Sk) x (B, H, Sk, Dv) -> (B, H, S, Dv)",
     )
 
 

@@ -1,14 +1,15 @@
 """One registry for every attention kernel.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
-D head dim.
+D head dim of q and k, Dv head dim of v (Dv == D unless the caller gives v its own).
 
 A kernel is a function with one keyword-only signature::
 
     kernel(q, k, v, *, attention_mask, is_causal, dropout_p, scale, need_weights,
-           window, alibi_slopes, softcap, sinks) -> (out, weights)
+           window, alibi_slopes, softcap, sinks, sink_tokens) -> (out, weights)
 
-* ``q`` (B, H, S, D), ``k`` and ``v`` (B, Hkv, Sk, D) with ``H % Hkv == 0``;
+* ``q`` (B, H, S, D), ``k`` (B, Hkv, Sk, D) and ``v`` (B, Hkv, Sk, Dv) with ``H % Hkv == 0``
+  (``Dv != D``, as multi-head latent attention has, is ``Request.value_dim``);
 * ``attention_mask`` is ``None`` or already normalised by
   :func:`headwise.masks.normalize_mask` (4-D, bool True = attend, or float additive);
 * ``window`` (None or int >= 1): query ``i`` attends keys ``j`` with
@@ -18,9 +19,11 @@ A kernel is a function with one keyword-only signature::
   on the scaled scores, before ALiBi and the mask (Gemma 2);
 * ``sinks`` (None or (H,) floating): one logit per head, an extra column of the softmax's
   denominator that takes probability mass and adds nothing to the output (gpt-oss);
+* ``sink_tokens`` (int >= 0, only with a window): StreamingLLM's sinks, keys ``j < sink_tokens``
+  stay visible under the window where ``j <= i + Sk - S``;
 * the order of operations is ``s = q k^T * scale``; softcap; ALiBi and the mask; softmax
   over ``[s, sink_h]`` with the sink column dropped; dropout; ``@ v``;
-* ``out`` is (B, H, S, D); ``weights`` is the (B, H, S, Sk) softmax before dropout when
+* ``out`` is (B, H, S, Dv); ``weights`` is the (B, H, S, Sk) softmax before dropout when
   ``need_weights`` is True (only kernels that declare ``supports_weights``), else None
   (with sinks its rows sum to less than 1: the sink holds the rest).
 
@@ -74,6 +77,8 @@ class Request:
     key_lengths: tuple[int, ...] | None = None  # real keys per batch row, known where key_padding is
     softcap: bool = False  # logit soft-capping asked for
     sinks: bool = False  # per-head sink logits given
+    value_dim: int | None = None  # Dv, v's head dim; None: head_dim
+    sink_tokens: int = 0  # keys kept visible under the window (StreamingLLM)
 
     @property
     def is_gqa(self) -> bool:
@@ -83,6 +88,11 @@ class Request:
     def key_padding_only(self) -> bool:
         """True when the mask is a pure key padding mask ``(B|1, 1, 1, Sk)``."""
         return self.mask_shape is not None and self.mask_shape[1:3] == (1, 1)
+
+    @property
+    def own_value_dim(self) -> bool:
+        """True when v's head dim differs from q's and k's (``value_dim != head_dim``)."""
+        return self.value_dim is not None and self.value_dim != self.head_dim
 
 
 @dataclass(frozen=True, eq=False)  # holds tensors: identity equality
@@ -95,7 +105,7 @@ class Call:
     Attributes:
         q: queries (B, H, S, D).
         k: keys (B, Hkv, Sk, D).
-        v: values (B, Hkv, Sk, D).
+        v: values (B, Hkv, Sk, Dv).
         attention_mask: the normalised mask (B|1, H|1, S|1, Sk), bool or additive float, or None.
         is_causal: the causal rule is applied (True also when a window is set).
         dropout_p: dropout probability on the weights.
@@ -106,6 +116,7 @@ class Call:
         scale_given: True when the caller passed ``scale=``; False when it is ``1 / sqrt(D)``.
         softcap: logit soft-capping ``softcap * tanh(s / softcap)`` (None: none).
         sinks: (H,) sink logits (None: no sinks).
+        sink_tokens: keys kept visible under the window (StreamingLLM; 0: none).
     """
 
     q: Tensor
@@ -121,12 +132,18 @@ class Call:
     scale_given: bool = False
     softcap: float | None = None  # None: no soft-capping
     sinks: Tensor | None = None  # None: no sink logits
+    sink_tokens: int = 0  # 0: no sink tokens
 
     @property
     def sizes(self) -> tuple[int, int, int, int, int, int]:
         """``(B, H, Hkv, S, Sk, D)``."""
         B, H, S, D = self.q.shape
         return B, H, self.k.shape[1], S, self.k.shape[2], D
+
+    @property
+    def value_dim(self) -> int:
+        """Dv, v's head dim: the output's last dimension."""
+        return self.v.shape[-1]
 
 
 @dataclass(frozen=True)

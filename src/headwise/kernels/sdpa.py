@@ -20,7 +20,7 @@ applies no function to the scores between the product and the softmax, so the ke
 refuses ``softcap``.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
-D head dim.
+D head dim of q and k, Dv head dim of v.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
 
 
 def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout_p: float, scale: float) -> Tensor:
-    """SDPA with one explicit mask (B|1, H|1, S|1, Sk), dead rows made safe: (B, H, S, D).
+    """SDPA with one explicit mask (B|1, H|1, S|1, Sk), dead rows made safe: (B, H, S, Dv).
 
     Rows that may attend nothing are unblocked before the call (no 0/0 inside SDPA) and
     zeroed after it (no gradient leaves them). ``mask=None``: every key visible. Shared
@@ -48,14 +48,14 @@ def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout
     """
     k, v, extra = _grouped(q, k, v)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **extra)  # (B, H, S, D)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **extra)  # (B, H, S, Dv)
     dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
     if policy.reads_values(dead) and not bool(dead.any()):  # known live (a free read on the CPU):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                              **extra)  # (B, H, S, D), no passes over mask and output
+                                              **extra)  # (B, H, S, Dv), no passes over mask and output
     mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                         **extra)  # (B, H, S, D)
+                                         **extra)  # (B, H, S, Dv)
     return out.masked_fill(dead, 0.0)
 
 
@@ -86,18 +86,18 @@ def with_sink(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     Args:
         q: queries (B, H, S, D).
         k: keys (B, Hkv, Sk, D).
-        v: values (B, Hkv, Sk, D).
+        v: values (B, Hkv, Sk, Dv).
         mask: (B|1, H|1, S|1, Sk) bool (True = attend) or additive float, or None.
         sinks: (H,) sink logits.
 
     Returns:
-        ``(k, v, mask)``: (B, Hkv, Sk + 1, D) twice and a float mask (B|1, H, S|1, Sk + 1).
+        ``(k, v, mask)``: (B, Hkv, Sk + 1, D), (B, Hkv, Sk + 1, Dv) and a float mask
+        (B|1, H, S|1, Sk + 1).
     """
     B, H, S, _ = q.shape
     Sk = k.shape[2]
-    zero = k.new_zeros(B, k.shape[1], 1, k.shape[3])  # (B, Hkv, 1, D)
-    k = torch.cat([k, zero], dim=2)  # (B, Hkv, Sk + 1, D)
-    v = torch.cat([v, zero], dim=2)  # (B, Hkv, Sk + 1, D)
+    k = torch.cat([k, k.new_zeros(B, k.shape[1], 1, k.shape[3])], dim=2)  # (B, Hkv, Sk + 1, D)
+    v = torch.cat([v, v.new_zeros(B, v.shape[1], 1, v.shape[3])], dim=2)  # (B, Hkv, Sk + 1, Dv)
     if mask is None:
         mask = q.new_zeros(1, 1, 1, Sk)  # (1, 1, 1, Sk): every key visible
     elif mask.dtype == torch.bool:
@@ -109,10 +109,11 @@ def with_sink(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 
 
 def _folded_mask(q: Tensor, k: Tensor, attention_mask: Tensor | None, is_causal: bool, window: int | None,
-                 alibi_slopes: Tensor | None) -> Tensor | None:
-    """The one mask SDPA gets (B|1, H|1, S|1, Sk): the caller's, with causal, window and ALiBi folded in."""
+                 alibi_slopes: Tensor | None, sink_tokens: int = 0) -> Tensor | None:
+    """The one mask SDPA gets (B|1, H|1, S|1, Sk): the caller's, with causal, window (and its sink
+    tokens) and ALiBi folded in."""
     S, Sk = q.shape[-2], k.shape[-2]
-    mask = combined_mask(attention_mask, is_causal, S, Sk, q.device, window)  # (B|1, H|1, S|1, Sk)
+    mask = combined_mask(attention_mask, is_causal, S, Sk, q.device, window, sink_tokens)  # (B|1, H|1, S|1, Sk)
     if alibi_slopes is None:
         return mask
     bias = alibi_bias(alibi_slopes.to(q.dtype), S, Sk)  # (1, H, S, Sk)
@@ -137,6 +138,7 @@ def sdpa_attention(
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
     softcap: float | None = None,  # must be None: SDPA cannot cap its scores (refused by dispatch)
     sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
+    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     if softcap is not None:
         raise ValueError(f"the sdpa kernel cannot soft-cap the scores (softcap={softcap}): "
@@ -145,12 +147,12 @@ def sdpa_attention(
         k, v, extra = _grouped(q, k, v)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
-        )  # (B, H, S, D)
+        )  # (B, H, S, Dv)
         return out, None
-    mask = _folded_mask(q, k, attention_mask, is_causal, window, alibi_slopes)  # (B|1, H|1, S|1, Sk)
+    mask = _folded_mask(q, k, attention_mask, is_causal, window, alibi_slopes, sink_tokens)  # (B|1, H|1, S|1, Sk)
     if sinks is not None:
         k, v, mask = with_sink(q, k, v, mask, sinks)  # one more key: (.., Sk + 1, ..)
-    return sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale), None  # (B, H, S, D)
+    return sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale), None  # (B, H, S, Dv)
 
 
 def _refuses(r: Request) -> str | None:
@@ -204,7 +206,8 @@ def sdpa_stages(call: Call) -> list[KernelStage]:
         mask = None
         how = "in F.scaled_dot_product_attention" + ("(is_causal=True)" if call.is_causal else "") + grouped
     else:
-        mask = _folded_mask(q, k, call.attention_mask, call.is_causal, call.window, call.alibi_slopes)
+        mask = _folded_mask(q, k, call.attention_mask, call.is_causal, call.window, call.alibi_slopes,
+                            call.sink_tokens)
         folded = ["the caller's mask"] if call.attention_mask is not None else []
         if call.is_causal:
             folded.append(describe.causal_rule(call))

@@ -578,6 +578,12 @@ def _refuses(r: Request) -> str | None:
                 "use backend 'sdpa' or 'chunked' for per-query or per-head masks")
     if r.dropout_p > 0:
         return f"has no dropout (dropout_p={r.dropout_p}); use backend 'sdpa' or 'chunked'"
+    if r.own_value_dim:
+        return (f"loads q, k and v tiles with one head-dim block (BLOCK_D), so v's head dim must be q's: got "
+                f"Dv = {r.value_dim} != D = {r.head_dim}; use backend 'sdpa' or 'chunked'")
+    if r.sink_tokens:
+        return (f"skips key tiles by the window alone and has no sink tokens (sink_tokens={r.sink_tokens}); "
+                "use backend 'sdpa' or 'chunked'")
     return None
 
 
@@ -906,6 +912,7 @@ def triton_attention(
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
     softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
     sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
+    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     """Fused attention on a GPU (or Triton's interpreter); see the module docstring.
 
@@ -921,13 +928,15 @@ def triton_attention(
         alibi_slopes: (H,) ALiBi slopes (None: none).
         softcap: logit soft-capping (None: none).
         sinks: (H,) sink logits (None: none).
+        sink_tokens: must be 0.
 
     Returns:
         ``(out, None)`` with out (B, H, S, D) in q's dtype.
 
     Raises:
-        ValueError: a mask that is not a key padding mask, or dropout_p > 0 (dispatch
-            refuses both before calling; this guards direct calls).
+        ValueError: a mask that is not a key padding mask, dropout_p > 0, v with a head dim
+            of its own or sink tokens (dispatch refuses them before calling; this guards
+            direct calls).
     """
     if attention_mask is not None and attention_mask.shape[1:3] != (1, 1):
         raise ValueError(
@@ -936,6 +945,9 @@ def triton_attention(
         )
     if dropout_p > 0:
         raise ValueError(f"the triton kernel has no dropout (dropout_p={dropout_p}); use backend 'sdpa' or 'chunked'")
+    if v.shape[-1] != q.shape[-1] or sink_tokens:
+        raise ValueError(f"the triton kernel needs v's head dim to be q's (got Dv = {v.shape[-1]}, D = {q.shape[-1]}) "
+                         f"and takes no sink tokens (got {sink_tokens}); use backend 'sdpa' or 'chunked'")
     B, H, S, D = q.shape
     Sk = k.shape[2]
     if S == 0 or Sk == 0:  # nothing to compute; rows with no keys are zeros by the contract

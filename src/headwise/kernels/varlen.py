@@ -83,11 +83,12 @@ def varlen_attention(
     alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
     softcap: float | None = None,  # must be None: refused, SDPA cannot cap its scores
     sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
+    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     if attention_mask is None:  # no padding to drop: the dense kernel is the same computation
         return sdpa_attention(q, k, v, attention_mask=None, is_causal=is_causal, dropout_p=dropout_p,
                               scale=scale, need_weights=False, window=window, alibi_slopes=alibi_slopes,
-                              softcap=softcap, sinks=sinks)
+                              softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
     if softcap is not None:
         raise ValueError(f"the varlen kernel cannot soft-cap the scores (softcap={softcap}); "
                          "use backend 'chunked' or 'matmul'")
@@ -100,7 +101,7 @@ def varlen_attention(
     rest = None if m.dtype == torch.bool and m.shape[1:3] == (1, 1) else m.expand(B, -1, -1, -1)  # (B, H|1, S|1, Sk)
     groups = _groups(lengths)
     if not groups:  # no row has a key: the contract's zero rows, in the graph of q, k and v
-        return attached_zeros(q, k, v, *([] if sinks is None else [sinks])), None  # (B, H, S, D)
+        return attached_zeros(q, k, v, *([] if sinks is None else [sinks]), size=v.shape[-1]), None  # (B, H, S, Dv)
     span = torch.arange(Sk, device=q.device)  # (Sk,)
     # Right padding (real keys first, the usual layout) needs no gather: a row reads k[b, :, :L, :].
     prefix = bool((keys == (span[None, :] < sizes[:, None])).all())
@@ -109,7 +110,7 @@ def varlen_attention(
     # Per-row views: unbind's backward is one stack, where indexing rows out of the batch
     # would cost a (B, H, S, D) zero fill per index.
     q_rows, k_rows, v_rows = q.unbind(0), k.unbind(0), v.unbind(0)  # B x (H|Hkv, S|Sk, D)
-    out_rows: dict[int, Tensor] = {}  # batch row -> (H, S, D); none for a row with no real key
+    out_rows: dict[int, Tensor] = {}  # batch row -> (H, S, Dv); none for a row with no real key
     for rows in groups:
         L = max(lengths[r] for r in rows)
         idx = torch.tensor(rows, device=q.device)  # (n,)
@@ -127,7 +128,7 @@ def varlen_attention(
             allowed = (span[None, :L] < sizes.index_select(0, idx)[:, None])[:, None, None, :]  # (n, 1, 1, L)
         j = pos[:, None, None, :]  # (n|1, 1, 1, L)
         if is_causal or window is not None:
-            near = j <= i if window is None else (j <= i) & (j > i - window)  # (n|1, 1, S, L)
+            near = j <= i if window is None else (j <= i) & ((j > i - window) | (j < sink_tokens))  # (n|1, 1, S, L)
             allowed = near if allowed is None else allowed & near
         if rest is not None:
             cols = rest.index_select(0, idx)  # (n, H|1, S|1, Sk)
@@ -147,13 +148,13 @@ def varlen_attention(
             mask = bias.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             kb, vb, mask = with_sink(qb, kb, vb, mask, sinks)  # one more key: (n, .., L + 1, ..)
-        ob = sdpa_masked(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale)  # (n, H, S, D)
+        ob = sdpa_masked(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale)  # (n, H, S, Dv)
         for r, o in zip(rows, ob.unbind(0), strict=True):
             out_rows[r] = o
     if len(out_rows) < B:  # rows with no real key output zeros (zero gradients reach q through unbind)
         zeros = q.new_zeros(H, S, v.shape[-1])
         out_rows.update({r: zeros for r in range(B) if r not in out_rows})
-    return torch.stack([out_rows[r] for r in range(B)]), None  # (B, H, S, D)
+    return torch.stack([out_rows[r] for r in range(B)]), None  # (B, H, S, Dv)
 
 
 def _refuses(r: Request) -> str | None:
@@ -172,7 +173,8 @@ def varlen_stages(call: Call) -> list[KernelStage]:
     _, _, lengths = _real_keys(call.attention_mask, B, Sk)
     groups = _groups(lengths)
     if not groups:
-        return [KernelStage("varlen", (B, H, S, D), call.q.dtype, "no real key in any row: zeros", fused=True)]
+        return [KernelStage("varlen", (B, H, S, call.value_dim), call.q.dtype, "no real key in any row: zeros",
+                            fused=True)]
     how = (f"per group of rows with similar real-key counts: {len(groups)} F.scaled_dot_product_attention "
            f"call{'s' if len(groups) > 1 else ''} on {sum(lengths)} of {B * Sk} keys, the widest {max(lengths)} "
            f"keys{describe.shared_kv(call)}")
