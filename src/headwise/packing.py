@@ -110,6 +110,7 @@ def packed_attention(
     backend: str = "auto",
     softcap: float | None = None,  # None: no logit soft-capping
     sinks: Tensor | None = None,  # None: no attention sinks
+    sink_tokens: int = 0,  # 0: none; n: each sequence's first n keys stay visible under the window
 ) -> Tensor:
     """Attention within each of B packed sequences, without padding: the CPU/GPU
     counterpart of flash-attn's ``flash_attn_varlen_func``.
@@ -126,7 +127,7 @@ def packed_attention(
         q: (Tq, H, D) packed queries, Tq = ``cu_seqlens_q[-1]``.
         k: (Tk, Hkv, D) packed keys, Tk = ``cu_seqlens_k[-1]``; ``H % Hkv == 0`` (Hkv < H:
             grouped-query attention, query head ``h`` reads kv head ``h // (H // Hkv)``).
-        v: (Tk, Hkv, D) packed values.
+        v: (Tk, Hkv, Dv) packed values (Dv may differ from D).
         cu_seqlens_q: (B + 1,) integer offsets of the query sequences: 0, then the
             cumulative lengths (``F.pad(lengths.cumsum(0), (1, 0))``).
         cu_seqlens_k: (B + 1,) integer offsets of the key/value sequences.
@@ -145,9 +146,11 @@ def packed_attention(
         sinks: (H,) sink logits, one per query head: an extra softmax column that adds
             nothing to the output (as in :func:`headwise.attention`); a sequence without
             keys still outputs zeros.
+        sink_tokens: with a window, each sequence's first ``sink_tokens`` keys stay visible
+            too (``j < sink_tokens and j <= i + Lk - Lq``): StreamingLLM's attention sinks.
 
     Returns:
-        (Tq, H, D) outputs, in the packed order of ``q``.
+        (Tq, H, Dv) outputs, in the packed order of ``q``.
 
     Raises:
         TypeError: non-tensor or non-floating q/k/v, dtypes that differ, offsets that are
@@ -155,7 +158,7 @@ def packed_attention(
         ValueError: ranks, heads, head dims or devices that do not fit; offsets that do not
             start at 0, decrease, end elsewhere than the rows of q / k, or count different
             numbers of sequences; a ``max_seqlen_*`` below the longest sequence; dropout
-            outside [0, 1); an unknown backend.
+            outside [0, 1); sink tokens without a window; an unknown backend.
 
     >>> q = torch.randn(5, 4, 8)  # sequences of 2 and 3 queries
     >>> k = v = torch.randn(7, 2, 8)  # ... of 4 and 3 keys (GQA: 2 kv heads)
@@ -165,7 +168,7 @@ def packed_attention(
     """
     if trace.ACTIVE:
         trace.begin_call()
-    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks)
+    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks, sink_tokens)
     lengths_q = _lengths(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q")
     if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0]:
         lengths_k = lengths_q  # self-attention passes one tensor twice: read it once (a device sync)
@@ -181,7 +184,7 @@ def packed_attention(
     _check_longest(max_seqlen_k, "max_seqlen_k", lengths_k, "key")
     return _attend_buckets(q, k, v, lengths_q, lengths_k, is_causal=is_causal, window=window,
                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
-                           softcap=softcap, sinks=sinks)
+                           softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
 
 
 def attend_packed(
@@ -199,19 +202,20 @@ def attend_packed(
     backend: str = "auto",
     softcap: float | None = None,  # None: no logit soft-capping
     sinks: Tensor | None = None,  # None: no attention sinks
+    sink_tokens: int = 0,  # 0: none
 ) -> Tensor:
     """:func:`packed_attention` with the sequence lengths as Python ints: reads no offsets
     and opens no new call in an active trace (the module's packed path opens it).
 
     Args:
         q: (Tq, H, D) packed queries, Tq = ``sum(lengths_q)``.
-        k, v: (Tk, Hkv, D) packed keys and values, Tk = ``sum(lengths_k)``.
+        k, v: (Tk, Hkv, D) and (Tk, Hkv, Dv) packed keys and values, Tk = ``sum(lengths_k)``.
         lengths_q, lengths_k: the B query and key lengths (self-attention: the same twice).
-        is_causal, window, alibi_slopes, dropout_p, scale, backend, softcap, sinks: as in
+        is_causal, window, alibi_slopes, dropout_p, scale, backend, softcap, sinks, sink_tokens: as in
             :func:`packed_attention`.
 
     Returns:
-        (Tq, H, D) outputs.
+        (Tq, H, Dv) outputs.
 
     Raises:
         ValueError / TypeError: as :func:`packed_attention`, with lengths whose counts
@@ -221,7 +225,7 @@ def attend_packed(
     >>> attend_packed(q, k, v, (2, 3), (2, 3), is_causal=True).shape
     torch.Size([5, 2, 4])
     """
-    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks)
+    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks, sink_tokens)
     lengths_q, lengths_k = tuple(lengths_q), tuple(lengths_k)
     if len(lengths_q) != len(lengths_k):
         raise ValueError(f"lengths_q has {len(lengths_q)} sequences but lengths_k has {len(lengths_k)}; "
@@ -233,15 +237,16 @@ def attend_packed(
                              f"(they sum to {sum(lengths)})")
     return _attend_buckets(q, k, v, lengths_q, lengths_k, is_causal=is_causal, window=window,
                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
-                           softcap=softcap, sinks=sinks)
+                           softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
 
 
 # --- validation ---------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap=None, sinks=None) -> None:
+def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap=None, sinks=None,
+                  sink_tokens=0) -> None:
     """What attend would check per bucket, checked once up front (and also where no bucket runs)."""
-    for name, t, shape in (("q", q, "(Tq, H, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, D)")):
+    for name, t, shape in (("q", q, "(Tq, H, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
@@ -256,12 +261,13 @@ def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap=Non
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); "
                          "move them to one device")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (Tk, Hkv, D)")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (Tk, Hkv): k is (Tk, Hkv, D), "
+                         "v (Tk, Hkv, Dv); only the head dim may differ")
     H, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
     if k.shape[2] != D:
-        raise ValueError(f"q head dim ({D}) differs from k/v head dim ({k.shape[2]}); "
-                         "project q, k and v to the same head_dim")
+        raise ValueError(f"q head dim ({D}) differs from k head dim ({k.shape[2]}); "
+                         "project q and k to the same head_dim (v may have its own)")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"q has {H} heads, which is not a multiple of k/v's {Hkv} heads; "
                          "grouped-query attention needs num_heads % num_kv_heads == 0")
@@ -269,7 +275,8 @@ def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap=Non
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if backend != "auto":
         get_kernel(backend)  # raises ValueError listing the known names
-    _check_structure(q, window, alibi_slopes, softcap, sinks)  # q.shape[1] is H in (T, H, D) as in (B, H, S, D)
+    # q.shape[1] is H in (T, H, D) as in (B, H, S, D)
+    _check_structure(q, window, alibi_slopes, softcap, sinks, sink_tokens)
 
 
 _REMEDY = "offsets are 0 then the cumulative lengths: F.pad(lengths.cumsum(0), (1, 0))"
@@ -342,10 +349,15 @@ def _groups(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...]) -> list[list
     return [g for g in groups if g]
 
 
-def _layout(group: list[int], lengths_q, lengths_k, positional: bool) -> tuple[int, int, list[int], list[int], bool]:
+def _layout(group: list[int], lengths_q, lengths_k, positional: bool,
+            keys_first: bool = False) -> tuple[int, int, list[int], list[int], bool]:
     """A bucket's padded lengths (Lq, Lk), each sequence's first query / key row, and
-    whether its keys need a mask (some sequence does not fill the Lk key rows from row 0)."""
+    whether its keys need a mask (some sequence does not fill the Lk key rows from row 0).
+    ``keys_first``: every sequence's keys start at row 0 (sink tokens count keys from there)."""
     Lq, Lk = max(lengths_q[b] for b in group), max(lengths_k[b] for b in group)
+    if keys_first and positional:
+        # Only queries shift: pad the query side until no sequence needs its keys moved.
+        Lq = max(Lq, Lk - min(lengths_k[b] - lengths_q[b] for b in group))
     # Bottom-right alignment per sequence: query i sits at key position i + Lk_b - Lq_b,
     # the bucket puts row r at r + Lk - Lq. Shifting a sequence's queries (shift > 0) or
     # its keys (shift < 0) to later rows makes the two agree, so attend's own causal,
@@ -378,11 +390,11 @@ def bucket_shapes(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...]) -> lis
 
 
 def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_slopes, dropout_p, scale,
-                    backend, softcap=None, sinks=None) -> Tensor:
+                    backend, softcap=None, sinks=None, sink_tokens=0) -> Tensor:
     """Attend each group of sequences (checked inputs), and put the rows back in packed order."""
     kwargs = {"is_causal": is_causal, "window": window, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
-              "scale": scale, "backend": backend, "softcap": softcap, "sinks": sinks}
-    H, D = q.shape[1], v.shape[-1]
+              "scale": scale, "backend": backend, "softcap": softcap, "sinks": sinks, "sink_tokens": sink_tokens}
+    H, Dv = q.shape[1], v.shape[-1]
     # Where a sequence's queries and keys sit in a padded bucket only matters to a rule that
     # reads positions; without one, both sides are right-padded (the layout the varlen
     # kernel reads as key prefixes).
@@ -390,8 +402,8 @@ def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_s
     # split() views are cheap in both directions: its backward is one concatenation, where
     # slicing each sequence out of the packed rows would cost a (T, H, D) zero fill apiece.
     qs = q.split(list(lengths_q))  # B x (Lq_b, H, D)
-    ks, vs = k.split(list(lengths_k)), v.split(list(lengths_k))  # B x (Lk_b, Hkv, D)
-    pieces: list[Tensor | None] = [None] * len(lengths_q)  # each sequence's (Lq_b, H, D) output
+    ks, vs = k.split(list(lengths_k)), v.split(list(lengths_k))  # B x (Lk_b, Hkv, D), B x (Lk_b, Hkv, Dv)
+    pieces: list[Tensor | None] = [None] * len(lengths_q)  # each sequence's (Lq_b, H, Dv) output
     groups = _groups(lengths_q, lengths_k)
     for number, group in enumerate(groups, 1):
         if len(group) == 1:  # alone: views of its rows, no padding and no mask
@@ -400,13 +412,13 @@ def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_s
             if trace.ACTIVE:
                 trace.record(f"attention, bucket {number} of {len(groups)}", qb,
                              _note(group, lengths_q, lengths_k, alone=True))
-            ob = attend(qb, kb, vb, **kwargs)  # (1, H, Lq_b, D)
-            pieces[b] = ob[0].transpose(0, 1)  # (Lq_b, H, D)
+            ob = attend(qb, kb, vb, **kwargs)  # (1, H, Lq_b, Dv)
+            pieces[b] = ob[0].transpose(0, 1)  # (Lq_b, H, Dv)
             continue
         n = len(group)
-        Lq, Lk, q_at, k_at, masked = _layout(group, lengths_q, lengths_k, positional)
+        Lq, Lk, q_at, k_at, masked = _layout(group, lengths_q, lengths_k, positional, keys_first=sink_tokens > 0)
         qb = _pad_bucket([qs[b] for b in group], q_at, Lq).transpose(1, 2)  # (n, Lq, H, D) -> (n, H, Lq, D)
-        kb, vb = (_pad_bucket([t[b] for b in group], k_at, Lk).transpose(1, 2) for t in (ks, vs))  # (n, Hkv, Lk, D)
+        kb, vb = (_pad_bucket([t[b] for b in group], k_at, Lk).transpose(1, 2) for t in (ks, vs))  # (n, Hkv, Lk, D|Dv)
         mask = None  # equal key lengths in place: no mask, the fastest path
         if masked:
             first = torch.tensor(k_at, device=q.device)[:, None]  # (n, 1)
@@ -416,24 +428,24 @@ def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_s
         if trace.ACTIVE:
             trace.record(f"attention, bucket {number} of {len(groups)}", qb,
                          _note(group, lengths_q, lengths_k, alone=False, Lq=Lq, Lk=Lk, shifted=any(q_at + k_at)))
-        ob = attend(qb, kb, vb, mask, **kwargs)  # (n, H, Lq, D)
-        ob = ob.transpose(1, 2).reshape(n * Lq, H, D)  # (n, H, Lq, D) -> (n * Lq, H, D)
+        ob = attend(qb, kb, vb, mask, **kwargs)  # (n, H, Lq, Dv)
+        ob = ob.transpose(1, 2).reshape(n * Lq, H, Dv)  # (n, H, Lq, Dv) -> (n * Lq, H, Dv)
         sizes = [m for b, s in zip(group, q_at, strict=True) for m in (s, lengths_q[b], Lq - s - lengths_q[b])]
         parts = ob.split(sizes)  # padding, queries, padding, ... per sequence
         for j, b in enumerate(group):
-            pieces[b] = parts[3 * j + 1]  # (Lq_b, H, D)
+            pieces[b] = parts[3 * j + 1]  # (Lq_b, H, Dv)
     keyless = [b for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k, strict=True)) if lq and not lk]
     for b in keyless:  # no key to attend: the contract's zero rows (q's rows get zero gradients)
-        pieces[b] = q.new_zeros(lengths_q[b], H, D)
+        pieces[b] = q.new_zeros(lengths_q[b], H, Dv)
     if not groups:  # no sequence attends: zeros still in the graph of q, k and v
-        out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]))  # (Tq, H, D)
+        out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]), size=Dv)  # (Tq, H, Dv)
     else:
-        out = torch.cat([p for p in pieces if p is not None])  # (Tq, H, D), in the packed order
+        out = torch.cat([p for p in pieces if p is not None])  # (Tq, H, Dv), in the packed order
     if trace.ACTIVE:
         note = f"{sum(len(g) for g in groups)} sequences' query rows back in packed order, padding dropped"
         if keyless:
             note += f"; {len(keyless)} without keys output zeros"
-        trace.record("merge buckets", out, note + ": (Tq, H, D)")
+        trace.record("merge buckets", out, note + ": (Tq, H, Dv)")
     return out
 
 
