@@ -1,6 +1,7 @@
 """A key/value cache for incremental decoding: preallocated buffers, no parameters.
 
-Legend: B batch, Hkv key/value heads, T new positions, L cached positions, D head dim.
+Legend: B batch, Hkv key/value heads, T new positions, L cached positions, D head dim of
+the keys, Dv head dim of the values.
 """
 
 from __future__ import annotations
@@ -28,13 +29,27 @@ class KVCache:
     ``max_seq_len`` keys rather than ``len(cache)``. Without it a compiled model still has
     no graph break, but recompiles once the length becomes dynamic.
 
+    With ``window=W`` (``mha.new_cache(B, L, evict=True)`` on a module with a window), the
+    cache evicts what no later query can see: each :meth:`update` first keeps the first
+    ``sink_tokens`` positions (StreamingLLM's sinks) and the last ``W - 1``, drops the
+    middle, then appends. It then holds at most ``sink_tokens + W - 1 + T`` positions
+    whatever the length of the sequence, so ``max_seq_len`` only has to cover that, and
+    ``len(cache)`` (the positions seen, where the next one goes) may exceed it. The buffers
+    no longer hold position ``p`` at slot ``p``: :meth:`key_positions` says which positions
+    the slots hold (rotary keys stay rotated at their true positions). Eviction is opt-in:
+    it changes what ``k``, ``v`` and ``key_mask`` hold, and a static cache refuses it
+    (moving keys between slots would take data-dependent shapes).
+
     Attributes:
-        k, v: (B, Hkv, max_seq_len, D) buffers; the first ``len(cache)`` positions are valid.
+        k, v: (B, Hkv, max_seq_len, D) and (B, Hkv, max_seq_len, Dv) buffers; the first
+            :attr:`held` slots are valid.
         key_mask: (B, max_seq_len) bool, True where a cached position is a real token
             (from the padding masks given with each step; True when none was given).
         static: whether steps keep static shapes (see above).
         position: () int64 tensor, the length as a tensor (static caches read it; reading
             ``len(cache)`` of a static cache on a GPU syncs).
+        window, sink_tokens: the eviction rule (window None: nothing is evicted).
+        evicted: how many positions eviction has dropped so far.
 
     >>> import headwise
     >>> mha = headwise.MultiHeadAttention(32, 4)
@@ -47,13 +62,28 @@ class KVCache:
 
     def __init__(self, batch_size: int, max_seq_len: int, kv_heads: int, head_dim: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 static: bool = False):
+                 static: bool = False,
+                 value_dim: int | None = None,  # None: head_dim
+                 window: int | None = None,  # None: evict nothing; W: evict what a window of W keys cannot see
+                 sink_tokens: int = 0):  # positions eviction always keeps (with a window)
         for name, value in (("batch_size", batch_size), ("max_seq_len", max_seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        shape = (batch_size, kv_heads, max_seq_len, head_dim)  # (B, Hkv, L_max, D)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int or None, got {window!r}")
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+        if sink_tokens and window is None:
+            raise ValueError(f"sink_tokens={sink_tokens} are what eviction keeps besides the window; give window=W")
+        if static and window is not None:
+            raise ValueError("a static cache keeps every position at its own slot (one graph for every step); "
+                             "eviction moves keys between slots, which takes data-dependent shapes: use "
+                             "static=False for an evicting cache")
+        value_dim = head_dim if value_dim is None else value_dim
+        self.k = torch.zeros(batch_size, kv_heads, max_seq_len, head_dim, device=device,
+                             dtype=dtype)  # (B, Hkv, L_max, D)
+        self.v = torch.zeros(batch_size, kv_heads, max_seq_len, value_dim, device=device,
+                             dtype=dtype)  # (B, Hkv, L_max, Dv)
         self.key_mask = torch.ones(batch_size, max_seq_len, dtype=torch.bool, device=device)
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
@@ -61,22 +91,81 @@ class KVCache:
         self.padded = False  # True once a padding mask was given: masks are passed on
         self.static = bool(static)
         self.position = torch.zeros((), dtype=torch.int64, device=self.key_mask.device)
+        self.window = window
+        self.sink_tokens = sink_tokens
+        self.evicted = 0  # positions dropped by eviction; slots past the sinks hold position slot + evicted
 
     def __len__(self) -> int:
-        return int(self.position) if self.static else self._length
+        """The positions seen so far (where the next one goes); :attr:`held` of them are in the buffers."""
+        return int(self.position) if self.static else self._length + self.evicted
+
+    @property
+    def held(self) -> int:
+        """The positions the buffers hold: ``len(cache)`` less what eviction dropped."""
+        return len(self) - self.evicted
+
+    @property
+    def evicts(self) -> bool:
+        """Whether :meth:`update` evicts what the window can no longer see."""
+        return self.window is not None
 
     def __repr__(self) -> str:
         B, Hkv, L, D = self.k.shape
         static = ", static=True" if self.static else ""
+        value = f", value_dim={self.v.shape[-1]}" if self.v.shape[-1] != D else ""
+        evict = ""
+        if self.evicts:
+            evict = f", window={self.window}, sink_tokens={self.sink_tokens}, held={self.held}"
         return (f"KVCache(length={len(self)}, max_seq_len={L}, batch_size={B}, kv_heads={Hkv}, head_dim={D}"
-                f"{static})")
+                f"{value}{static}{evict})")
 
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept for reuse)."""
         self._length = 0
+        self.evicted = 0
         self.position.zero_()
         self.key_mask.fill_(True)
         self.padded = False
+
+    def key_positions(self) -> Tensor:
+        """The (held,) int64 positions of the keys in the buffers' first :attr:`held` slots:
+        ``0, 1, ...`` until eviction drops the middle, then the sinks and the recent ones.
+
+        >>> cache = KVCache(1, 8, 1, 4, window=3, sink_tokens=1)
+        >>> for _ in range(6):
+        ...     _ = cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+        >>> cache.key_positions().tolist(), len(cache)
+        ([0, 3, 4, 5], 6)
+        """
+        slots = torch.arange(self.held, device=self.key_mask.device)  # (held,)
+        return slots + self.evicted * (slots >= self.sink_tokens) if self.evicted else slots
+
+    def kept(self) -> tuple[int, int]:
+        """``(sinks, recent)``: what the next :meth:`update` keeps before appending (changes
+        nothing): the first ``sinks`` slots and the last ``recent`` held ones. Without
+        eviction, every held slot: ``(held, 0)``."""
+        held, window = self.held, self.window
+        if window is None:
+            return held, 0
+        seen = len(self)
+        sinks = min(self.sink_tokens, held)
+        # A later query at position p >= seen sees keys > p - W >= seen - W: the last W - 1.
+        recent = max(0, seen - max(self.sink_tokens, seen - window + 1))
+        return sinks, min(recent, held - sinks)
+
+    def _evict(self) -> None:
+        """Keep :meth:`kept`'s slots, moving the recent ones up to the sinks (a copy of at most W - 1)."""
+        sinks, recent = self.kept()
+        held = self.held
+        if sinks + recent == held:
+            return
+        src = slice(held - recent, held)
+        dst = slice(sinks, sinks + recent)
+        self.k[:, :, dst] = self.k[:, :, src].clone()  # (B, Hkv, recent, D): the ranges may overlap
+        self.v[:, :, dst] = self.v[:, :, src].clone()
+        self.key_mask[:, dst] = self.key_mask[:, src].clone()
+        self.evicted += held - sinks - recent
+        self._length = sinks + recent
 
     def check(self, batch: int, new: int) -> None:
         """Raise ValueError if ``new`` positions of batch ``batch`` cannot be appended."""
@@ -87,6 +176,16 @@ class KVCache:
             )
         if self.static and not policy.reads_values(self.position):
             return  # the length is a device tensor (or traced): index_copy_ refuses an overflow itself
+        if self.window is not None:
+            kept = sum(self.kept())
+            if kept + new > self.max_seq_len:
+                raise ValueError(
+                    f"the evicting cache keeps {kept} positions (sink_tokens {self.sink_tokens} and the last "
+                    f"window - 1 = {self.window - 1}) of max_seq_len {self.max_seq_len} slots and cannot take "
+                    f"{new} more; make one with max_seq_len >= sink_tokens + window - 1 + {new} = "
+                    f"{self.sink_tokens + self.window - 1 + new}"
+                )
+            return
         length = len(self)
         if length + new > self.max_seq_len:
             raise ValueError(
@@ -103,11 +202,11 @@ class KVCache:
         """A static cache's step: write T new positions at ``position`` with the same shapes every step.
 
         Args:
-            k, v: (B, Hkv, T, D) new keys and values.
+            k, v: (B, Hkv, T, D) new keys and (B, Hkv, T, Dv) values.
             mask: None, or a (B, T) bool/integer padding mask of the new positions (remembered).
 
         Returns:
-            ``(k, v, positions)``: the whole (B, Hkv, max_seq_len, D) buffers and the (T,)
+            ``(k, v, positions)``: the whole (B, Hkv, max_seq_len, D|Dv) buffers and the (T,)
             positions just written; :meth:`headwise.MultiHeadAttention.forward` masks the
             positions not written yet (``key_mask`` and ``position`` say which).
 
@@ -123,7 +222,7 @@ class KVCache:
             if mask.is_floating_point():
                 raise TypeError("with a cache, give the 2-D padding mask as bool or integer (True / 1 = token)")
         positions = self.position + torch.arange(T, device=self.position.device)  # (T,)
-        self.k.index_copy_(2, positions, k)  # (B, Hkv, T, D) into (B, Hkv, L_max, D)
+        self.k.index_copy_(2, positions, k)  # (B, Hkv, T, D) into (B, Hkv, L_max, D); v the same with Dv
         self.v.index_copy_(2, positions, v)
         if mask is not None:
             self.key_mask.index_copy_(1, positions, mask.to(self.key_mask.device) != 0)
@@ -139,17 +238,24 @@ class KVCache:
             new: T, the positions this step appends.
 
         Returns:
-            (B, L) bool, True = real token, once any step gave a padding mask (earlier
-            padding is remembered); the 3-D / 4-D mask as given; else None.
+            (B, L) bool over the held and new positions (L = held + new), True = real token,
+            once any step gave a padding mask (earlier padding is remembered); the 3-D / 4-D
+            mask as given; else None.
 
         Raises:
             TypeError: a floating 2-D mask (an additive bias cannot be remembered).
-            ValueError: a 2-D mask whose batch differs from the cache's.
+            ValueError: a 2-D mask whose batch differs from the cache's; a 3-D / 4-D mask
+                for an evicting cache (its keys are not the positions 0..L-1 such a mask names).
         """
         start, total = self._length, self._length + new  # the dynamic cache's (update_static masks itself)
+        seen = len(self) + new  # = total until eviction drops positions
         if mask is None:
             return self.key_mask[:, :total] if self.padded else None  # (B, L)
-        if mask.dim() != 2 or mask.shape[-1] not in (new, total):
+        if self.evicts and mask.dim() != 2:
+            raise ValueError(f"an evicting cache takes a 2-D (B, T) or (B, len(cache) + T) padding mask, got a "
+                             f"{mask.dim()}-D mask of shape {tuple(mask.shape)}: after eviction its keys are not "
+                             "positions 0..Sk-1, so a (S, Sk) mask cannot name them")
+        if mask.dim() != 2 or mask.shape[-1] not in (new, seen):
             return mask  # 3-D / 4-D masks already cover (S, Sk); normalize_mask checks them
         if mask.is_floating_point():
             raise TypeError(
@@ -162,23 +268,30 @@ class KVCache:
         mask = mask.to(self.key_mask.device) != 0
         if mask.shape[-1] == new:
             mask = torch.cat([self.key_mask[:, :start], mask], dim=1)  # (B, L)
+        elif self.evicted:  # over every position seen: keep the held ones' columns and the new ones
+            cols = torch.cat([self.key_positions(), torch.arange(seen - new, seen, device=mask.device)])  # (L,)
+            mask = mask.index_select(1, cols)  # (B, seen) -> (B, L)
         return mask
 
     def update(self, k: Tensor, v: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Append T new positions with their mask; return every cached key, value and the mask.
 
+        An evicting cache first drops what no later query can see (see the class docstring).
+
         Args:
-            k, v: (B, Hkv, T, D) new keys and values.
+            k, v: (B, Hkv, T, D) new keys and (B, Hkv, T, Dv) values.
             mask: the step's mask, as :meth:`mask_for` takes it; a 2-D padding mask is
                 remembered for later steps.
 
         Returns:
-            ``(k, v, mask)``: (B, Hkv, L, D) views of the buffers (L = len(cache) after
-            appending) and the mask over all L positions (see :meth:`mask_for`).
+            ``(k, v, mask)``: (B, Hkv, L, D) and (B, Hkv, L, Dv) views of the buffers (L =
+            :attr:`held` after appending: ``len(cache)`` unless eviction dropped positions,
+            :meth:`key_positions` says which) and the mask over those L (see :meth:`mask_for`).
         """
         self._dynamic("update")
         B, _, T, _ = k.shape
         self.check(B, T)
+        self._evict()
         given, mask = mask, self.mask_for(mask, T)
         total = self._length + T
         if given is not None and mask is not None and mask.dim() == 2 and mask.shape[-1] == total:  # remember it
@@ -191,20 +304,21 @@ class KVCache:
         """Store ``T`` new positions and return every cached key and value (no mask bookkeeping).
 
         Args:
-            k, v: (B, Hkv, T, D) new keys and values.
+            k, v: (B, Hkv, T, D) new keys and (B, Hkv, T, Dv) values.
 
         Returns:
-            ``(k, v)``, each (B, Hkv, L, D) with L = len(cache) after appending: views
-            of the buffers, not copies.
+            ``(k, v)``, (B, Hkv, L, D) and (B, Hkv, L, Dv) with L = :attr:`held` after
+            appending (after eviction, for an evicting cache): views of the buffers, not copies.
         """
         self._dynamic("append")
         self.check(k.shape[0], k.shape[2])
+        self._evict()
         return self._write(k, v)
 
     def _write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """append() after its checks: (B, Hkv, T, D) into the buffers at len(cache)."""
+        """append() after its checks: (B, Hkv, T, D|Dv) into the buffers at the held length."""
         start, end = self._length, self._length + k.shape[2]
         self.k[:, :, start:end] = k  # (B, Hkv, T, D) into (B, Hkv, L_max, D)
         self.v[:, :, start:end] = v
         self._length = end
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, Hkv, L, D)
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, Hkv, L, D), (B, Hkv, L, Dv)

@@ -3,9 +3,9 @@
 The module owns the parameters; the kernels (``headwise.kernels``) own the arithmetic.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
-D head dim, E embed dim.
+D head dim (of q and k), Dv value head dim (``v_head_dim``, D unless given), E embed dim.
 
-The q, k and v projections live in one parameter, ``qkv_weight`` (E + 2 * Hkv * D, E)
+The q, k and v projections live in one parameter, ``qkv_weight`` (E + Hkv * D + Hkv * Dv, E)
 (and ``qkv_bias``), so self-attention projects with one GEMM, as a hand-written module
 with a fused qkv ``nn.Linear`` does; ``q_proj``, ``k_proj`` and ``v_proj`` stay, as views
 of its rows (``mha.q_proj.weight`` reads and writes the fused parameter; an optimizer
@@ -16,8 +16,8 @@ fused ``qkv_weight`` / ``qkv_bias`` entry loads too)::
 
     q_proj.weight   (E, E)         q_proj.bias   (E,)
     k_proj.weight   (Hkv * D, E)   k_proj.bias   (Hkv * D,)
-    v_proj.weight   (Hkv * D, E)   v_proj.bias   (Hkv * D,)
-    out_proj.weight (E, E)         out_proj.bias (E,)
+    v_proj.weight   (Hkv * Dv, E)  v_proj.bias   (Hkv * Dv,)
+    out_proj.weight (E, H * Dv)    out_proj.bias (E,)
     sinks           (H,)           with sinks=True only
 
 (no ``*.bias`` entries when ``bias=False``).
@@ -192,6 +192,10 @@ class MultiHeadAttention(nn.Module):
             head, initialised to zeros (each row's softmax then starts with one extra
             ``exp(0)`` in its denominator); the sink takes probability mass and adds
             nothing to the output, as in gpt-oss. It is in the state dict as ``sinks``.
+        sink_tokens: with ``window``, the first ``sink_tokens`` positions stay visible to every
+            later query (StreamingLLM's attention sinks; see :func:`headwise.attention`).
+        v_head_dim: Dv, the values' head dim (None: D = E // H): ``v_proj`` is (Hkv * Dv, E)
+            and ``out_proj`` (E, H * Dv), as multi-head latent attention (DeepSeek-V2) has.
         context_parallel: a :class:`headwise.distributed.ContextParallel`: :meth:`forward`
             then takes this rank's shard (B, S_l, E) of the sequence (and of a 2-D mask)
             and attends over every rank's keys (rotary positions are global); no cache,
@@ -232,6 +236,8 @@ class MultiHeadAttention(nn.Module):
         qk_norm_eps: float = 1e-6,
         softcap: float | None = None,  # None: no logit soft-capping
         sinks: bool = False,  # True: a learnable (H,) sink logit per head (gpt-oss)
+        sink_tokens: int = 0,  # 0: none; n: keys 0..n-1 stay visible under the window (StreamingLLM)
+        v_head_dim: int | None = None,  # None: head_dim; Dv: the values' (and out_proj's input's) size per head
         context_parallel=None,  # None: one process; a headwise.distributed.ContextParallel splits the sequence
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -284,16 +290,30 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("context_parallel has no logit soft-capping or attention sinks (its ring merges and "
                              "Ulysses' kernels take neither); build the module without softcap/sinks, or without "
                              "context_parallel")
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+        if sink_tokens and window is None:
+            raise ValueError(f"sink_tokens={sink_tokens} keeps the first positions visible under a sliding window; "
+                             "give window=W too")
+        if v_head_dim is not None and (isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int)
+                                       or v_head_dim <= 0):
+            raise ValueError(f"v_head_dim must be a positive int or None (None: head_dim), got {v_head_dim!r}")
+        if context_parallel is not None and (sink_tokens or (v_head_dim or embed_dim // num_heads)
+                                             != embed_dim // num_heads):
+            raise ValueError(f"context_parallel has no sink tokens and no v_head_dim of its own (got sink_tokens="
+                             f"{sink_tokens}, v_head_dim={v_head_dim}); build the module without context_parallel")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = embed_dim // num_heads
+        self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim
+        self.sink_tokens = sink_tokens
         self.dropout = float(dropout)
         self.is_causal = bool(is_causal)
         self.backend = backend
         self.packing = packing
-        kv_dim = num_kv_heads * self.head_dim
-        rows = embed_dim + 2 * kv_dim
+        kv_dim, v_dim = num_kv_heads * self.head_dim, num_kv_heads * self.v_head_dim
+        rows = embed_dim + kv_dim + v_dim
         self.qkv_weight = nn.Parameter(torch.empty(rows, embed_dim, device=device, dtype=dtype))  # q, k, v rows
         self.qkv_bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
         self._reset_qkv()
@@ -301,7 +321,8 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = FusedProjection(self, embed_dim, embed_dim + kv_dim)
         self.v_proj = FusedProjection(self, embed_dim + kv_dim, rows)
         self.register_load_state_dict_pre_hook(self._fuse_loaded_projections)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(num_heads * self.v_head_dim, embed_dim, bias=bias, device=device,
+                                  dtype=dtype)  # (E, H * Dv)
         self.window = window
         self.rope = None
         if rope or rope_base is not None or rope_parameters is not None or rotary_dim is not None:
@@ -371,6 +392,8 @@ class MultiHeadAttention(nn.Module):
             f", window={self.window}" if self.window is not None else "",
             f", softcap={self.softcap:g}" if self.softcap is not None else "",
             ", sinks=True" if self.sinks is not None else "",
+            f", sink_tokens={self.sink_tokens}" if self.sink_tokens else "",
+            f", v_head_dim={self.v_head_dim}" if self.v_head_dim != self.head_dim else "",
             f", context_parallel={self.context_parallel}" if self.context_parallel is not None else "",
         ])
         return (
@@ -380,7 +403,8 @@ class MultiHeadAttention(nn.Module):
             + extras
         )
 
-    def new_cache(self, batch_size: int, max_seq_len: int, *, static: bool = False) -> KVCache:
+    def new_cache(self, batch_size: int, max_seq_len: int, *, static: bool = False,
+                  evict: bool = False) -> KVCache:
         """A preallocated key/value cache for incremental decoding with this module.
 
         Args:
@@ -389,16 +413,33 @@ class MultiHeadAttention(nn.Module):
             static: same shapes at every step (writes at a position tensor, attention over
                 all ``max_seq_len`` positions through a mask): one ``torch.compile`` graph
                 for every decoding step; see :class:`~headwise.cache.KVCache`.
+            evict: (a module with a window) drop what the window can no longer see, keeping
+                the ``sink_tokens`` first positions and the last ``window - 1``: the cache
+                then holds at most ``sink_tokens + window - 1 + T`` positions for a step of
+                T, however long the sequence, and ``max_seq_len`` need only cover that.
+                Opt-in: the buffers then no longer hold position p at slot p.
 
         Returns:
             An empty :class:`~headwise.cache.KVCache` on this module's device and dtype.
 
         Raises:
-            ValueError: non-positive sizes.
+            ValueError: non-positive sizes; ``evict=True`` without a window or with ``static=True``.
+
+        >>> mha = MultiHeadAttention(32, 4, window=4, sink_tokens=1)
+        >>> cache = mha.new_cache(1, 8, evict=True)
+        >>> with torch.no_grad():
+        ...     for _ in range(20):
+        ...         _ = mha(torch.rand(1, 1, 32), cache=cache)
+        >>> len(cache), cache.held
+        (20, 5)
         """
+        if evict and self.window is None:
+            raise ValueError("evict=True drops what a sliding window can no longer see; this module has no window "
+                             "(MultiHeadAttention(..., window=W)), so every cached position stays visible")
         w = self.qkv_weight
         return KVCache(batch_size, max_seq_len, self.num_kv_heads, self.head_dim,
-                       device=w.device, dtype=w.dtype, static=static)
+                       device=w.device, dtype=w.dtype, static=static, value_dim=self.v_head_dim,
+                       window=self.window if evict else None, sink_tokens=self.sink_tokens if evict else 0)
 
     def _check(self, x: Tensor, context: Tensor | None, cache: KVCache | None = None) -> None:
         if cache is not None:
@@ -434,13 +475,14 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """The three projections of (B, S, E) inputs, or of packed (T, E) tokens."""
-        E, kv = self.embed_dim, self.num_kv_heads * self.head_dim
+        E, kv, kv_v = self.embed_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.v_head_dim
         if context is None:  # self-attention: one GEMM for q, k and v
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([E, kv, kv], dim=-1)  # (.., E), (.., Hkv*D)
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([E, kv, kv_v], dim=-1)
+            # (.., E) -> (.., E), (.., Hkv*D), (.., Hkv*Dv)
         else:  # cross-attention: q from x, k and v (one GEMM) from the context
             b = self.qkv_bias
             q = F.linear(x, self.qkv_weight[:E], None if b is None else b[:E])  # (.., E)
-            k, v = F.linear(context, self.qkv_weight[E:], None if b is None else b[E:]).split([kv, kv], dim=-1)
+            k, v = F.linear(context, self.qkv_weight[E:], None if b is None else b[E:]).split([kv, kv_v], dim=-1)
         if trace.ACTIVE:
             self._record_projections(q, k, v, x.dim() == 3, context is None)
         return q, k, v
@@ -451,11 +493,14 @@ class MultiHeadAttention(nn.Module):
         src = "x" if self_attention else "context"
         trace.record("q projection", q, f"q_proj(x): ({rows}, E) x (E, E)^T + b")
         trace.record("k projection", k, f"k_proj({src}): ({keys}, E) x (Hkv*D, E)^T + b")
-        trace.record("v projection", v, f"v_proj({src}): ({keys}, E) x (Hkv*D, E)^T + b")
+        if v.shape[-1] == k.shape[-1]:
+            trace.record("v projection", v, f"v_proj({src}): ({keys}, E) x (Hkv*D, E)^T + b")
+        else:  # v_head_dim: values of their own head dim
+            trace.record("v projection", v, f"v_proj({src}): ({keys}, E) x (Hkv*Dv, E)^T + b, Hkv*Dv = {v.shape[-1]}")
 
     def _project_heads(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, S, E) inputs -> q (B, H, S, D), k and v (B, Hkv, Sk, D): projections, then heads."""
-        if context is not None:
+        """(B, S, E) inputs -> q (B, H, S, D), k (B, Hkv, Sk, D) and v (B, Hkv, Sk, Dv): projections, then heads."""
+        if context is not None or self.v_head_dim != self.head_dim:  # heads of two widths: split q, k, v first
             return self._split_heads(*self._project(x, context))
         # Self-attention: the heads of the one qkv GEMM's output, q, k and v side by side, are
         # split in one go: 5 view ops where splitting q, k, v first takes 7. Splitting before
@@ -470,25 +515,26 @@ class MultiHeadAttention(nn.Module):
             E, kv = self.embed_dim, Hkv * self.head_dim
             q_rows, k_rows, v_rows = qkv.split([E, kv, kv], dim=-1)  # (B, S, E), (B, S, Hkv*D) x 2
             self._record_projections(q_rows, k_rows, v_rows, True, True)
-            self._record_heads(q, k)
+            self._record_heads(q, k, v)
         return q, k, v
 
     def _split_heads(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, S, E) -> (B, H, S, D) and (B, Sk, Hkv*D) -> (B, Hkv, Sk, D)."""
+        """(B, S, E) -> (B, H, S, D), (B, Sk, Hkv*D) -> (B, Hkv, Sk, D) and (B, Sk, Hkv*Dv) -> (B, Hkv, Sk, Dv)."""
         # Plain views, not einops.rearrange: its recipe lookup costs ~20 us a call, a quarter of
         # a small forward (measured at B=1, S=8, E=64); `headwise equivalences` checks they agree.
         q = q.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # (B, S, E) -> (B, S, H, D) -> (B, H, S, D)
         k = k.unflatten(-1, (self.num_kv_heads, -1)).transpose(1, 2)  # -> (B, Hkv, Sk, D)
-        v = v.unflatten(-1, (self.num_kv_heads, -1)).transpose(1, 2)  # -> (B, Hkv, Sk, D)
+        v = v.unflatten(-1, (self.num_kv_heads, -1)).transpose(1, 2)  # -> (B, Hkv, Sk, Dv)
         if trace.ACTIVE:
-            self._record_heads(q, k)
+            self._record_heads(q, k, v)
         return q, k, v
 
     @staticmethod
-    def _record_heads(q: Tensor, k: Tensor) -> None:
+    def _record_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
         trace.record("split heads q", q, "unflatten(-1, (H, D)).transpose(1, 2) = "
                      "rearrange 'b s (h d) -> b h s d'")
-        trace.record("split heads k, v", k, "the same with H = Hkv")
+        trace.record("split heads k, v", k, "the same with H = Hkv" if v.shape[-1] == k.shape[-1] else
+                     f"the same with H = Hkv; v: (B, Hkv, Sk, Dv) = {tuple(v.shape)}")
 
     def _normalize(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """RMSNorm of each head's q and k over D, before rotary (no-op without qk_norm)."""
@@ -598,7 +644,9 @@ class MultiHeadAttention(nn.Module):
                 bool/integer mask may cover the T new positions (it is remembered) or all
                 Sk positions. Decode under ``torch.no_grad()``. A static cache
                 (``new_cache(..., static=True)``) attends over all its slots through a mask
-                of the written ones and takes a (B, T) mask of the new positions.
+                of the written ones and takes a (B, T) mask of the new positions. An evicting
+                cache (``new_cache(..., evict=True)``) attends over the positions it kept
+                through a mask of their true positions.
 
         Returns:
             (B, S, E), or ``(output, weights)`` when ``need_weights``. Padded positions of
@@ -628,8 +676,8 @@ class MultiHeadAttention(nn.Module):
             if trace.ACTIVE:
                 trace.record("unpack", out, "scatter the tokens back to (B, S, E); padded positions output zeros")
             return out
-        q, k, v = self._project_heads(x, context)  # (B, H, S, D), (B, Hkv, Sk, D)
-        causal, window, slopes = plan.is_causal, self.window, self.alibi_slopes
+        q, k, v = self._project_heads(x, context)  # (B, H, S, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv)
+        causal, window, slopes, sink_tokens = plan.is_causal, self.window, self.alibi_slopes, self.sink_tokens
         padding = plan.padding
         if cache is None and plan.lengths is not None and all(n == x.shape[1] for n in plan.lengths):
             attention_mask = padding = None  # every position is a token: the mask allows all, nothing to zero
@@ -638,13 +686,24 @@ class MultiHeadAttention(nn.Module):
         q, k = self._normalize(q, k)
         if cache is not None and cache.static:  # same shapes every step; positions are tensors
             q, k, v, attention_mask = self._static_step(q, k, v, cache, attention_mask, causal)
-            causal, window, slopes = False, None, None  # all three are in the mask now
+            causal, window, slopes, sink_tokens = False, None, None, 0  # all in the mask now
         else:
             q, k = self._rotate(q, k, 0 if cache is None else len(cache))
             if cache is not None:
-                k, v, attention_mask = cache.update(k, v, attention_mask)  # (B, Hkv, Sk, D): every cached position
+                k, v, attention_mask = cache.update(k, v, attention_mask)  # (B, Hkv, Sk, D|Dv): every cached position
+                if cache.evicted:  # key j is no longer position j: the rules read the kept keys' positions
+                    T = q.shape[2]
+                    queries = torch.arange(len(cache) - T, len(cache), device=q.device)  # (T,)
+                    kept = attention_mask[:, None, None, :] if attention_mask is not None else k.new_ones(
+                        1, 1, 1, k.shape[2], dtype=torch.bool)  # (B|1, 1, 1, L)
+                    attention_mask = self._rules_mask(queries, cache.key_positions(), kept, causal, q.dtype)
+                    causal, window, slopes, sink_tokens = False, None, None, 0  # all in the mask now
                 if trace.ACTIVE:
-                    trace.record("kv cache", k, f"append {x.shape[1]} positions; attend to all {len(cache)} cached")
+                    note = f"append {x.shape[1]} positions; attend to all {cache.held} cached"
+                    if cache.evicted:
+                        note += (f" (evicted {cache.evicted} of {len(cache)}: kept the {cache.sink_tokens} sink "
+                                 f"positions and the window's last ones, ruled by their true positions)")
+                    trace.record("kv cache", k, note)
         out = attend(
             q, k, v, attention_mask,
             is_causal=causal,
@@ -655,15 +714,18 @@ class MultiHeadAttention(nn.Module):
             alibi_slopes=slopes,
             softcap=self.softcap,
             sinks=self.sinks,
+            sink_tokens=sink_tokens,
         )
         out, weights = out if need_weights else (out, None)
-        out = out.transpose(1, 2).flatten(2)  # (B, H, S, D) -> (B, S, H, D) -> (B, S, E), one copy
+        out = out.transpose(1, 2).flatten(2)  # (B, H, S, Dv) -> (B, S, H, Dv) -> (B, S, H*Dv), one copy
         if trace.ACTIVE:
             trace.record("merge heads", out, "transpose(1, 2).flatten(2) = rearrange 'b h s d -> b s (h d)' "
-                         "= transpose(1, 2).contiguous().view(B, S, E)")
-        out = self.out_proj(out)  # (B, S, E)
+                         "= transpose(1, 2).contiguous().view(B, S, " + ("E)" if self.v_head_dim == self.head_dim
+                                                                          else "H * Dv)"))
+        out = self.out_proj(out)  # (B, S, H*Dv) -> (B, S, E)
         if trace.ACTIVE:
-            trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b")
+            trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b"
+                         if self.v_head_dim == self.head_dim else "out_proj: (B, S, H*Dv) x (E, H*Dv)^T + b")
         if padding is not None:  # padded query positions output zeros, as the packed path gives
             out = _zero_padding(out, padding)
             if trace.ACTIVE:
@@ -685,24 +747,42 @@ class MultiHeadAttention(nn.Module):
             if trace.ACTIVE:
                 trace.record("rotary positions", q, f"{self.rope.describe()}, positions from the cache's "
                              "position tensor")
-        k, v, _ = cache.update_static(k, v, mask)  # (B, Hkv, L, D): every slot
+        k, v, _ = cache.update_static(k, v, mask)  # (B, Hkv, L, D), (B, Hkv, L, Dv): every slot
         j = torch.arange(cache.max_seq_len, device=q.device)  # (L,) slot positions
-        i = positions[:, None]  # (T, 1) query positions
-        allowed = (j < cache.position)[None, None, None, :] & cache.key_mask[:, None, None, :]  # (B, 1, 1, L)
-        if causal or self.window is not None:
-            near = j[None, :] <= i  # (T, L)
-            if self.window is not None:
-                near = near & (j[None, :] > i - self.window)
-            allowed = allowed & near  # (B, 1, T, L)
-        allowed = allowed.expand(-1, -1, q.shape[2], -1)  # (B, 1, T, L)
+        written = (j < cache.position)[None, None, None, :] & cache.key_mask[:, None, None, :]  # (B, 1, 1, L)
         if trace.ACTIVE:
             trace.record("kv cache", k, f"static: write {q.shape[2]} positions at the position tensor "
                          f"(index_copy_); attend to all {cache.max_seq_len} slots through a mask of the written ones")
+        return q, k, v, self._rules_mask(positions, j, written, causal, q.dtype)
+
+    def _rules_mask(self, queries: Tensor, keys: Tensor, allowed: Tensor, causal: bool,
+                    dtype: torch.dtype) -> Tensor:
+        """The module's positional rules as one mask, for keys that are not positions 0..L-1.
+
+        Args:
+            queries: (T,) the queries' positions.
+            keys: (L,) the keys' positions.
+            allowed: (B|1, 1, 1, L) bool, the keys that may be attended at all.
+            causal: apply the causal rule (a window implies it).
+            dtype: the float mask's dtype when ALiBi makes it a bias.
+
+        Returns:
+            (B|1, 1, T, L) bool with causality, the window and its sink tokens ANDed in, or
+            (B|1, H, T, L) float with ALiBi's bias and ``-inf`` where blocked.
+        """
+        i, j = queries[:, None], keys[None, :]  # (T, 1), (1, L)
+        if causal or self.window is not None:
+            near = j <= i  # (T, L)
+            if self.window is not None:
+                band = j > i - self.window  # (T, L)
+                near = near & (band | (j < self.sink_tokens) if self.sink_tokens else band)
+            allowed = allowed & near  # (B|1, 1, T, L)
+        allowed = allowed.expand(-1, -1, queries.shape[0], -1)  # (B|1, 1, T, L)
         if self.alibi_slopes is None:
-            return q, k, v, allowed
-        distance = (i - j[None, :]).abs().to(q.dtype)  # (T, L)
-        bias = -self.alibi_slopes.to(q.dtype)[:, None, None] * distance  # (H, T, L)
-        return q, k, v, bias[None].masked_fill(~allowed, float("-inf"))  # (B, H, T, L)
+            return allowed
+        distance = (i - j).abs().to(dtype)  # (T, L)
+        bias = -self.alibi_slopes.to(dtype)[:, None, None] * distance  # (H, T, L)
+        return bias[None].masked_fill(~allowed, float("-inf"))  # (B|1, H, T, L)
 
     def _forward_context_parallel(self, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
                                   causal: bool, need_weights: bool, cache: KVCache | None) -> Tensor:
@@ -791,10 +871,10 @@ class MultiHeadAttention(nn.Module):
         ``rope_len``: the length dynamic NTK scales by (None: the last position + 1).
         """
         T = x.shape[0]
-        q, k, v = self._project(x, None)  # (T, E), (T, Hkv*D)
+        q, k, v = self._project(x, None)  # (T, E), (T, Hkv*D), (T, Hkv*Dv)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # (T, E) -> (T, H, D)
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (T, Hkv*D) -> (T, Hkv, D)
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.v_head_dim))  # (T, Hkv*Dv) -> (T, Hkv, Dv)
         if trace.ACTIVE:
             trace.record("split heads q", q, "unflatten(-1, (H, D)): packed rows need no transpose")
             trace.record("split heads k, v", k, "the same with H = Hkv")
@@ -812,12 +892,14 @@ class MultiHeadAttention(nn.Module):
             is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             backend=self.backend, window=self.window, alibi_slopes=self.alibi_slopes,
-            softcap=self.softcap, sinks=self.sinks,
-        )  # (T, H, D), attention within each sequence
-        out = out.flatten(1)  # (T, H, D) -> (T, E)
+            softcap=self.softcap, sinks=self.sinks, sink_tokens=self.sink_tokens,
+        )  # (T, H, Dv), attention within each sequence
+        out = out.flatten(1)  # (T, H, Dv) -> (T, H*Dv)
         if trace.ACTIVE:
-            trace.record("merge heads", out, "flatten(1): (T, H, D) -> (T, E), a view")
-        out = self.out_proj(out)  # (T, E)
+            same = self.v_head_dim == self.head_dim
+            trace.record("merge heads", out, "flatten(1): (T, H, D) -> (T, E), a view" if same
+                         else "flatten(1): (T, H, Dv) -> (T, H*Dv), a view")
+        out = self.out_proj(out)  # (T, H*Dv) -> (T, E)
         if trace.ACTIVE:
             trace.record("output projection", out, "out_proj: (T, E) x (E, E)^T + b, on the real tokens only")
         return out
@@ -849,19 +931,25 @@ class MultiHeadAttention(nn.Module):
             return self._dispatch_packed(x, plan)
         B, S = x.shape[:2]
         Sk = S if context is None else context.shape[1]
-        causal, window, slopes = plan.is_causal, self.window, self.alibi_slopes
-        if cache is not None and cache.static:  # every slot, through a mask that holds the rules
-            Sk = cache.max_seq_len
+        causal, window, slopes, sink_tokens = plan.is_causal, self.window, self.alibi_slopes, self.sink_tokens
+        kept = 0 if cache is None else sum(cache.kept())  # the held positions the step keeps
+        evicted = cache is not None and cache.evicts and (cache.evicted > 0 or kept < cache.held)
+        if cache is not None and (cache.static or evicted):
+            # every slot (static) or the kept ones (evicted), through a mask that holds the rules
+            Sk = cache.max_seq_len if cache.static else kept + S
             float_mask = slopes is not None  # ALiBi joins the mask as a bias
             attention_mask = torch.zeros(B, self.num_heads if float_mask else 1, S, Sk, device=x.device,
                                          dtype=self.qkv_weight.dtype if float_mask else torch.bool)
-            causal, window, slopes = False, None, None
+            if evicted and not float_mask:  # eviction keeps what the step's queries can see: (nearly) all True
+                attention_mask = ~attention_mask
+            causal, window, slopes, sink_tokens = False, None, None, 0
         elif cache is not None:  # what forward would attend to, without appending
             attention_mask = cache.mask_for(attention_mask, S)
             Sk = len(cache) + S
         q, k = self._shaped(x, B, self.num_heads, S), self._shaped(x, B, self.num_kv_heads, Sk)
+        v = self._shaped(x, B, self.num_kv_heads, Sk, self.v_head_dim)
         d = choose_backend(
-            q, k, k, attention_mask,
+            q, k, v, attention_mask,
             is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights,
@@ -870,18 +958,19 @@ class MultiHeadAttention(nn.Module):
             alibi_slopes=slopes,
             softcap=self.softcap,
             sinks=self.sinks,
+            sink_tokens=sink_tokens,
         )
         return Dispatch(d.backend, d.reason, d.passed_over, d.request, path="dense", path_reason=plan.why)
 
-    def _shaped(self, x: Tensor, B: int, heads: int, length: int) -> Tensor:
-        """A (B, heads, length, D) stand-in for a projection's output: the dtype, device and
-        grad flag it would have, no storage (one element, expanded)."""
+    def _shaped(self, x: Tensor, B: int, heads: int, length: int, dim: int | None = None) -> Tensor:
+        """A (B, heads, length, D) stand-in (``dim``: that last size, None: D) for a projection's
+        output: the dtype, device and grad flag it would have, no storage (one element, expanded)."""
         dtype = self.qkv_weight.dtype
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
         grad = torch.is_grad_enabled() and (x.requires_grad or self.qkv_weight.requires_grad)
-        return torch.zeros((), dtype=dtype, device=x.device, requires_grad=grad).expand(B, heads, length,
-                                                                                         self.head_dim)
+        return torch.zeros((), dtype=dtype, device=x.device, requires_grad=grad).expand(
+            B, heads, length, self.head_dim if dim is None else dim)
 
     def _dispatch_packed(self, x: Tensor, plan: Plan) -> Dispatch:
         padding = cast(Tensor, plan.padding)  # the packed path always has x's padding
@@ -891,12 +980,13 @@ class MultiHeadAttention(nn.Module):
         per_bucket = []  # (tokens, n, L, Dispatch) of each length bucket
         for n, L, _, keys in packing.bucket_shapes(lengths, lengths):
             q, k = self._shaped(x, n, self.num_heads, L), self._shaped(x, n, self.num_kv_heads, L)
+            v = self._shaped(x, n, self.num_kv_heads, L, self.v_head_dim)
             mask = None  # the bucket's (n, L) key mask, as many real keys: all "auto" reads of it
             if keys < n * L:
                 mask = torch.ones(n * L, dtype=torch.bool, device=x.device)
                 mask[keys:] = False
                 mask = mask.reshape(n, L)
-            d = choose_backend(q, k, k, mask, is_causal=plan.is_causal,
+            d = choose_backend(q, k, v, mask, is_causal=plan.is_causal,
                                dropout_p=self.dropout if self.training else 0.0, backend=self.backend,
                                window=self.window, alibi_slopes=self.alibi_slopes, softcap=self.softcap,
                                sinks=self.sinks)
