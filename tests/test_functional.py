@@ -99,10 +99,51 @@ def test_k_and_v_shapes_must_agree():
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "k (2, 2, 5, 8) and v (2, 2, 4, 8) must have the same shape (B, Hkv, Sk, D)"
+            "k (2, 2, 5, 8) and v (2, 2, 4, 8) must agree on (B, Hkv, Sk): k is (B, Hkv, Sk, D), "
+            "v (B, Hkv, Sk, Dv); only the last dimension (the head dim) may differ"
         ),
     ):
         attention(q, k, v[:, :, :4])
+    with pytest.raises(ValueError, match=re.escape("k (2, 2, 5, 8) and v (2, 1, 5, 8) must agree on (B, Hkv, Sk)")):
+        attention(q, k, v[:, :1])
+
+
+def test_v_may_have_its_own_head_dim():
+    q, k, _ = qkv()
+    v = torch.randn(B, Hkv, Sk, 5)
+    out = attention(q, k, v, is_causal=True)
+    assert out.shape == (B, H, S, 5)
+    assert choose_backend(q, k, v).request.value_dim == 5
+    assert choose_backend(q, k, k).request.value_dim is None  # Dv == D: the usual request
+
+
+def test_repeated_calls_tell_value_head_dims_apart():
+    """The repeated-call memo keys on Dv too: the same q, k with a v of another width is a new signature."""
+    q, k, _ = qkv()
+    for Dv in (8, 5, 8, 3):
+        v = torch.randn(B, Hkv, Sk, Dv)
+        close(attention(q, k, v), attention(q, k, v, backend="matmul"))
+
+
+@pytest.mark.parametrize("value, error, message", [
+    (2, ValueError, "sink_tokens=2 keeps the first keys visible under a sliding window; give window=W too"),
+    (-1, ValueError, "sink_tokens must be >= 0 (the first keys kept visible under the window), got -1"),
+    (True, TypeError, "sink_tokens must be an int, got bool (True)"),
+    (1.0, TypeError, "sink_tokens must be an int, got float (1.0)"),
+])
+def test_sink_tokens_are_checked(value, error, message):
+    q, k, v = qkv()
+    with pytest.raises(error, match=re.escape(message)):
+        attention(q, k, v, sink_tokens=value, window=None if value == 2 else 2)
+
+
+def test_sink_tokens_reach_the_kernel_and_the_trace():
+    q, k, v = qkv(q_len=6, k_len=6)
+    with headwise.trace() as t:
+        out = attention(q, k, v, window=2, sink_tokens=1, backend="matmul")
+    assert "causal window 2: i - 2 < j <= i, or j < 1 (sink tokens) and j <= i" in next(s.note for s in t.stages if s.name == "mask")
+    plain = attention(q, k, v, window=2, backend="matmul")
+    assert not torch.allclose(out[:, :, -1], plain[:, :, -1])
 
 
 def test_batches_must_agree():
@@ -116,8 +157,8 @@ def test_head_dims_must_agree():
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "q head dim (6) differs from k/v head dim (8); "
-            "project q, k and v to the same head_dim"
+            "q head dim (6) differs from k head dim (8); "
+            "project q and k to the same head_dim (v may have its own)"
         ),
     ):
         attention(q[..., :6], k, v)
@@ -430,7 +471,7 @@ def test_a_repeated_maskless_call_skips_validation_and_dispatch(monkeypatch):
         torch.testing.assert_close(headwise.attention(q[:, :, :1], kk, vv), want, atol=1e-6, rtol=1e-6)
     assert len(calls) == 4 + 1  # four explicit matmul signatures, then one "auto" signature for all steps
     # what the checks read is in the signature: a bad call is checked again and still refused
-    with pytest.raises(ValueError, match=r"k \(1, 4, 5, 8\) and v \(1, 4, 6, 8\) must have the same shape"):
+    with pytest.raises(ValueError, match=r"k \(1, 4, 5, 8\) and v \(1, 4, 6, 8\) must agree on \(B, Hkv, Sk\)"):
         headwise.attention(q, torch.randn(1, 4, 5, 8), torch.randn(1, 4, 6, 8))
     with pytest.raises(ValueError, match="dropout_p must be in"):
         headwise.attention(q, k, v, dropout_p=1.5)

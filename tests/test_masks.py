@@ -211,6 +211,28 @@ def test_causal_mask_device():
     assert causal_mask(2, 3, device=torch.device("meta")).device.type == "meta"
 
 
+@pytest.mark.parametrize("q_len, k_len", [(6, 6), (2, 7), (7, 3)])
+@pytest.mark.parametrize("window, sinks", [(1, 1), (2, 2), (3, 5), (2, 0)])
+def test_sink_tokens_keep_the_first_keys_under_the_window(q_len, k_len, window, sinks):
+    """StreamingLLM: key j is visible iff it is in the window or one of the first n keys, never after the query."""
+    m = causal_mask(q_len, k_len, window=window, sink_tokens=sinks)
+    for i in range(q_len):
+        p = i + k_len - q_len  # the query's position among the keys
+        for j in range(k_len):
+            assert bool(m[i, j]) == ((p - window < j <= p) or (j < sinks and j <= p)), (i, j)
+
+
+def test_sink_tokens_need_a_window_to_mean_anything():
+    assert torch.equal(causal_mask(4, 4, sink_tokens=2), causal_mask(4, 4))
+
+
+def test_combined_mask_carries_the_sink_tokens():
+    m = torch.rand(B, 1, 6, 6) > 0.3
+    out = combined_mask(m, True, 6, 6, CPU, window=2, sink_tokens=1)
+    assert torch.equal(out, m & causal_mask(6, 6, window=2, sink_tokens=1))
+    assert out[..., 5, 0].eq(m[..., 5, 0]).all()  # key 0 is a sink: the last query still sees it where m allows
+
+
 # --- combined_mask and masked_scores ----------------------------------------------------
 
 

@@ -24,24 +24,25 @@ SLOPES = headwise.masks.alibi_slopes(4)
 
 
 def reference(q, k, v, cu_q, cu_k, *, is_causal=False, window=None, alibi_slopes=None, scale=None,
-              softcap=None, sinks=None):
+              softcap=None, sinks=None, sink_tokens=0):
     """The packed contract in float64, one sequence and one head at a time.
 
     Sequence b: queries q[cu_q[b]:cu_q[b + 1]], keys k[cu_k[b]:cu_k[b + 1]]; query i sits at
-    key position i + Lk - Lq; causal keeps j <= that, a window also j > that - window, ALiBi
-    adds -slope * |that - j|. A query with no key allowed gets zeros. ``softcap`` caps the
-    scaled scores with tanh first; ``sinks`` (H,) add exp(sink_h) to each denominator.
+    key position i + Lk - Lq; causal keeps j <= that, a window also j > that - window (or
+    j < sink_tokens), ALiBi adds -slope * |that - j|. A query with no key allowed gets zeros.
+    ``softcap`` caps the scaled scores with tanh first; ``sinks`` (H,) add exp(sink_h) to each
+    denominator. v may have its own head dim Dv.
     """
     q, k, v = q.double(), k.double(), v.double()
-    H, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    H, D, Hkv, Dv = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
     scale = 1 / math.sqrt(D) if scale is None else scale
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
-    pieces = [0 * q[:0]]  # (0, H, D): keeps an empty batch in the graph
+    pieces = [0 * q[:0, :, :1].expand(0, H, Dv)]  # (0, H, Dv): keeps an empty batch in the graph
     for b in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         Lq, Lk = q1 - q0, k1 - k0
         if Lk == 0:
-            pieces.append(0 * q[q0:q1])  # nothing to attend: zero rows
+            pieces.append(0 * q[q0:q1, :, :1].expand(-1, -1, Dv))  # nothing to attend: zero rows
             continue
         at = torch.arange(Lq)[:, None] + (Lk - Lq)  # (Lq, 1) each query's key position
         j = torch.arange(Lk)[None, :]  # (1, Lk)
@@ -49,7 +50,7 @@ def reference(q, k, v, cu_q, cu_k, *, is_causal=False, window=None, alibi_slopes
         if is_causal or window is not None:
             allowed &= j <= at
         if window is not None:
-            allowed &= j > at - window
+            allowed &= (j > at - window) | (j < sink_tokens)
         heads = []
         for h in range(H):
             g = h // (H // Hkv)  # the kv head query head h reads
@@ -65,9 +66,9 @@ def reference(q, k, v, cu_q, cu_k, *, is_causal=False, window=None, alibi_slopes
             if sinks is not None:
                 total = total + torch.exp(sinks[h].double() - top)  # the sink's column, no value
             w = e / total.clamp_min(1e-300)  # all-masked rows: 0 / tiny = 0
-            heads.append(w @ v[k0:k1, g])  # (Lq, Lk) x (Lk, D) -> (Lq, D)
-        pieces.append(torch.stack(heads, 1))  # (Lq, H, D)
-    return torch.cat(pieces)  # (Tq, H, D)
+            heads.append(w @ v[k0:k1, g])  # (Lq, Lk) x (Lk, Dv) -> (Lq, Dv)
+        pieces.append(torch.stack(heads, 1))  # (Lq, H, Dv)
+    return torch.cat(pieces)  # (Tq, H, Dv)
 
 
 def offsets(lengths):
@@ -156,6 +157,32 @@ def test_softcap_and_sinks_match_the_reference_with_gradients(backend, case, fea
     got, expected = (torch.autograd.grad(o, leaves, g, allow_unused=True, materialize_grads=True) for o in (out, want))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+SINK_RULES = {
+    "Dv": ({"is_causal": True}, 5),
+    "sinks": ({"window": 2, "sink_tokens": 1}, 8),
+    "sinks-Dv-alibi": ({"window": 3, "sink_tokens": 2, "alibi_slopes": SLOPES}, 5),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("rule", SINK_RULES)
+def test_own_value_dim_and_sink_tokens_match_the_reference(backend, case, rule):
+    """v (Tk, Hkv, Dv) and sink tokens, counted from each sequence's first key: in the cross case
+    a shared bucket would shift keys; with sink tokens it pads the queries instead (float64, 1e-10)."""
+    kwargs, Dv = SINK_RULES[rule]
+    lengths_q, lengths_k = CASES[case]
+    q, k, _, cu_q, cu_k = inputs(lengths_q, lengths_k, (4, 2))
+    v = torch.randn(sum(lengths_k), 2, Dv, generator=torch.Generator().manual_seed(3), dtype=torch.float64,
+                    requires_grad=True)
+    out = headwise.packed_attention(q, k, v, cu_q, cu_k, backend=backend, **kwargs)
+    want = reference(q, k, v, cu_q, cu_k, **kwargs)
+    assert out.shape == want.shape == (sum(lengths_q), 4, Dv)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    for got, expected in zip(grads(out, q, k, v), grads(want, q, k, v), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
 
 
 def test_the_cross_case_shifts_sequences_within_a_bucket():
@@ -326,15 +353,18 @@ ERRORS = [
     (TypeError, "max_seqlen_q must be an int or None, got bool (True)", {"max_seqlen_q": True}),
     (ValueError, "packed q must be 3-D (Tq, H, D), got shape (1, 4, 4, 8); pack a padded (B, S, H, D) batch with "
                  "headwise.packing.pack(x, mask)", {"q": torch.randn(1, 4, 4, 8)}),
-    (ValueError, "packed v must be 3-D (Tk, Hkv, D), got shape (6, 16)", {"v": torch.randn(6, 16)}),
+    (ValueError, "packed v must be 3-D (Tk, Hkv, Dv), got shape (6, 16)", {"v": torch.randn(6, 16)}),
     (TypeError, "k must be a torch.Tensor, got list", {"k": [[0.0]]}),
     (TypeError, "q must be floating point, got torch.int64", {"q": torch.ones(4, 4, 8, dtype=torch.int64)}),
     (TypeError, "q, k, v dtypes differ (torch.float64, torch.float32, torch.float32); cast them to one dtype",
      {"q": torch.randn(4, 4, 8, dtype=torch.float64)}),
     (ValueError, "q, k, v are on different devices (meta, cpu, cpu); move them to one device",
      {"q": torch.randn(4, 4, 8, device="meta")}),
-    (ValueError, "k (6, 2, 8) and v (6, 1, 8) must have the same shape (Tk, Hkv, D)", {"v": torch.randn(6, 1, 8)}),
-    (ValueError, "q head dim (4) differs from k/v head dim (8); project q, k and v to the same head_dim",
+    (ValueError, "k (6, 2, 8) and v (6, 1, 8) must agree on (Tk, Hkv): k is (Tk, Hkv, D), v (Tk, Hkv, Dv); only "
+                 "the head dim may differ", {"v": torch.randn(6, 1, 8)}),
+    (ValueError, "k (6, 2, 8) and v (5, 2, 8) must agree on (Tk, Hkv)", {"v": torch.randn(5, 2, 8)}),
+    (ValueError, "q head dim (4) differs from k head dim (8); project q and k to the same head_dim (v may have "
+                 "its own)",
      {"q": torch.randn(4, 4, 4)}),
     (ValueError, "q has 4 heads, which is not a multiple of k/v's 3 heads; grouped-query attention needs "
                  "num_heads % num_kv_heads == 0", {"k": torch.randn(6, 3, 8), "v": torch.randn(6, 3, 8)}),
@@ -342,6 +372,8 @@ ERRORS = [
     (ValueError, "unknown backend 'flash'", {"backend": "flash"}),
     (ValueError, "window must be >= 1 (keys per query, its own included), got 0", {"window": 0}),
     (ValueError, "alibi_slopes must have shape (H,) = (4,), got (2,)", {"alibi_slopes": torch.ones(2)}),
+    (ValueError, "sink_tokens=1 keeps the first keys visible under a sliding window; give window=W too",
+     {"sink_tokens": 1}),
 ]
 
 

@@ -36,7 +36,8 @@ def from_torch(m: nn.MultiheadAttention, *, module_class: type | None = None, **
     Raises:
         TypeError: ``m`` is not an ``nn.MultiheadAttention``.
         ValueError: features headwise does not model (``kdim``/``vdim`` other than
-            ``embed_dim``, ``add_bias_kv``, ``add_zero_attn``).
+            ``embed_dim``, ``add_bias_kv``, ``add_zero_attn``), or a ``v_head_dim`` of its
+            own in ``kwargs`` (torch's value heads are ``E // H`` wide).
 
     >>> import headwise
     >>> from_torch(nn.MultiheadAttention(32, 4, batch_first=True)).num_heads
@@ -50,6 +51,13 @@ def from_torch(m: nn.MultiheadAttention, *, module_class: type | None = None, **
         raise ValueError(
             f"kdim ({m.kdim}) and vdim ({m.vdim}) must equal embed_dim ({m.embed_dim}); "
             "headwise projects keys and values from embed_dim-wide inputs"
+        )
+    v_head_dim = kwargs.get("v_head_dim")
+    if v_head_dim is not None and v_head_dim != m.embed_dim // m.num_heads:
+        raise ValueError(
+            f"v_head_dim={v_head_dim}: torch.nn.MultiheadAttention's value heads are embed_dim // num_heads = "
+            f"{m.embed_dim // m.num_heads} wide (its vdim is the width of the value input, not of a head); "
+            "drop v_head_dim= to convert"
         )
     if m.bias_k is not None or m.add_zero_attn:
         raise ValueError(
@@ -81,12 +89,19 @@ def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.Multihe
 
     Raises:
         ValueError: what torch's module has no counterpart for: grouped-query heads,
-            rotary positions, ALiBi, a sliding window, q/k normalisation, soft-capping, sinks.
+            rotary positions, ALiBi, a sliding window (with or without sink tokens), q/k
+            normalisation, soft-capping, sinks, a value head dim of its own.
     """
     if mha.num_kv_heads != mha.num_heads:
         raise ValueError(
             f"torch.nn.MultiheadAttention has no grouped-query attention; this module has "
             f"num_kv_heads={mha.num_kv_heads} < num_heads={mha.num_heads}"
+        )
+    if mha.v_head_dim != mha.head_dim:
+        raise ValueError(
+            f"torch.nn.MultiheadAttention's value heads are embed_dim // num_heads = {mha.head_dim} wide; this "
+            f"module has v_head_dim={mha.v_head_dim} (torch's vdim is the width of the value input, not of a "
+            "head, so it cannot hold it)"
         )
     extras = [name for name, on in (("rope", mha.rope is not None),
                                     ("alibi", mha.alibi_slopes is not None),

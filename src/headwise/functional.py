@@ -185,7 +185,7 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         key_lengths=lengths,
         softcap=softcap,
         sinks=sinks,
-        value_dim=D if value_dim is None else value_dim,
+        value_dim=None if value_dim == D else value_dim,  # None: Dv == D, the usual request
         sink_tokens=sink_tokens,
     )
 
@@ -316,7 +316,7 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d
         # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, S == Sk (causal with S != Sk ranks differently
         # on CUDA in half precision), k, v alike but for v's head dim, and Dv: all the checks and "auto" read
         shapes = (qs[0], qs[1], qs[3], ks[0], ks[1], ks[3], qs[2] > 1, ks[2] > 0, qs[2] == ks[2], ks[:3] == vs[:3],
-                  vs[3])
+                  vs[3:])
     else:
         shapes = (qs, ks, vs)
     return (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, is_causal, dropout_p, scale, backend,
@@ -332,8 +332,9 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     stages the kernel declares for this call (kernels hold no hooks of their own).
     """
     key = None
-    # The memo's signature holds no softcap or sinks: calls with either take the full path.
+    # The memo's signature holds no softcap, sinks or sink tokens: calls with any take the full path.
     if (window is None and alibi_slopes is None and not need_weights and softcap is None and sinks is None
+            and not sink_tokens
             and not trace.ACTIVE and not torch.compiler.is_compiling() and not _logs_choices()):
         try:
             mask_4d = None if attention_mask is None else _as_4d(attention_mask, q.dtype)

@@ -445,7 +445,7 @@ def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_s
         note = f"{sum(len(g) for g in groups)} sequences' query rows back in packed order, padding dropped"
         if keyless:
             note += f"; {len(keyless)} without keys output zeros"
-        trace.record("merge buckets", out, note + ": (Tq, H, Dv)")
+        trace.record("merge buckets", out, note + (": (Tq, H, D)" if Dv == q.shape[-1] else ": (Tq, H, Dv)"))
     return out
 
 

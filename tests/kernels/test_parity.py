@@ -62,7 +62,7 @@ def make_mask(form: str, H: int, S: int, Sk: int, gen: torch.Generator):
 def attend(q, k, v, mask=None, *, backend, **kwargs):
     """headwise.attention on ``backend``; the test fails if the kernel refuses the request."""
     assert_served(backend, q, k, v, mask, **{n: kwargs[n] for n in ("is_causal", "dropout_p", "window",
-                                                                          "alibi_slopes") if n in kwargs})
+                                                                          "alibi_slopes", "sink_tokens") if n in kwargs})
     return headwise.attention(q, k, v, mask, backend=backend, **kwargs)
 
 @pytest.fixture(params=[*BACKENDS, "chunked-tiled"])
@@ -368,3 +368,85 @@ def test_sdpa_without_native_grouped_query_repeats_kv_heads(monkeypatch, ref):
     for mask in (None, make_mask("pad2d_bool", 4, 5, 6, gen)):
         out = headwise.attention(q, k, v, mask, backend="sdpa")
         torch.testing.assert_close(out.double(), ref(q, k, v, mask)[0], atol=1e-5, rtol=1e-5)
+
+
+# --- v with its own head dim (Dv != D) and StreamingLLM sink tokens --------------------------
+
+DV = 6  # v's head dim, against D = 8 for q and k
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["S=Sk", "S<Sk", "S>Sk"])
+@pytest.mark.parametrize("form", ["none", "pad2d_bool", "full3d_bool", "bcast4d_float"])
+def test_own_value_head_dim_matches_reference(backend, form, shape, is_causal, ref):
+    """v (B, Hkv, Sk, Dv) with Dv != D: output (B, H, S, Dv), gradients of q, k and v, on every kernel."""
+    (S, Sk), (H, Hkv) = shape, (4, 2)
+    q, k, _, gen = _inputs(H, Hkv, S, Sk, seed=11)
+    v = torch.randn(B, Hkv, Sk, DV, generator=gen).requires_grad_()
+    mask = make_mask(form, H, S, Sk, gen)
+    out = attend(q, k, v, mask, is_causal=is_causal, backend=backend)
+    assert out.shape == (B, H, S, DV)
+    g = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    expected, _ = ref(q, k, v, mask, is_causal=is_causal)
+    want = torch.autograd.grad(expected, (q, k, v), g.double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window, sinks", [(1, 1), (2, 3), (3, 1)], ids=["w1-n1", "w2-n3", "w3-n1"])
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("shape", [(5, 5), (3, 7), (7, 3), (9, 9)], ids=["S=Sk", "S<Sk", "S>Sk", "long"])
+@pytest.mark.parametrize("form", ["none", "pad2d_bool", "bcast4d_float"])
+def test_sink_tokens_match_reference(backend, form, shape, alibi, window, sinks, ref):
+    """window=W, sink_tokens=n: query i sees (i + Sk - S - W, i + Sk - S] and the first n keys up
+    to i + Sk - S; outputs and gradients on every kernel (chunked-tiled: sink tiles never skipped)."""
+    (S, Sk), (H, Hkv) = shape, (4, 2)
+    q, k, v, gen = _inputs(H, Hkv, S, Sk, seed=12)
+    mask = make_mask(form, H, S, Sk, gen)
+    slopes = headwise.masks.alibi_slopes(H) if alibi else None
+    out = attend(q, k, v, mask, window=window, sink_tokens=sinks, alibi_slopes=slopes, backend=backend)
+    g = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    expected, weights = ref(q, k, v, mask, window=window, sink_tokens=sinks, alibi_slopes=slopes)
+    want = torch.autograd.grad(expected, (q, k, v), g.double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
+    if Sk > window:  # the last query's window does not reach key 0: the sinks change its output
+        plain, _ = ref(q, k, v, mask, window=window, alibi_slopes=slopes)
+        assert not torch.allclose(plain[:, :, -1], expected[:, :, -1])
+
+
+@pytest.mark.parametrize("case", ["Dv", "sinks", "both"])
+def test_gradcheck_own_value_dim_and_sinks_float64(backend, case):
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(2, 2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 1, 6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 1, 6, 5 if case != "sinks" else 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    kwargs = {"is_causal": True} if case == "Dv" else {"window": 2, "sink_tokens": 2}
+
+    def f(q, k, v):
+        return headwise.attention(q, k, v, mask, backend=backend, **kwargs)
+
+    attend(q, k, v, mask, backend=backend, **kwargs)
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("sizes", [(0, 4, 5), (3, 0, 5), (3, 4, 0)], ids=["B=0", "S=0", "Sk=0"])
+def test_empty_inputs_with_own_value_dim(backend, sizes):
+    """An empty call returns (B, H, S, Dv) zeros and zero gradients of the inputs' shapes."""
+    Bn, S, Sk = sizes
+    gen = torch.Generator().manual_seed(14)
+    q = torch.randn(Bn, 4, S, D, generator=gen).requires_grad_()
+    k = torch.randn(Bn, 2, Sk, D, generator=gen).requires_grad_()
+    v = torch.randn(Bn, 2, Sk, DV, generator=gen).requires_grad_()
+    out = attend(q, k, v, torch.ones(Bn, Sk, dtype=torch.bool), window=2, sink_tokens=1, backend=backend)
+    assert out.shape == (Bn, 4, S, DV) and (out == 0).all()
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    for g, t in zip(grads, (q, k, v), strict=True):
+        assert g.shape == t.shape and (g == 0).all()

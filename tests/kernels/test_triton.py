@@ -13,6 +13,7 @@ D head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import math
 import re
@@ -423,6 +424,9 @@ def _request(**overrides) -> Request:
     (dict(dropout_p=0.1), r"no dropout \(dropout_p=0.1\); use backend 'sdpa' or 'chunked'"),
     (dict(head_dim=256), r"head_dim <= 128, got 256; use backend 'sdpa' or 'chunked'"),
     (dict(dtype=torch.float64), r"float16, bfloat16 and float32, got torch.float64; cast q, k, v"),
+    (dict(value_dim=96), r"one head-dim block \(BLOCK_D\), so v's head dim must be q's: got Dv = 96 != D = 64; "
+                         r"use backend 'sdpa' or 'chunked'"),
+    (dict(window=16, sink_tokens=4), r"has no sink tokens \(sink_tokens=4\); use backend 'sdpa' or 'chunked'"),
 ])
 def test_refusals_name_the_value_and_the_remedy(monkeypatch, overrides, reason):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # so the device is not what gets refused on a CPU
@@ -456,6 +460,25 @@ def test_direct_calls_reject_what_dispatch_refuses():
                                       dropout_p=0.0, **common)
     with pytest.raises(ValueError, match=r"no dropout \(dropout_p=0.5\)"):
         triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.5, **common)
+    with pytest.raises(ValueError, match=r"v's head dim to be q's \(got Dv = 8, D = 16\) and takes no sink tokens"):
+        triton_flash.triton_attention(q, q, q[..., :8], attention_mask=None, dropout_p=0.0, **common)
+    with pytest.raises(ValueError, match=r"takes no sink tokens \(got 2\)"):
+        triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, window=2, sink_tokens=2, **common)
+
+
+@pytest.mark.parametrize("overrides", [dict(value_dim=96), dict(window=16, sink_tokens=4)], ids=["Dv", "sinks"])
+def test_auto_routes_around_the_refusals(monkeypatch, overrides):
+    """Where "auto" ranks triton first (CUDA, fp16, a mask), a value head dim of its own or
+    sink tokens go to the next able kernel, and the trace of the choice says why."""
+    from headwise.dispatch import select
+    from headwise.kernels import registry
+
+    kernel = get_kernel("triton")
+    monkeypatch.setitem(registry._KERNELS, "triton", dataclasses.replace(kernel, available=lambda: None))
+    assert select(_request(device=torch.device("cuda"))).backend == "triton"  # ranked first, and able
+    d = select(_request(device=torch.device("cuda"), **overrides))
+    assert d.backend == "sdpa" and "first able backend" in d.reason
+    assert re.search(r"sink tokens|v's head dim must be q's", d.passed_over["triton"])
 
 
 def test_live_key_tiles_lists_each_rows_real_tiles_in_order():

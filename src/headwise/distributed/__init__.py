@@ -281,6 +281,14 @@ _MASK_KINDS = ("none", "bool (B, Sk_l) key padding", "float (B, Sk_l) key paddin
                "float (.., S_l, Sk)")
 
 
+def _same_value_dim(k: Tensor, v: Tensor) -> None:
+    """Context parallelism moves k and v as one (2, B, Hkv, Sk_l, D) block: v's head dim must be k's."""
+    if isinstance(k, Tensor) and isinstance(v, Tensor) and k.dim() == v.dim() == 4 and k.shape[-1] != v.shape[-1]:
+        raise ValueError(f"context-parallel attention needs v's head dim to be k's (the ring sends k and v as one "
+                         f"block): got D = {k.shape[-1]}, Dv = {v.shape[-1]}; use headwise.attention on one process "
+                         "for a value head dim of its own")
+
+
 def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale, dropout_p, method, layout):
     """Validate this rank's arguments; returns (normalised masks, metadata row, q/k lengths)."""
     if method not in METHODS:
@@ -288,6 +296,7 @@ def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale
     check_layout(layout)
     _check_inputs(q, k, v, dropout_p, "auto")
     _check_structure(q, window, alibi_slopes)
+    _same_value_dim(k, v)
     if dropout_p > 0:
         raise ValueError(f"context-parallel attention has no dropout (got dropout_p={dropout_p}); "
                          "use dropout_p=0 (the module: dropout=0.0 or .eval())")
@@ -365,7 +374,7 @@ def attention(
     Args:
         q: this rank's queries (B, H, S_l, D), sharded with ``layout``.
         k: this rank's keys (B, Hkv, Sk_l, D), sharded with ``layout`` (Sk may differ from S).
-        v: this rank's values (B, Hkv, Sk_l, D).
+        v: this rank's values (B, Hkv, Sk_l, D) (no head dim of its own: ValueError).
         attention_mask: None; a 2-D (B, Sk_l) key padding shard (bool/integer True = token
             or float additive), which travels with its K/V block; or a bool/integer/float
             (B|1, H|1, S_l, Sk) mask (3-D (B, S_l, Sk) too) of the local queries over all
@@ -392,6 +401,7 @@ def attention(
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         check_layout(layout)
+        _same_value_dim(k, v)  # the same contract at every world size
         return cast(Tensor, headwise.attention(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p,
                                                scale=scale, window=window, alibi_slopes=alibi_slopes))  # no weights
     error, pad, dense, row, S_l, Sk_l = None, None, None, [0] * len(_FIELDS), -1, -1

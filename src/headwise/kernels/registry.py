@@ -77,7 +77,7 @@ class Request:
     key_lengths: tuple[int, ...] | None = None  # real keys per batch row, known where key_padding is
     softcap: bool = False  # logit soft-capping asked for
     sinks: bool = False  # per-head sink logits given
-    value_dim: int | None = None  # Dv, v's head dim; None: head_dim
+    value_dim: int | None = None  # Dv, v's head dim when it differs from head_dim; None: head_dim
     sink_tokens: int = 0  # keys kept visible under the window (StreamingLLM)
 
     @property
