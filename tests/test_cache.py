@@ -26,6 +26,8 @@ FEATURES = {
         "original_max_position_embeddings": 8}},
     "sinks": {"num_kv_heads": 2, "rope": True, "sinks": True},
     "softcap_sinks": {"num_kv_heads": 2, "window": 4, "softcap": 1.0, "sinks": True},
+    "sink_tokens": {"window": 3, "sink_tokens": 2},
+    "value_dim": {"v_head_dim": 6, "num_kv_heads": 2, "rope": True},
 }
 
 
@@ -241,3 +243,112 @@ def test_a_reset_cache_forgets_the_old_padding():
         step = mha(x[:, 3:], torch.tensor([[1], [1], [0]]), cache=cache, is_causal=True)
         full = mha(x, torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]]), is_causal=True)
     torch.testing.assert_close(step, full[:, 3:], atol=1e-5, rtol=1e-5)
+
+
+# --- eviction: the window's sink tokens and last W - 1 positions, nothing else -----------------
+
+EVICTING = {
+    "window": {"window": 4},
+    "sinks": {"window": 4, "sink_tokens": 2},
+    "everything": {"window": 3, "sink_tokens": 1, "rope": True, "alibi": True, "v_head_dim": 6, "num_kv_heads": 2},
+}
+
+
+def _long_mask(n: int) -> torch.Tensor:
+    """Left padding (rows 1 and 2 start late) and a hole in the middle of row 0."""
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, :3], mask[2, :9], mask[0, 20:23] = False, False, False
+    return mask
+
+
+@pytest.mark.parametrize("backend", ["auto", "matmul", "chunked"])
+@pytest.mark.parametrize("feature", list(EVICTING))
+@pytest.mark.parametrize("padding", ["none", "padded"])
+def test_evicting_cache_decoding_equals_the_full_forward(backend, feature, padding):
+    """A long decode that evicts equals one forward over the whole sequence with the same window
+    and sink rule (float64, 1e-10), while the cache never holds more than sinks + W - 1 + step."""
+    torch.manual_seed(4)
+    kwargs = EVICTING[feature]
+    mha = headwise.MultiHeadAttention(E, H, backend=backend, dtype=torch.float64, **kwargs).eval()
+    n = 40
+    x = torch.randn(B, n, E, dtype=torch.float64)
+    mask = _long_mask(n) if padding == "padded" else None
+    bound = kwargs.get("sink_tokens", 0) + kwargs["window"] - 1
+    splits = [5] + [1] * 20 + [3] + [1] * 12  # prefill, steps, a chunk, steps
+    cache = mha.new_cache(B, bound + 5, evict=True)
+    outs, start = [], 0
+    with torch.no_grad():
+        full = mha(x, mask, is_causal=True)
+        for T in splits:
+            outs.append(mha(x[:, start:start + T], None if mask is None else mask[:, start:start + T],
+                            cache=cache, is_causal=True))
+            start += T
+            assert cache.held <= bound + T and cache.k.shape[2] == bound + 5
+    assert len(cache) == n and cache.evicted == n - cache.held > 0
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-10, rtol=1e-10)
+
+
+def test_evicting_cache_takes_full_length_masks_too():
+    """A 2-D mask over every position seen so far: the cache keeps the columns of the positions it holds."""
+    torch.manual_seed(5)
+    mha = headwise.MultiHeadAttention(E, H, window=3, sink_tokens=1, dtype=torch.float64).eval()
+    x, mask = torch.randn(B, 16, E, dtype=torch.float64), _long_mask(16)
+    cache = mha.new_cache(B, 4, evict=True)
+    with torch.no_grad():
+        full = mha(x, mask, is_causal=True)
+        outs = [mha(x[:, t:t + 1], mask[:, :t + 1], cache=cache, is_causal=True) for t in range(16)]
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-10, rtol=1e-10)
+
+
+def test_eviction_bookkeeping():
+    """The slots hold the sinks, then the most recent positions; reset forgets the evictions."""
+    cache = KVCache(1, 6, 1, 2, window=3, sink_tokens=2, value_dim=5)
+    assert cache.v.shape == (1, 1, 6, 5) and cache.evicts
+    for t in range(9):
+        k = torch.full((1, 1, 1, 2), float(t))
+        k_all, v_all, _ = cache.update(k, torch.full((1, 1, 1, 5), float(t)))
+        assert k_all[0, 0, :, 0].tolist() == cache.key_positions().tolist()  # each slot holds its position
+    assert cache.key_positions().tolist() == [0, 1, 6, 7, 8] and (len(cache), cache.held, cache.evicted) == (9, 5, 4)
+    assert cache.kept() == (2, 2)  # the next step keeps the sinks and positions 7, 8
+    assert "window=3, sink_tokens=2, held=5" in repr(cache) and "value_dim=5" in repr(cache)
+    cache.reset()
+    assert (len(cache), cache.held, cache.evicted) == (0, 0, 0) and cache.key_positions().tolist() == []
+
+
+def test_dispatch_with_an_evicting_cache_changes_nothing():
+    torch.manual_seed(6)
+    mha = headwise.MultiHeadAttention(E, H, window=3, sink_tokens=1).eval()
+    cache = mha.new_cache(B, 5, evict=True)
+    with torch.no_grad():
+        for _ in range(8):
+            mha(torch.randn(B, 1, E), cache=cache)
+    before = (len(cache), cache.held, cache.evicted, cache.k.clone())
+    d = mha.dispatch(torch.randn(B, 1, E), cache=cache)
+    assert d.request.k_len == sum(cache.kept()) + 1 == 4 and not d.request.is_causal and d.request.sink_tokens == 0
+    assert (len(cache), cache.held, cache.evicted) == before[:3] and torch.equal(cache.k, before[3])
+
+
+def test_eviction_errors_name_the_values_and_the_remedy():
+    with pytest.raises(ValueError, match=r"evict=True drops what a sliding window can no longer see; this module "
+                                         r"has no window"):
+        headwise.MultiHeadAttention(E, H).new_cache(B, 8, evict=True)
+    mha = headwise.MultiHeadAttention(E, H, window=3, sink_tokens=2)
+    with pytest.raises(ValueError, match=r"a static cache keeps every position at its own slot .* use static=False "
+                                         r"for an evicting cache"):
+        mha.new_cache(B, 8, static=True, evict=True)
+    cache = mha.new_cache(B, 6, evict=True)
+    with torch.no_grad():
+        mha(torch.randn(B, 6, E), cache=cache)
+        with pytest.raises(ValueError, match=r"the evicting cache keeps 4 positions \(sink_tokens 2 and the last "
+                                             r"window - 1 = 2\) of max_seq_len 6 slots and cannot take 3 more; make "
+                                             r"one with max_seq_len >= sink_tokens \+ window - 1 \+ 3 = 7"):
+            mha(torch.randn(B, 3, E), cache=cache)
+        with pytest.raises(ValueError, match=r"an evicting cache takes a 2-D \(B, T\) or \(B, len\(cache\) \+ T\) "
+                                             r"padding mask, got a 3-D mask of shape \(3, 1, 7\)"):
+            mha(torch.randn(B, 1, E), torch.ones(B, 1, 7, dtype=torch.bool), cache=cache)
+    with pytest.raises(ValueError, match=r"sink_tokens=1 are what eviction keeps besides the window; give window=W"):
+        KVCache(1, 4, 1, 2, sink_tokens=1)
+    with pytest.raises(ValueError, match=r"window must be a positive int or None, got 0"):
+        KVCache(1, 4, 1, 2, window=0)
+    with pytest.raises(ValueError, match=r"sink_tokens must be an int >= 0, got -1"):
+        KVCache(1, 4, 1, 2, window=2, sink_tokens=-1)

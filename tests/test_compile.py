@@ -57,6 +57,7 @@ MODULE_CASES = {
     "alibi-window": ({"alibi": True, "window": 3}, "pad", {}),
     "qk_norm-yarn-partial": ({"qk_norm": "rms", "rotary_dim": 4, "is_causal": True, "rope_parameters": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}}, "pad", {}),
+    "value-dim-sinks": ({"v_head_dim": 6, "num_kv_heads": 2, "window": 3, "sink_tokens": 1, "rope": True}, "pad", {}),
     "need-weights": ({}, "pad", {"need_weights": True}),
     "sinks": ({"sinks": True, "num_kv_heads": 2}, "pad", {}),
     "softcap-sinks-causal": ({"softcap": 2.0, "sinks": True, "num_kv_heads": 2, "is_causal": True}, "pad", {}),
@@ -119,6 +120,7 @@ ATTENTION_CASES = {
     "float-bias": ("bias", {}),
     "causal-longer-keys": (None, {"is_causal": True}),
     "window-alibi": ("pad", {"window": 2, "alibi_slopes": headwise.masks.alibi_slopes(H)}),
+    "window-sinks": ("pad", {"window": 2, "sink_tokens": 1}),
     "weights": ("pad", {"need_weights": True}),
     "softcap-sinks": ("pad", {"softcap": 2.0, "sinks": torch.linspace(-1.0, 1.0, H)}),
     "sinks": ("4d", {"sinks": torch.linspace(-1.0, 1.0, H)}),
@@ -147,7 +149,8 @@ DYNAMIC_NTK = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings":
 
 @pytest.mark.parametrize("kwargs", [{}, {"rope": True, "num_kv_heads": 2}, {"alibi": True, "window": 3},
                                     {"rope_parameters": DYNAMIC_NTK, "qk_norm": "rms"},
-                                    {"softcap": 1.0, "sinks": True, "num_kv_heads": 2}])
+                                    {"softcap": 1.0, "sinks": True, "num_kv_heads": 2},
+                                    {"v_head_dim": 6, "window": 3, "sink_tokens": 2}])
 def test_static_cache_decodes_every_step_on_one_graph(kwargs):
     torch.manual_seed(0)
     mha = headwise.MultiHeadAttention(E, H, **kwargs).eval()

@@ -87,6 +87,8 @@ ERROR_CASES = {
     "one-rank-bad": ("ValueError", r"(must be 4-D \(B, H, S, D\)|rank\(s\) \[1\] of \d rejected their inputs)"),
     "dropout": ("ValueError", r"no dropout \(got dropout_p=0\.1\)"),
     "mask-keys": ("ValueError", r"attention_mask covers \d+ keys, but the k shards hold Sk = \d+"),
+    "value-dim": ("ValueError", r"needs v's head dim to be k's \(the ring sends k and v as one block\): got D = 8, "
+                                r"Dv = 5"),
     "unshard-misfit": ("ValueError", r"unshard got shards of lengths \[\d+(, \d+)+\] along dim 2, but layout 'zigzag'"),
 }
 
@@ -230,6 +232,8 @@ def _run_error(hwd, name, rank, world):
         hwd.attention(sq[0] if rank == 1 else sq, sq, sq)
     elif name == "dropout":
         hwd.attention(sq, sq, sq, dropout_p=0.1)
+    elif name == "value-dim":
+        hwd.attention(sq, sq, sq[..., :5])
     elif name == "unshard-misfit":  # rank r passes rank N-1-r's shard
         from headwise.distributed.layout import positions_of
 

@@ -141,7 +141,8 @@ def test_sink_tokens_reach_the_kernel_and_the_trace():
     q, k, v = qkv(q_len=6, k_len=6)
     with headwise.trace() as t:
         out = attention(q, k, v, window=2, sink_tokens=1, backend="matmul")
-    assert "causal window 2: i - 2 < j <= i, or j < 1 (sink tokens) and j <= i" in next(s.note for s in t.stages if s.name == "mask")
+    mask_note = next(s.note for s in t.stages if s.name == "mask")
+    assert "causal window 2: i - 2 < j <= i, or j < 1 (sink tokens) and j <= i" in mask_note
     plain = attention(q, k, v, window=2, backend="matmul")
     assert not torch.allclose(out[:, :, -1], plain[:, :, -1])
 

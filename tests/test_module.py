@@ -60,6 +60,12 @@ def close(a, b):
         ((0, 8), {}, ValueError, "embed_dim must be positive, got 0"),
         ((64, -8), {}, ValueError, "num_heads must be positive, got -8"),
         ((64, 8), {"num_kv_heads": 0}, ValueError, "num_kv_heads must be positive, got 0"),
+        ((64, 8), {"sink_tokens": 2}, ValueError,
+         "sink_tokens=2 keeps the first positions visible under a sliding window; give window=W too"),
+        ((64, 8), {"sink_tokens": -1, "window": 4}, ValueError, "sink_tokens must be an int >= 0, got -1"),
+        ((64, 8), {"v_head_dim": 0}, ValueError, "v_head_dim must be a positive int or None (None: head_dim), got 0"),
+        ((64, 8), {"v_head_dim": 4.0}, ValueError,
+         "v_head_dim must be a positive int or None (None: head_dim), got 4.0"),
     ],
 )
 def test_constructor_errors(args, kwargs, error, message):
@@ -806,3 +812,122 @@ def test_a_mask_without_padding_is_dropped_and_padded_rows_are_zeroed_in_place()
     (gx,) = torch.autograd.grad(out.sum(), x)
     # padded positions are keys nobody attends and queries whose output is zeroed: no gradient
     assert (gx[1, 2:] == 0).all() and (gx[2, 1:] == 0).all()
+
+
+# --- a value head dim of its own (v_head_dim) and sink tokens ------------------------------------
+
+DV = 6  # against D = E // H = 4
+
+
+def test_value_head_dim_sizes_the_v_and_output_projections():
+    mha = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV)
+    D = E // H
+    assert (mha.head_dim, mha.v_head_dim) == (D, DV)
+    assert mha.qkv_weight.shape == (E + 2 * D + 2 * DV, E)
+    shapes = {k: tuple(v.shape) for k, v in mha.state_dict().items()}
+    assert shapes == {
+        "q_proj.weight": (E, E), "k_proj.weight": (2 * D, E), "v_proj.weight": (2 * DV, E),
+        "q_proj.bias": (E,), "k_proj.bias": (2 * D,), "v_proj.bias": (2 * DV,),
+        "out_proj.weight": (E, H * DV), "out_proj.bias": (E,),
+    }
+    assert "v_head_dim=6" in repr(mha) and "rows 24:36 of qkv_weight" in repr(mha.v_proj)
+    fresh = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV)
+    fresh.load_state_dict(mha.state_dict())  # the separate names, as saved
+    torch.testing.assert_close(fresh.qkv_weight, mha.qkv_weight, rtol=0, atol=0)
+    fused = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV)
+    fused.load_state_dict({"qkv_weight": mha.qkv_weight.detach(), "qkv_bias": mha.qkv_bias.detach(),
+                           **{k: v for k, v in mha.state_dict().items() if k.startswith("out_proj")}})
+    torch.testing.assert_close(fused.qkv_weight, mha.qkv_weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["self", "cross", "window-sinks"])
+def test_value_head_dim_and_sinks_match_the_float64_reference(backend, case, ref):
+    """The module with v_head_dim (and sink tokens) equals its projections around the reference, gradients too."""
+    kwargs = {"window": 3, "sink_tokens": 1} if case == "window-sinks" else {}
+    mha = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV, backend=backend, dtype=torch.float64, **kwargs)
+    x = torch.randn(B, 7, E, dtype=torch.float64, requires_grad=True)
+    context = torch.randn(B, Sk, E, dtype=torch.float64) if case == "cross" else None
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2]) if case != "cross" else torch.tensor([[1, 1, 1], [1, 0, 0]])
+    out = mha(x, mask, context=context, is_causal=case != "cross")
+    src = x if context is None else context
+    q = mha.q_proj(x).unflatten(-1, (H, -1)).transpose(1, 2)  # (B, H, S, D)
+    k = mha.k_proj(src).unflatten(-1, (2, -1)).transpose(1, 2)  # (B, Hkv, Sk, D)
+    v = mha.v_proj(src).unflatten(-1, (2, -1)).transpose(1, 2)  # (B, Hkv, Sk, Dv)
+    want, _ = ref(q, k, v, mask, is_causal=case != "cross", **kwargs)
+    want = mha.out_proj(want.transpose(1, 2).flatten(2))  # (B, S, H*Dv) -> (B, S, E)
+    if case != "cross":
+        want = want.masked_fill(~mask.bool()[..., None], 0.0)  # padded queries output zeros
+    assert out.shape == (B, 7, E)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    for got, exact in zip(torch.autograd.grad(out, (x, mha.qkv_weight, mha.out_proj.weight), g),
+                          torch.autograd.grad(want, (x, mha.qkv_weight, mha.out_proj.weight), g), strict=True):
+        torch.testing.assert_close(got, exact, atol=1e-10, rtol=1e-10)
+
+
+def test_value_head_dim_on_the_packed_path_equals_the_dense_one():
+    x, mask = torch.randn(3, 6, E), torch.tensor([[1] * 6, [1] * 2 + [0] * 4, [1] * 4 + [0] * 2])
+    dense = MultiHeadAttention(E, H, v_head_dim=DV, packing=False, is_causal=True)
+    packed = MultiHeadAttention(E, H, v_head_dim=DV, packing=True, is_causal=True)
+    packed.load_state_dict(dense.state_dict())
+    assert packed.plan(x, mask).path == "packed"
+    close(packed(x, mask), dense(x, mask))
+    with headwise_trace() as t:
+        packed(x, mask)
+    merge = next(s for s in t.stages if s.name == "merge heads")
+    assert merge.shape == (12, H * DV) and "(T, H, Dv) -> (T, H*Dv)" in merge.note
+
+
+def test_the_trace_shows_the_value_head_dim():
+    mha = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV, backend="matmul")
+    with headwise_trace() as t:
+        mha(torch.randn(B, S, E))
+    stages = {s.name: s for s in t.stages}
+    assert stages["v projection"].shape == (B, S, 2 * DV) and "(Hkv*Dv, E)^T + b, Hkv*Dv = 12" in stages["v projection"].note
+    assert "v: (B, Hkv, Sk, Dv) = (2, 2, 5, 6)" in stages["split heads k, v"].note
+    assert stages["weighted sum"].shape == (B, H, S, DV)
+    assert stages["merge heads"].shape == (B, S, H * DV)
+    assert stages["output projection"].note == "out_proj: (B, S, H*Dv) x (E, H*Dv)^T + b"
+
+
+def test_value_head_dim_and_sinks_with_a_static_cache_decode_as_forward():
+    torch.manual_seed(7)
+    mha = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV, window=3, sink_tokens=2, rope=True).eval()
+    x = torch.randn(B, 9, E)
+    cache = mha.new_cache(B, 12, static=True)
+    assert cache.v.shape == (B, 2, 12, DV) and cache.k.shape == (B, 2, 12, E // H)
+    with torch.no_grad():
+        full = mha(x, is_causal=True)
+        steps = [mha(x[:, :4], cache=cache, is_causal=True)] + [mha(x[:, t:t + 1], cache=cache, is_causal=True)
+                                                                for t in range(4, 9)]
+    close(torch.cat(steps, 1), full)
+
+
+def test_module_sink_tokens_reach_the_kernel():
+    mha = MultiHeadAttention(16, 2, window=2, sink_tokens=1, backend="matmul").eval()
+    x = torch.randn(1, 5, 16)
+    _, w = mha(x, need_weights=True)
+    assert (w[0, :, 4, 0] > 0).all() and (w[0, :, 4, 1:3] == 0).all() and (w[0, :, 4, 3:] > 0).all()
+    assert mha.dispatch(x).request.sink_tokens == 1 and "sink_tokens=1" in repr(mha)
+
+
+def test_torch_conversions_refuse_a_value_head_dim_of_its_own():
+    with pytest.raises(ValueError, match=re.escape("torch.nn.MultiheadAttention's value heads are embed_dim // "
+                                                   "num_heads = 4 wide; this module has v_head_dim=6 (torch's vdim "
+                                                   "is the width of the value input, not of a head")):
+        MultiHeadAttention(E, H, v_head_dim=DV).to_torch()
+    with pytest.raises(ValueError, match=re.escape("v_head_dim=6: torch.nn.MultiheadAttention's value heads are "
+                                                   "embed_dim // num_heads = 4 wide")):
+        MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H), v_head_dim=DV)
+    assert MultiHeadAttention.from_torch(nn.MultiheadAttention(E, H), v_head_dim=E // H).v_head_dim == E // H
+    with pytest.raises(ValueError, match="has no window"):
+        MultiHeadAttention(E, H, window=2, sink_tokens=1).to_torch()
+
+
+def test_context_parallel_refuses_sinks_and_a_value_head_dim():
+    from headwise.distributed import ContextParallel
+
+    for kwargs in ({"v_head_dim": DV}, {"window": 2, "sink_tokens": 1}):
+        with pytest.raises(ValueError, match=r"context_parallel has no sink tokens and no v_head_dim of its own"):
+            MultiHeadAttention(E, H, context_parallel=ContextParallel(), **kwargs)

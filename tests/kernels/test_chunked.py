@@ -86,3 +86,33 @@ def test_fully_blocked_query_blocks_are_zero(monkeypatch):
     assert (out[0, 0, :6] == 0).all() and (out[0, 0, 6:] != 0).any()
     out.sum().backward()
     assert (q.grad[0, 0, :6] == 0).all() and torch.isfinite(kv.grad).all()
+
+
+@pytest.mark.parametrize("window, sinks", [(2, 1), (2, 4), (3, 2)])
+def test_sink_tiles_are_never_skipped_and_the_rest_still_are(monkeypatch, window, sinks, ref):
+    """With a window, tiles wholly before it are skipped, except those holding a sink key; the
+    tiles computed are exactly those with an allowed entry, and the result is the reference's."""
+    from headwise.kernels.registry import Call
+    from headwise.masks import causal_mask
+
+    bq, bk, S = 2, 3, 14
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_Q", bq)
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_K", bk)
+    gen = torch.Generator().manual_seed(15)
+    q = torch.randn(1, 2, S, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, S, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, S, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = headwise.attention(q, k, v, window=window, sink_tokens=sinks, backend="chunked")
+    want, _ = ref(q, k, v, window=window, sink_tokens=sinks)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    allowed = causal_mask(S, S, window=window, sink_tokens=sinks)
+    live = {(i0, j0) for i0 in range(0, S, bq) for j0 in range(0, S, bk) if allowed[i0:i0 + bq, j0:j0 + bk].any()}
+    plan = chunked._Plan(q, k, None, True, window, None, bq, bk, sinks)
+    assert {(i0, j0) for _, (i0, _), (j0, _), _ in plan.tiles()} == live
+    assert len(live) < len(plan.q_blocks) * len(plan.k_blocks)  # some tiles are skipped still
+    note = chunked.chunked_stages(Call(q, k, v, None, True, 0.0, 0.5, False, window, sink_tokens=sinks))[0].note
+    assert f"{len(live)} of {len(plan.q_blocks) * len(plan.k_blocks)} tiles" in note
+    assert f"the tiles of the {sinks} sink keys are kept for every query" in note

@@ -39,6 +39,8 @@ CASES = {
     "alibi-padding-causal": {"alibi": True, "mask": "key padding", "causal": True},
     "dropout": {"dropout": 0.3},
     "given-scale": {"scale": 0.3},
+    "value-dim-gqa": {"value_dim": 6, "kv_heads": 2, "mask": "key padding"},
+    "sinks-cross": {"window": 2, "sink_tokens": 1, "Sk": 7, "value_dim": 3},
     "float64-everything": {"dtype": torch.float64, "kv_heads": 2, "Sk": 7, "mask": "key padding",
                            "causal": True, "alibi": True, "dropout": 0.2, "scale": 0.5, "window": 3},
     "softcap-sinks-gqa-padding": {"softcap": 2.0, "sinks": True, "kv_heads": 2, "mask": "key padding",
@@ -88,7 +90,7 @@ def inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
     dtype, Hkv, Sk = case.get("dtype", torch.float32), case.get("kv_heads", H), case.get("Sk", S)
     q = torch.randn(B, H, S, D, generator=gen, dtype=dtype)
     k = torch.randn(B, Hkv, Sk, D, generator=gen, dtype=dtype)
-    v = torch.randn(B, Hkv, Sk, D, generator=gen, dtype=dtype)
+    v = torch.randn(B, Hkv, Sk, case.get("value_dim", D), generator=gen, dtype=dtype)
     mask = {
         None: None,
         "key padding": headwise.masks.key_padding_mask([Sk, 3], Sk),  # (B, Sk)
@@ -96,7 +98,7 @@ def inputs(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.
         "bool 4-D": torch.rand(1, H, S, Sk, generator=gen) > 0.3,  # (1, H, S, Sk)
     }[case.get("mask")]
     kwargs = {"is_causal": case.get("causal", False), "dropout_p": case.get("dropout", 0.0),
-              "window": case.get("window"), "scale": case.get("scale")}
+              "window": case.get("window"), "scale": case.get("scale"), "sink_tokens": case.get("sink_tokens", 0)}
     if case.get("alibi"):
         kwargs["alibi_slopes"] = headwise.masks.alibi_slopes(H).to(dtype)
     if case.get("softcap"):

@@ -61,8 +61,8 @@ def make_mask(form: str, H: int, S: int, Sk: int, gen: torch.Generator):
 
 def attend(q, k, v, mask=None, *, backend, **kwargs):
     """headwise.attention on ``backend``; the test fails if the kernel refuses the request."""
-    assert_served(backend, q, k, v, mask, **{n: kwargs[n] for n in ("is_causal", "dropout_p", "window",
-                                                                          "alibi_slopes", "sink_tokens") if n in kwargs})
+    served = ("is_causal", "dropout_p", "window", "alibi_slopes", "sink_tokens")
+    assert_served(backend, q, k, v, mask, **{n: kwargs[n] for n in served if n in kwargs})
     return headwise.attention(q, k, v, mask, backend=backend, **kwargs)
 
 @pytest.fixture(params=[*BACKENDS, "chunked-tiled"])
