@@ -55,14 +55,14 @@ def bmm_attention(
 def bmm_stages(call: Call) -> list[KernelStage]:
     """Explain mode's stages of :func:`bmm_attention` for one call (recorded by headwise.functional)."""
     B, H, _, S, Sk, D = call.sizes
-    Dv = call.value_dim
+    Dv, dv = call.value_dim, describe.value_dim_name(call)
     return describe.textbook(
         call,
         copies_kv="a copy (bmm cannot broadcast)",
         scores=f"torch.bmm on (B*H, S, D) x (B*H, D, Sk) = ({B * H}, {S}, {D}) x ({B * H}, {D}, {Sk}), "
                "reshaped to (B, H, S, Sk)",
-        weighted_sum=f"torch.bmm on (B*H, S, Sk) x (B*H, Sk, Dv) = ({B * H}, {S}, {Sk}) x ({B * H}, {Sk}, {Dv}), "
-                     "reshaped to (B, H, S, Dv)",
+        weighted_sum=f"torch.bmm on (B*H, S, Sk) x (B*H, Sk, {dv}) = ({B * H}, {S}, {Sk}) x ({B * H}, {Sk}, {Dv}), "
+                     f"reshaped to (B, H, S, {dv})",
     )
 
 

@@ -169,6 +169,11 @@ def fused_steps(call: Call) -> list[str]:
     return [*steps, "weighted sum"]
 
 
+def value_dim_name(call: Call) -> str:
+    """``"D"``, or ``"Dv"`` where v has a head dim of its own: how the notes name v's last dimension."""
+    return "D" if call.value_dim == call.q.shape[-1] else "Dv"
+
+
 def scores_shape(call: Call) -> tuple[int, int, int, int]:
     """(B, H, S, Sk): the score matrix a fused kernel does not materialise."""
     B, H, _, S, Sk, _ = call.sizes

@@ -1,7 +1,7 @@
 """The documents' ``einops`` form: named axes for every rearrangement and product.
 
 Legend: b batch, h query heads, hkv key/value heads, g = h // hkv query heads per kv head,
-s query length, k key length, d head dim (e v's head dim).
+s query length, k key length, d head dim (v's own in the weighted sum).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def einops_attention(
     weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
                                             softcap, sinks, sink_tokens)
     dropped = einops.rearrange(dropped, "b (hkv g) s k -> b hkv g s k", hkv=hkv)
-    out = einops.einsum(dropped, v, "b hkv g s k, b hkv k e -> b hkv g s e")
-    out = einops.rearrange(out, "b hkv g s e -> b (hkv g) s e")  # (B, H, S, Dv)
+    out = einops.einsum(dropped, v, "b hkv g s k, b hkv k d -> b hkv g s d")  # v's d may differ from q's
+    out = einops.rearrange(out, "b hkv g s d -> b (hkv g) s d")  # (B, H, S, Dv)
     return out, weights if need_weights else None
 
 
@@ -50,7 +50,7 @@ def einops_stages(call: Call) -> list[KernelStage]:
         call,
         scores=f"einops.einsum 'b hkv g s d, b hkv k d -> b hkv g s k' with g = {H // Hkv}, "
                "rearranged 'b hkv g s k -> b (hkv g) s k'",
-        weighted_sum="einops.einsum 'b hkv g s k, b hkv k e -> b hkv g s e', rearranged 'b hkv g s e -> b (hkv g) s e'",
+        weighted_sum="einops.einsum 'b hkv g s k, b hkv k d -> b hkv g s d', rearranged 'b hkv g s d -> b (hkv g) s d'",
     )
 
 

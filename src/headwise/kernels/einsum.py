@@ -50,7 +50,7 @@ def einsum_stages(call: Call) -> list[KernelStage]:
     return describe.textbook(
         call,
         scores=f"einsum('bhgsd,bhkd->bhgsk', q, k), {groups}; reshaped to (B, H, S, Sk)",
-        weighted_sum="einsum('bhgsk,bhkd->bhgsd', weights, v), reshaped to (B, H, S, Dv)",
+        weighted_sum=f"einsum('bhgsk,bhkd->bhgsd', weights, v), reshaped to (B, H, S, {describe.value_dim_name(call)})",
     )
 
 

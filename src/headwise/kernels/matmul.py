@@ -49,11 +49,12 @@ def matmul_attention(
 
 def matmul_stages(call: Call) -> list[KernelStage]:
     """Explain mode's stages of :func:`matmul_attention` for one call (recorded by headwise.functional)."""
+    dv = describe.value_dim_name(call)
     return describe.textbook(
         call,
         copies_kv="a copy",
         scores="torch.matmul(q, k.transpose(-2, -1)): (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)",
-        weighted_sum="torch.matmul(weights, v): (B, H, S, Sk) x (B, H, Sk, Dv) -> (B, H, S, Dv)",
+        weighted_sum=f"torch.matmul(weights, v): (B, H, S, Sk) x (B, H, Sk, {dv}) -> (B, H, S, {dv})",
     )
 
 
