@@ -884,7 +884,8 @@ def test_the_trace_shows_the_value_head_dim():
     with headwise_trace() as t:
         mha(torch.randn(B, S, E))
     stages = {s.name: s for s in t.stages}
-    assert stages["v projection"].shape == (B, S, 2 * DV) and "(Hkv*Dv, E)^T + b, Hkv*Dv = 12" in stages["v projection"].note
+    assert stages["v projection"].shape == (B, S, 2 * DV)
+    assert "(Hkv*Dv, E)^T + b, Hkv*Dv = 12" in stages["v projection"].note
     assert "v: (B, Hkv, Sk, Dv) = (2, 2, 5, 6)" in stages["split heads k, v"].note
     assert stages["weighted sum"].shape == (B, H, S, DV)
     assert stages["merge heads"].shape == (B, S, H * DV)
