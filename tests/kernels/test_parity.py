@@ -61,7 +61,7 @@ def make_mask(form: str, H: int, S: int, Sk: int, gen: torch.Generator):
 
 def attend(q, k, v, mask=None, *, backend, **kwargs):
     """headwise.attention on ``backend``; the test fails if the kernel refuses the request."""
-    served = ("is_causal", "dropout_p", "window", "alibi_slopes", "sink_tokens")
+    served = ("is_causal", "dropout_p", "window", "alibi_slopes", "softcap", "sinks", "sink_tokens")
     assert_served(backend, q, k, v, mask, **{n: kwargs[n] for n in served if n in kwargs})
     return headwise.attention(q, k, v, mask, backend=backend, **kwargs)
 
@@ -450,3 +450,23 @@ def test_empty_inputs_with_own_value_dim(backend, sizes):
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     for g, t in zip(grads, (q, k, v), strict=True):
         assert g.shape == t.shape and (g == 0).all()
+
+
+def test_own_value_dim_and_sink_tokens_with_softcap_and_sink_logits(backend, ref):
+    """Dv != D and sink tokens together with learned sink logits (and soft-capping where the
+    kernel takes it): the sink's extra key has v's own width; outputs and every gradient."""
+    q, k, _, gen = _inputs(4, 2, 6, 9, seed=16)
+    v = torch.randn(B, 2, 9, DV, generator=gen).requires_grad_()
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    mask = make_mask("pad2d_bool", 4, 6, 9, gen)
+    kwargs = {"window": 2, "sink_tokens": 2, "sinks": sinks}
+    if backend not in ("sdpa", "varlen"):  # the two that refuse soft-capping
+        kwargs["softcap"] = 1.5
+    out = attend(q, k, v, mask, backend=backend, **kwargs)
+    g = torch.randn(out.shape, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v, sinks), g)
+    expected, _ = ref(q, k, v, mask, **kwargs)
+    want = torch.autograd.grad(expected, (q, k, v, sinks), g.double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
