@@ -372,10 +372,15 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         need_weights=need_weights,
         window=window,
         alibi_slopes=alibi_slopes,
-        softcap=None if softcap is None else float(softcap),
-        sinks=sinks,
-        sink_tokens=sink_tokens,
     )
+    # The options newer than the first kernel signature go only where set: a kernel written
+    # for that signature keeps serving every call without them (Kernel.why_not refuses the rest).
+    if softcap is not None:
+        args["softcap"] = float(softcap)
+    if sinks is not None:
+        args["sinks"] = sinks
+    if sink_tokens:
+        args["sink_tokens"] = sink_tokens
     out, weights = dispatch.kernel.fn(q, k, v, **args)
     if key is not None:
         if len(_REPEATS) >= _REPEATS_LIMIT:

@@ -28,3 +28,29 @@ def test_register_adds_a_backend_users_can_call_and_refuses_a_taken_name(monkeyp
     assert "plus_one" in headwise.available_backends()
     with pytest.raises(ValueError, match="a kernel named 'sdpa' is already registered"):
         kernels.register("sdpa", summary="again")(plus_one)
+
+
+def test_a_kernel_written_for_the_first_signature_serves_plain_calls_and_refuses_the_newer_options(monkeypatch, ref):
+    """softcap, sinks and sink_tokens came after the first kernel signature: such a kernel still
+    serves every call without them, and is refused (with the reason) for a call with one."""
+    monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+    seen = []
+
+    @kernels.register("first_signature", summary="the textbook kernel behind the first signature")
+    def first(q, k, v, *, attention_mask, is_causal, dropout_p, scale, need_weights, window, alibi_slopes):
+        seen.append(1)
+        return registry.get_kernel("matmul").fn(q, k, v, attention_mask=attention_mask, is_causal=is_causal,
+                                                dropout_p=dropout_p, scale=scale, need_weights=need_weights,
+                                                window=window, alibi_slopes=alibi_slopes)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 4, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    out = headwise.attention(q, k, v, is_causal=True, window=2, backend="first_signature")
+    torch.testing.assert_close(out, ref(q, k, v, is_causal=True, window=2)[0], atol=1e-10, rtol=1e-10)
+    assert seen == [1]
+    for kwargs, names in (({"softcap": 5.0}, "softcap="), ({"sinks": torch.zeros(2, dtype=torch.float64)}, "sinks="),
+                          ({"window": 2, "sink_tokens": 1}, "sink_tokens=")):
+        with pytest.raises(ValueError, match=f"backend 'first_signature' its function takes no {names} keyword"):
+            headwise.attention(q, k, v, backend="first_signature", **kwargs)
+        assert headwise.choose_backend(q, k, v, **kwargs).passed_over["first_signature"].startswith(
+            f"its function takes no {names} keyword")

@@ -29,6 +29,10 @@ A kernel is a function with one keyword-only signature::
 
 A kernel that does not take ``softcap`` or ``sinks`` still accepts the keywords and refuses
 them in its ``refuses`` (``Request.softcap`` / ``Request.sinks``), so "auto" routes around it.
+``softcap``, ``sinks`` and ``sink_tokens`` came after the first signature: they are passed
+only when set, so a kernel registered with the first signature keeps serving every call
+without them, and :meth:`Kernel.why_not` refuses a call with one that its function does
+not take (``auto`` routes around it, a named backend says why).
 
 Kernels never own parameters and never validate caller input: :func:`headwise.attention`
 has done that. The built-in kernels are listed in one place, ``headwise.kernels.BUILTIN``;
@@ -44,6 +48,8 @@ shape and dtype against it, so a description cannot drift from its kernel.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -203,7 +209,23 @@ class Kernel:
             return reason
         if request.need_weights and not self.supports_weights:
             return "cannot return attention weights (need_weights=True)"
+        asked = [name for name, given in (("softcap", request.softcap), ("sinks", request.sinks),
+                                          ("sink_tokens", request.sink_tokens)) if given]
+        missing = [name for name in asked if not _takes(self.fn, name)]
+        if missing:
+            return (f"its function takes no {', '.join(f'{m}=' for m in missing)} keyword (a kernel written for "
+                    "the signature before it); add it to the function and refuse what it cannot do in refuses()")
         return self.refuses(request)
+
+
+@functools.lru_cache(maxsize=256)
+def _takes(fn: KernelFn, keyword: str) -> bool:
+    """Whether ``fn`` accepts ``keyword`` (by name or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): assume it does
+        return True
+    return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 _KERNELS: dict[str, Kernel] = {}
