@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import itertools
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -171,6 +172,7 @@ def main(argv=None) -> None:
             priced += len(row.other)
             right += sum(v <= 1.0 for v in row.other.values())
         table.add_row(*cells)
+        print("  ".join(cells), file=sys.stderr, flush=True)  # progress: the full grid takes a while
         if args.why:
             console.print(f"B={B} S={S} E={E}: forward: {row.why['fwd']}; forward+backward: {row.why['train']}")
     console.print(table)
