@@ -543,11 +543,17 @@ def _interpreted(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-@functools.lru_cache(maxsize=1)
+_TRITON_INSTALLED: list[bool] = []  # filled on the first look-up
+
+
 def _triton_installed() -> bool:
     """Looked up once: a find_spec walks sys.path (tens of microseconds), and dispatch asks on
-    every new request shape (each decoding step is one)."""
-    return importlib.util.find_spec("triton") is not None
+    every new request shape (each decoding step is one). A module-level list, not lru_cache:
+    torch.compile traces through this function (dispatch runs inside the graph) and warns
+    about an lru_cache wrapper it has to ignore."""
+    if not _TRITON_INSTALLED:
+        _TRITON_INSTALLED.append(importlib.util.find_spec("triton") is not None)
+    return _TRITON_INSTALLED[0]
 
 
 def _available() -> str | None:
