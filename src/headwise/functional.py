@@ -253,11 +253,9 @@ def attention(
         sinks: (H,) floating sink logits on q's device, one per query head, as in gpt-oss:
             each row's softmax gets one more column ``sinks[h]`` that takes probability
             mass and adds nothing to the output; gradients reach ``sinks`` too.
-
         sink_tokens: StreamingLLM's attention sinks, with a window only: the first
             ``sink_tokens`` keys stay visible too, so query ``i`` attends key ``j`` iff
             ``i + Sk - S - window < j <= i + Sk - S`` or ``j < sink_tokens and j <= i + Sk - S``.
-
 
     Returns:
         The output (B, H, S, Dv), or ``(output, weights)`` when ``need_weights`` (with
@@ -285,11 +283,14 @@ def attention(
                   softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
 
 
-# A repeated maskless call (same signature: shapes, dtypes, devices, flags) reuses the
-# kernel and arguments that validation and dispatch chose the first time: every check they
-# made reads only what the signature holds, so it would pass again. For "auto" without
-# dropout the decision reads no length beyond S > 1 (the causal rule), Sk > 0 and S == Sk,
-# so a decoding step, whose Sk grows by one, still repeats. Kept outside traces and
+# A repeated call (same signature: shapes, dtypes, devices, flags) reuses the kernel and
+# arguments that validation and dispatch chose the first time: every check they made reads
+# only what the signature holds, so it would pass again. For "auto" without dropout or a
+# mask the decision reads no length beyond S > 1 (the causal rule), Sk > 0 and S == Sk, so
+# a decoding step, whose Sk grows by one, still repeats. A masked call's signature holds
+# the mask's shape, dtype and device and, for "auto", its real keys per row (what the
+# checks and the decision read); its mask itself is the call's own. Calls with a window,
+# ALiBi, weights, soft-capping or sinks take the full path. Kept outside traces and
 # torch.compile (which traces the full path once per graph anyway).
 _REPEATS: dict[tuple, tuple[Kernel, dict]] = {}
 _REPEATS_LIMIT = 512  # signatures remembered; the memo starts over when full
