@@ -17,7 +17,7 @@ from the module rows the choice is judged on (``benchmarks/auto_grid.py`` does t
 Forward under no_grad gives ``INFERENCE_COSTS``; forward + backward ``TRAINING_COSTS``.
 Paste the two printed lines into ``src/headwise/policy.py``.
 
-    python benchmarks/pack_cost.py [--threads 1] [--repeats 15]
+    python benchmarks/pack_cost.py [--threads 1] [--repeats 15] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -34,20 +34,22 @@ import headwise
 from headwise import packing, policy
 from headwise.bench import cpu_name
 
+CLOCK = time.perf_counter  # --cpu-time: time.process_time
+
 
 def _seconds(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``fn``, each timing a loop of about 5 ms."""
     fn()
-    start = time.perf_counter()
+    start = CLOCK()
     fn()
-    once = time.perf_counter() - start
+    once = CLOCK() - start
     calls = max(1, int(5e-3 / max(once, 1e-7)))
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = CLOCK()
         for _ in range(calls):
             fn()
-        times.append((time.perf_counter() - start) / calls)
+        times.append((CLOCK() - start) / calls)
     return statistics.median(times)
 
 
@@ -166,10 +168,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with the process's CPU time (with --threads 1, other jobs on the machine "
+                             "disturb it less)")
     args = parser.parse_args(argv)
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"# benchmarks/pack_cost.py, {torch.get_num_threads()} thread(s), {cpu_name()}, torch {torch.__version__}")
+    clock = "CPU" if args.cpu_time else "wall"
+    print(f"# benchmarks/pack_cost.py, {torch.get_num_threads()} thread(s), {clock} time, {cpu_name()}, "
+          f"torch {torch.__version__}")
     for name, training in (("INFERENCE_COSTS", False), ("TRAINING_COSTS", True)):
         c = measure(training, args.repeats)
         print(f"{name} = Costs(call_us={c.call_us:.1f}, pack_us={c.pack_us:.1f}, bucket_us={c.bucket_us:.1f}, "

@@ -70,10 +70,11 @@ class Costs:
     copy_ps: float
 
 
-# benchmarks/pack_cost.py --threads 1, AMD EPYC (Zen 5), torch 2.13 CPU: forward under
-# no_grad (INFERENCE_COSTS) and forward + backward (TRAINING_COSTS).
-INFERENCE_COSTS = Costs(call_us=64.3, pack_us=40.9, bucket_us=90.1, gemm_ps=18.20, attn_ps=23.34, copy_ps=1027.7)
-TRAINING_COSTS = Costs(call_us=266.9, pack_us=36.9, bucket_us=183.1, gemm_ps=56.68, attn_ps=79.70, copy_ps=958.9)
+# benchmarks/pack_cost.py --threads 1 --cpu-time, AMD EPYC (Zen 5), torch 2.13 CPU, the mean
+# of two runs (they differed by under 20%, copy_ps in training by 47%): forward under no_grad
+# (INFERENCE_COSTS) and forward + backward (TRAINING_COSTS).
+INFERENCE_COSTS = Costs(call_us=59.3, pack_us=40.8, bucket_us=84.4, gemm_ps=18.2, attn_ps=23.2, copy_ps=1064.0)
+TRAINING_COSTS = Costs(call_us=181.2, pack_us=72.6, bucket_us=176.0, gemm_ps=56.7, attn_ps=79.1, copy_ps=1091.0)
 
 
 @dataclass(frozen=True)
