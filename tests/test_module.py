@@ -932,3 +932,17 @@ def test_context_parallel_refuses_sinks_and_a_value_head_dim():
     for kwargs in ({"v_head_dim": DV}, {"window": 2, "sink_tokens": 1}):
         with pytest.raises(ValueError, match=r"context_parallel has no sink tokens and no v_head_dim of its own"):
             MultiHeadAttention(E, H, context_parallel=ContextParallel(), **kwargs)
+
+
+def test_masks_of_one_shape_and_other_lengths_each_get_their_own_result():
+    """The dense path hands its read key counts to the functional memo: a later mask of the
+    same shape but other counts is its own call (checked against the textbook kernel)."""
+    torch.manual_seed(6)
+    mha = MultiHeadAttention(E, H, packing=False).eval()
+    plain = MultiHeadAttention(E, H, packing=False, backend="matmul").eval()
+    plain.load_state_dict(mha.state_dict())
+    x = torch.randn(3, 6, E)
+    with torch.no_grad():
+        for lengths in ([6, 2, 1], [6, 2, 1], [6, 5, 4], [1, 1, 6]):
+            mask = torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
+            torch.testing.assert_close(mha(x, mask), plain(x, mask), atol=1e-5, rtol=1e-5)

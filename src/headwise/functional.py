@@ -301,7 +301,7 @@ def _logs_choices() -> bool:
     return dispatch_logger.isEnabledFor(logging.DEBUG)
 
 
-def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d=None) -> tuple:
+def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d=None, lengths=None) -> tuple:
     """What the checks and the decision read, as a dict key (AttributeError for non-tensors).
 
     With a mask: its shape, dtype and device (what its validation reads), the full q, k, v
@@ -311,7 +311,10 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d
     qs, ks, vs = q.shape, k.shape, v.shape
     shapes: tuple
     if mask is not None:
-        lengths = _key_lengths(mask_4d) if backend == "auto" else None  # mask_4d: _as_4d(mask)
+        if backend != "auto":
+            lengths = None  # a named kernel: the decision reads no values
+        elif lengths is None or not policy.reads_values(mask):
+            lengths = _key_lengths(mask_4d)  # mask_4d: _as_4d(mask)
         shapes = (qs, ks, vs, mask.shape, mask.dtype, mask.device, lengths)
     elif backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
         # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, S == Sk (causal with S != Sk ranks differently
@@ -326,11 +329,13 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d
 
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
            backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
-           sink_tokens=0):
+           sink_tokens=0, key_lengths=None):
     """:func:`attention` without opening a new call in an active trace (the module opens it).
 
     In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
     stages the kernel declares for this call (kernels hold no hooks of their own).
+    ``key_lengths``: the real keys per row of a 2-D bool/integer ``attention_mask``, where
+    the caller has read them already (the module has); None: read them here when needed.
     """
     key = None
     # The memo's signature holds no softcap, sinks or sink tokens: calls with any take the full path.
@@ -339,7 +344,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
             and not trace.ACTIVE and not torch.compiler.is_compiling() and not _logs_choices()):
         try:
             mask_4d = None if attention_mask is None else _as_4d(attention_mask, q.dtype)
-            key = _signature(q, k, v, is_causal, dropout_p, scale, backend, attention_mask, mask_4d)
+            key = _signature(q, k, v, is_causal, dropout_p, scale, backend, attention_mask, mask_4d, key_lengths)
             kernel, args = _REPEATS[key]
         except (AttributeError, KeyError, TypeError):  # not tensors, not seen, or unhashable flags
             pass
