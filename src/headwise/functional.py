@@ -19,7 +19,7 @@ from headwise.dispatch import logger as dispatch_logger
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros
 from headwise.kernels.registry import Call, Kernel, Request, find_kernel
-from headwise.masks import normalize_mask
+from headwise.masks import _canonical, normalize_mask
 
 __all__ = ["attention", "available_backends", "choose_backend"]
 
@@ -141,22 +141,6 @@ def _key_padding(lengths: tuple[int, ...] | None, k_len: int) -> float | None:
     if lengths is None:
         return None
     return round(20 * (1.0 - sum(lengths) / (len(lengths) * k_len))) / 20
-
-
-def _as_4d(mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """:func:`headwise.masks.normalize_mask`'s result for a mask it already accepted: the
-    same views and dtype, without the checks (a repeated call's mask has the shape, dtype
-    and device the checks passed). ``dtype=None``: the layout only (floating masks keep theirs).
-    """
-    if mask.dim() == 2:
-        mask = mask[:, None, None, :]  # (B, Sk) -> (B, 1, 1, Sk)
-    elif mask.dim() == 3:
-        mask = mask[:, None, :, :]  # (B, S, Sk) -> (B, 1, S, Sk)
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_floating_point():
-        return mask if dtype is None else mask.to(dtype)
-    return mask != 0  # integer: nonzero = may attend
 
 
 def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
@@ -314,7 +298,7 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d
         if backend != "auto":
             lengths = None  # a named kernel: the decision reads no values
         elif lengths is None or not policy.reads_values(mask):
-            lengths = _key_lengths(mask_4d)  # mask_4d: _as_4d(mask)
+            lengths = _key_lengths(mask_4d)  # mask_4d: _canonical(mask)
         shapes = (qs, ks, vs, mask.shape, mask.dtype, mask.device, lengths)
     elif backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
         # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, S == Sk (causal with S != Sk ranks differently
@@ -343,7 +327,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
             and not sink_tokens
             and not trace.ACTIVE and not torch.compiler.is_compiling() and not _logs_choices()):
         try:
-            mask_4d = None if attention_mask is None else _as_4d(attention_mask, q.dtype)
+            mask_4d = None if attention_mask is None else _canonical(attention_mask, q.dtype)
             key = _signature(q, k, v, is_causal, dropout_p, scale, backend, attention_mask, mask_4d, key_lengths)
             kernel, args = _REPEATS[key]
         except (AttributeError, KeyError, TypeError):  # not tensors, not seen, or unhashable flags

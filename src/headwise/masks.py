@@ -117,15 +117,30 @@ def normalize_mask(
             f"attention_mask of shape {tuple(m.shape)} does not fit {m.dim()}-D layout "
             f"{_LAYOUTS[m.dim()]} = {want} (each dimension must match or be 1)"
         )
-    if m.dim() == 2:
-        m = m[:, None, None, :]  # (B, Sk) -> (B, 1, 1, Sk)
-    elif m.dim() == 3:
-        m = m[:, None, :, :]  # (B, S, Sk) -> (B, 1, S, Sk)
-    if m.dtype == torch.bool:
-        return m
-    if m.is_floating_point():
-        return m.to(dtype)
-    return m != 0  # integer: nonzero = may attend
+    return _canonical(m, dtype)
+
+
+def _canonical(mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An accepted mask in the 4-D form kernels expect, without checking it:
+    :func:`normalize_mask`'s last step, also taken alone for a repeated call's mask (of the
+    shape, dtype and device the checks passed).
+
+    Args:
+        mask: 2-D (B, Sk), 3-D (B, S, Sk) or 4-D bool / integer / floating mask.
+        dtype: the dtype floating masks are cast to (None: they keep theirs).
+
+    Returns:
+        ``(B|1, H|1, S|1, Sk)`` views: bool as is, integer as ``!= 0``, floating in ``dtype``.
+    """
+    if mask.dim() == 2:
+        mask = mask[:, None, None, :]  # (B, Sk) -> (B, 1, 1, Sk)
+    elif mask.dim() == 3:
+        mask = mask[:, None, :, :]  # (B, S, Sk) -> (B, 1, S, Sk)
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        return mask if dtype is None else mask.to(dtype)
+    return mask != 0  # integer: nonzero = may attend
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device | None = None,
