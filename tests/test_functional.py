@@ -516,3 +516,47 @@ def test_a_repeated_call_follows_a_replaced_kernel(monkeypatch):
     monkeypatch.setitem(registry._KERNELS, "einsum", replaced)
     headwise.attention(q, q, q, backend="einsum")
     assert seen == [1]  # the memo holds the old kernel object, so the call went through dispatch again
+
+
+def _prepared(q, mask, **kwargs):
+    import headwise.functional as functional
+    from headwise.masks import _canonical
+
+    return functional.prepare(q, q, q, mask, _canonical(mask), **kwargs)
+
+
+def test_the_sdpa_kernel_skips_its_dead_row_guard_only_where_the_key_counts_say_every_row_lives(monkeypatch):
+    """"auto" read the key counts (they are in the signature): none zero and no causal rule
+    means every query row has a key, so sdpa is told ``known_live`` and skips its guard. A
+    named kernel (counts not read), a causal rule, a zero count, a float mask or a kernel
+    taking only ``**kwargs`` are not told."""
+    from headwise.kernels import registry, sdpa
+
+    q = torch.randn(2, 2, 4, 8, dtype=torch.float64)
+    live = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    dead = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    assert _prepared(q, live).args.get("known_live") is True
+    assert "known_live" not in _prepared(q, live, backend="sdpa").args
+    assert "known_live" not in _prepared(q, live, is_causal=True).args
+    assert "known_live" not in _prepared(q, dead).args
+    floats = torch.zeros(2, 4, dtype=torch.float64).masked_fill(~live, float("-inf"))
+    assert "known_live" not in _prepared(q, floats).args
+    guarded = []
+    real_guard = sdpa.row_is_dead
+    monkeypatch.setattr(sdpa, "row_is_dead", lambda m: guarded.append(1) or real_guard(m))
+    for mask, guards in ((live, 0), (dead, 1)):
+        want = attention(q, q, q, mask, backend="matmul")
+        for _ in range(2):  # the first call and the remembered one
+            torch.testing.assert_close(attention(q, q, q, mask), want, atol=1e-12, rtol=1e-12)
+        assert len(guarded) == 2 * guards
+        guarded.clear()
+    seen = []
+
+    def forwarding(q, k, v, **kwargs):  # hands **kwargs on: a hint would reach sdpa_attention uninvited
+        seen.append(sorted(kwargs))
+        return sdpa.sdpa_attention(q, k, v, **{n: kwargs[n] for n in kwargs if n != "known_live"})
+
+    monkeypatch.setitem(registry._KERNELS, "sdpa", dataclasses.replace(registry.get_kernel("sdpa"), fn=forwarding))
+    attention(q, q, q, live)
+    attention(q, q, q, live)
+    assert seen and all("known_live" not in names for names in seen)

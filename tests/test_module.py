@@ -946,3 +946,96 @@ def test_masks_of_one_shape_and_other_lengths_each_get_their_own_result():
         for lengths in ([6, 2, 1], [6, 2, 1], [6, 5, 4], [1, 1, 6]):
             mask = torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]  # (B, S)
             torch.testing.assert_close(mha(x, mask), plain(x, mask), atol=1e-5, rtol=1e-5)
+
+
+# --- a repeated call signature: the remembered plan and attention call ---------------------------
+
+
+def _counting_plans(monkeypatch):
+    planned = []
+    real = MultiHeadAttention.plan
+    monkeypatch.setattr(MultiHeadAttention, "plan", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    return planned
+
+
+def test_a_changed_setting_or_policy_plans_the_next_call_afresh(monkeypatch, cheap_packing):
+    """The memo keys on the call, not the module's settings or the thresholds: assigning any
+    attribute (packing, backend, dropout, train / eval) or any ``headwise.policy`` value
+    forgets what was remembered, and the next call follows the new setting."""
+    from headwise import packing
+
+    planned = _counting_plans(monkeypatch)
+    packed = []
+    real_pack = packing.pack
+    monkeypatch.setattr(packing, "pack", lambda *a, **kw: packed.append(1) or real_pack(*a, **kw))
+    mha = MultiHeadAttention(E, H, packing=False).eval()
+    plain = MultiHeadAttention(E, H, backend="matmul", packing=False).eval()
+    plain.load_state_dict(mha.state_dict())
+    x = torch.randn(3, 6, E)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] + [0] * 5])
+    with torch.no_grad():
+        want = plain(x, mask)
+        for setting in (None, ("packing", "auto"), ("backend", "chunked"), ("dropout", 0.0), ("train", None)):
+            if setting == ("train", None):
+                mha.train().eval()
+            elif setting is not None:
+                setattr(mha, *setting)
+            before = len(planned)
+            for _ in range(3):
+                close(mha(x, mask), want)
+            assert len(planned) == before + 1, setting
+        assert len(packed) == 3  # packing="auto" under cheap_packing packs, until backend="chunked"
+        mha.backend = "auto"
+        before = len(planned)
+        close(mha(x, mask), want)
+        assert (len(planned), len(packed)) == (before + 1, 4)
+        monkeypatch.setattr(policy, "PACK_MIN_PADDING", 0.99)  # now nothing is priced: dense
+        close(mha(x, mask), want)
+        close(mha(x, mask), want)
+        assert (len(planned), len(packed)) == (before + 2, 4)
+
+
+def test_a_module_that_remembers_calls_pickles_and_copies_and_follows_a_replaced_kernel(monkeypatch):
+    import copy
+    import dataclasses
+    import pickle
+
+    from headwise.kernels import registry
+
+    mha = MultiHeadAttention(E, H).eval()
+    x = torch.randn(2, 5, E)
+    with torch.no_grad():
+        want = mha(x)
+        assert mha._repeats  # the signature is remembered
+        for clone in (copy.deepcopy(mha), pickle.loads(pickle.dumps(mha))):
+            assert not clone._repeats
+            torch.testing.assert_close(clone(x), want, rtol=0, atol=0)
+        seen = []
+        original = registry.get_kernel("sdpa")
+        replaced = dataclasses.replace(original, fn=lambda *a, **kw: seen.append(1) or original.fn(*a, **kw))
+        monkeypatch.setitem(registry._KERNELS, "sdpa", replaced)
+        torch.testing.assert_close(mha(x), want, rtol=0, atol=0)
+    assert seen == [1]  # the remembered call held the old kernel object: planned and dispatched again
+
+
+def test_traces_autocast_and_weights_are_not_remembered(monkeypatch):
+    """Explain mode records every stage on every call, autocast changes q's dtype, and
+    need_weights returns more: each takes the full path, also after a remembered call."""
+    planned = _counting_plans(monkeypatch)
+    mha = MultiHeadAttention(E, H).eval()
+    x = torch.randn(2, 5, E)
+    mask = torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])
+    with torch.no_grad():
+        mha(x, mask)
+        mha(x, mask)
+        assert len(planned) == 1
+        with headwise_trace() as t:
+            mha(x, mask)
+        assert {"q projection", "kernel", "merge heads", "zero padding"} <= set(t.names())
+        out, weights = mha(x, mask, need_weights=True)
+        assert weights.shape == (2, H, 5, 5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert mha(x, mask).dtype == torch.bfloat16
+            assert mha(x, mask).dtype == torch.bfloat16
+        assert mha(x, mask).dtype == torch.float32
+    assert len(planned) == 1 + 4  # one remembered signature, four full calls, and none after them

@@ -446,3 +446,60 @@ def test_decoding_with_scaled_rope_and_qk_norm_matches_the_formula(feature, stat
         whole = mha(x, full_mask, is_causal=True)
     stepped_equals_whole = torch.allclose(got, whole[:, -1:], atol=1e-10)
     assert stepped_equals_whole == (feature != "dynamic+qk_norm")
+
+
+# --- a repeated call signature: the remembered plan and attention call ---------------------------
+
+REPEATS = {  # module options, forward's is_causal, whether gradients flow
+    "plain": ({}, False, False),
+    "causal": ({}, True, False),
+    "gqa+rope+qk_norm": ({"num_kv_heads": 2, "rope": True, "qk_norm": "rms"}, False, False),
+    "training": ({}, False, True),
+    "causal training": ({"num_kv_heads": 4}, True, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64], ids=["bool mask", "int mask"])
+@pytest.mark.parametrize("case", list(REPEATS))
+def test_repeated_calls_skip_the_plan_and_still_match_the_formula(case, dtype, monkeypatch):
+    """A call signature (x's shape, the mask's shape and real tokens per row, flags) is planned
+    and dispatched once; every later call of it takes the remembered path and its own values.
+    Each output (and gradient) equals the float64 formula to 1e-10: masks with the same counts
+    but other tokens, no mask, an all-True mask, other counts, and a row with no token."""
+    options, causal, grad = REPEATS[case]
+    mha = _module(30, packing=False, **options).double()
+    if mha.q_norm is not None:
+        with torch.no_grad():
+            mha.q_norm.weight.uniform_(0.5, 1.5)
+            mha.k_norm.weight.uniform_(0.5, 1.5)
+    eps = 1e-6 if mha.qk_norm else None
+    planned = []
+    real_plan = headwise.MultiHeadAttention.plan
+    monkeypatch.setattr(headwise.MultiHeadAttention, "plan", lambda *a, **kw: planned.append(1) or real_plan(*a, **kw))
+    masks = [  # (mask, a new signature?)
+        ([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4], True),
+        ([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4], False),
+        ([[1] * 6, [0] * 2 + [1] * 4, [0] * 4 + [1] * 2], False),  # the same counts, left padded
+        (None, True),
+        (None, False),
+        ([[1] * 6] * 3, True),  # every position a token: attends as no mask
+        ([[1] * 6] * 3, False),
+        ([[1] * 6, [1] * 5 + [0], [1] * 3 + [0] * 3], True),
+        ([[1] * 6, [0] * 6, [1] * 3 + [0] * 3], True),  # a row with no token: zeros, never NaN
+        ([[1] * 6, [0] * 6, [1] * 3 + [0] * 3], False),
+    ]
+    for seed, (rows, new) in enumerate(masks):
+        x = _x(3, 6, seed=31 + seed).double().requires_grad_(grad)
+        mask = None if rows is None else torch.tensor(rows, dtype=dtype)
+        before = len(planned)
+        with torch.set_grad_enabled(grad):
+            got = mha(x, mask, is_causal=causal)
+        assert len(planned) == before + new, f"mask {rows}: planned {len(planned) - before} times"
+        rope = ({}, mha.head_dim) if options.get("rope") else None
+        want, _ = oracle(mha, x, mask, is_causal=causal, rope=rope, qk_eps=eps)
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+        if grad:
+            g = torch.randn(got.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            (dx,) = torch.autograd.grad(got, x, g)
+            (want_dx,) = torch.autograd.grad(want, x, g)
+            torch.testing.assert_close(dx, want_dx, atol=1e-10, rtol=1e-10)

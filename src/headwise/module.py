@@ -36,13 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from headwise import convert, packing, policy
+from headwise import convert, functional, packing, policy
 from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.deprecation import moved, warn_once
 from headwise.dispatch import Dispatch
-from headwise.functional import attend, choose_backend
+from headwise.functional import Prepared, attend, choose_backend
 from headwise.kernels.registry import get_kernel
+from headwise.masks import _canonical as canonical_mask
 from headwise.masks import alibi_slopes
 from headwise.positions import RotaryEmbedding, apply_rotary
 
@@ -110,6 +111,26 @@ class Plan:
     lengths: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class _Repeat:
+    """What a repeated call signature of :meth:`MultiHeadAttention.forward` reuses: its plan
+    but the tensors, and on the dense path the attention call that
+    :func:`headwise.functional.prepare` checked and dispatched (None: ``attend`` runs in full)."""
+
+    path: str
+    why: str
+    is_causal: bool
+    attention: Prepared | None
+    padded: bool  # the mask has padding (False: every position is a token, the mask is dropped)
+
+    def current(self) -> bool:
+        """Whether the remembered attention call's kernel is still the registered one."""
+        return self.attention is None or self.attention.current()
+
+
+_REPEATS_LIMIT = 64  # call signatures a module remembers; it starts over when full
+
+
 def _divisors_near(n: int, around: int) -> str:
     """'4 or 5' style hint: the divisors of ``n`` just below and above ``around``."""
     divs = [d for d in range(1, n + 1) if n % d == 0]
@@ -149,7 +170,7 @@ def _zero_padding(out: Tensor, padding: Tensor) -> Tensor:
     place on ``out_proj``'s fresh output, which saves allocating a (B, S, E) buffer. (A
     padded row of finite values becomes zeros; the kernels keep every row finite.)
     """
-    keep = padding[..., None].to(out.dtype)  # (B, S, 1): 1 at a token, 0 at padding
+    keep = padding.unsqueeze(-1)  # (B, S, 1) bool: True (1) at a token, False (0) at padding
     if out.requires_grad:
         return out * keep  # (B, S, E)
     return out.mul_(keep)
@@ -349,6 +370,27 @@ class MultiHeadAttention(nn.Module):
             self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype))
         else:
             self.register_parameter("sinks", None)
+        # forward's decisions per call signature (see _signature); any setting changed clears it
+        self._repeats: dict[tuple, _Repeat] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        repeats = self.__dict__.get("_repeats")
+        if repeats:  # a setting changed (backend, packing, dropout, a parameter, ...): decide afresh
+            repeats.clear()
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        self.__dict__.get("_repeats", {}).clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_repeats"] = {}  # the remembered kernels are this process's registrations
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_repeats", {})  # pickled before forward remembered signatures
 
     def _reset_qkv(self) -> None:
         """nn.Linear's initialisation for each of the three projections (fan_in = E for all)."""
@@ -660,10 +702,21 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ValueError / TypeError: inputs or mask that do not fit; see the messages.
         """
-        plan = self.plan(x, attention_mask, context=context, is_causal=is_causal, need_weights=need_weights,
-                         cache=cache)
+        signature = self._signature(x, attention_mask, context, is_causal, need_weights, cache)
+        key, x_padding, x_lengths = (None, None, None) if signature is None else signature
+        repeat = None if key is None else self._repeats.get(key)
+        if repeat is not None and repeat.current():  # a remembered signature: its checks passed, its plan holds
+            if repeat.attention is not None:
+                return self._forward_repeat(x, x_padding if repeat.padded else None, repeat.attention)
+            plan = Plan(repeat.path, repeat.why, repeat.is_causal, x_padding, x_lengths)
+        else:  # a new signature, or one that is not remembered
+            repeat = None
+            plan = self.plan(x, attention_mask, context=context, is_causal=is_causal, need_weights=need_weights,
+                             cache=cache)
         if plan.path == "context parallel":
             return self._forward_context_parallel(x, attention_mask, context, plan.is_causal, need_weights, cache)
+        if key is not None and repeat is None and plan.path == "packed":
+            self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, None, True))
         if trace.ACTIVE:
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
@@ -709,10 +762,20 @@ class MultiHeadAttention(nn.Module):
                         note += (f" (evicted {cache.evicted} of {len(cache)}: kept the {cache.sink_tokens} sink "
                                  f"positions and the window's last ones, ruled by their true positions)")
                     trace.record("kv cache", k, note)
+        dropout_p = self.dropout if self.training else 0.0
+        key_lengths = plan.lengths if cache is None and padding is not None else None  # the mask's, read once
+        if key is not None and repeat is None:  # remember the plan, and the attention call where attend can
+            attention = None
+            if window is None and slopes is None and self.softcap is None and self.sinks is None:
+                attention = functional.prepare(q, k, v, attention_mask,
+                                               None if padding is None else canonical_mask(padding),  # (B, 1, 1, S)
+                                               is_causal=causal, dropout_p=dropout_p, backend=self.backend,
+                                               key_lengths=key_lengths)
+            self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, attention, padding is not None))
         out = attend(
             q, k, v, attention_mask,
             is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=dropout_p,
             backend=self.backend,
             need_weights=need_weights,
             window=window,
@@ -720,9 +783,25 @@ class MultiHeadAttention(nn.Module):
             softcap=self.softcap,
             sinks=self.sinks,
             sink_tokens=sink_tokens,
-            key_lengths=plan.lengths if cache is None and padding is not None else None,  # the mask's, read once
+            key_lengths=key_lengths,
         )
         out, weights = out if need_weights else (out, None)
+        out = self._output(out, padding)  # (B, S, E)
+        return (out, cast(Tensor, weights)) if need_weights else out
+
+    def _forward_repeat(self, x: Tensor, padding: Tensor | None, attention: Prepared) -> Tensor:
+        """:meth:`forward` of a remembered signature on the dense path: no checks, no plan,
+        the attention call :func:`headwise.functional.prepare` made for it. (B, S, E) -> (B, S, E).
+        ``padding``: (B, S), False at padding; None where there is none (no mask, or all tokens)."""
+        q, k, v = self._project_heads(x, None)  # (B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
+        if self.rope is not None or self.q_norm is not None:
+            q, k = self._rotate(*self._normalize(q, k), 0)
+        out = attention(q, k, v, None if padding is None else canonical_mask(padding))  # (B, H, S, Dv)
+        return self._output(out, padding)
+
+    def _output(self, out: Tensor, padding: Tensor | None) -> Tensor:
+        """Merge the heads of the attention output (B, H, S, Dv), project, and zero the
+        padded positions (``padding`` (B, S), False = padded; None: none): (B, S, E)."""
         out = out.transpose(1, 2).flatten(2)  # (B, H, S, Dv) -> (B, S, H, Dv) -> (B, S, H*Dv), one copy
         if trace.ACTIVE:
             trace.record("merge heads", out, "transpose(1, 2).flatten(2) = rearrange 'b h s d -> b s (h d)' "
@@ -736,7 +815,7 @@ class MultiHeadAttention(nn.Module):
             out = _zero_padding(out, padding)
             if trace.ACTIVE:
                 trace.record("zero padding", out, "padded positions (2-D mask False) output zeros")
-        return (out, cast(Tensor, weights)) if need_weights else out
+        return out
 
     def _static_step(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, mask: Tensor | None,
                      causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -813,6 +892,45 @@ class MultiHeadAttention(nn.Module):
         out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, S_l, D) -> (B, S_l, E)
         padding = self._query_padding(x, attention_mask, context, None)
         return out if padding is None else _zero_padding(out, padding)
+
+    def _signature(self, x: Tensor, attention_mask: Tensor | None, context: Tensor | None, is_causal: bool | None,
+                   need_weights: bool, cache: KVCache | None) -> tuple[tuple, Tensor | None, tuple | None] | None:
+        """The key a self-attention call of :meth:`forward` is remembered under, with x's padding
+        (B, S) and its real tokens per row; None where every call plans afresh.
+
+        The key holds what :meth:`plan` and the kernel's checks and choice read: x's shape,
+        dtype and device, the mask's shape, dtype, device and real tokens per row, the causal
+        flag, the grad state, the training flag and ``policy.GENERATION`` (the thresholds'
+        version). Module settings are not in it: setting any attribute clears the memo (a
+        frozen ``qkv_weight`` beside a trained bias or q/k norm counts as no gradients, which
+        only steers the kernel's cost estimate). Not remembered: cross-attention, a cache, weights,
+        context parallelism, 3-D / 4-D / float masks, masks whose values are not read (on an
+        accelerator), a trace, torch.compile, autocast, and "auto" logging its choices.
+        """
+        if (context is not None or cache is not None or need_weights or self.context_parallel is not None
+                or trace.ACTIVE or torch.compiler.is_compiling() or functional.logs_choices()):
+            return None
+        try:
+            if torch.is_autocast_enabled("cpu" if x.is_cpu else x.device.type):  # q's dtype is autocast's, not x's
+                return None
+            padding, lengths, masked = None, None, None
+            if attention_mask is not None:
+                padding = self._query_padding(x, attention_mask, None, None)  # (B, S) or None
+                if padding is None or not policy.reads_values(padding):
+                    return None
+                lengths = tuple(padding.sum(1).tolist())  # (B,) real tokens per row
+                masked = (attention_mask.shape, attention_mask.dtype, attention_mask.device, lengths)
+            causal = self.is_causal if is_causal is None else bool(is_causal)
+            grad = torch.is_grad_enabled() and (x.requires_grad or self.qkv_weight.requires_grad)
+            key = (x.shape, x.dtype, x.device, masked, causal, grad, self.training, policy.GENERATION)
+            return key, padding, lengths
+        except (AttributeError, TypeError):  # not tensors: plan names the error
+            return None
+
+    def _remember(self, key: tuple, repeat: _Repeat) -> None:
+        if len(self._repeats) >= _REPEATS_LIMIT:
+            self._repeats.clear()
+        self._repeats[key] = repeat
 
     def _query_padding(self, x: Tensor, mask: Tensor | None, context: Tensor | None,
                        cache: KVCache | None) -> Tensor | None:

@@ -14,8 +14,11 @@ rule for when a decision may look at tensor values (no host sync, no graph break
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -285,3 +288,24 @@ RING_FUSED_ROWS = 1024
 # per-rank peak 139 MiB = 1.03x one process at S=8192 (189 MiB = 1.41x in one pass), at the
 # same throughput.
 RING_PASS_BYTES = 4 * 2**20
+
+
+# Decisions are remembered per call signature (the functional memo, the module's), and each
+# remembered one read the values above. Assigning any name of this module (a retuned
+# threshold, a test's monkeypatch) counts one more GENERATION, and the memos key on it, so
+# no decision outlives the values it was made from.
+GENERATION = 0
+
+
+class _Policy(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name != "GENERATION":
+            super().__setattr__("GENERATION", self.GENERATION + 1)
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        super().__setattr__("GENERATION", self.GENERATION + 1)
+
+
+sys.modules[__name__].__class__ = _Policy

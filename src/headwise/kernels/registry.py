@@ -27,6 +27,12 @@ A kernel is a function with one keyword-only signature::
   ``need_weights`` is True (only kernels that declare ``supports_weights``), else None
   (with sinks its rows sum to less than 1: the sink holds the rest).
 
+One more keyword is a hint, not an option: ``known_live=True`` tells a kernel that the
+caller has read the mask's key counts and every query row may attend at least one key, so
+a guard for rows that may attend nothing (the contract's zero rows) can be skipped. It is
+passed only as True, only to a function that names it (``takes(fn, "known_live",
+by_name=True)``), and never changes the result; ``sdpa`` takes it.
+
 A kernel that does not take ``softcap`` or ``sinks`` still accepts the keywords and refuses
 them in its ``refuses`` (``Request.softcap`` / ``Request.sinks``), so "auto" routes around it.
 ``softcap``, ``sinks`` and ``sink_tokens`` came after the first signature: they are passed
@@ -211,7 +217,7 @@ class Kernel:
             return "cannot return attention weights (need_weights=True)"
         asked = [name for name, given in (("softcap", request.softcap), ("sinks", request.sinks),
                                           ("sink_tokens", request.sink_tokens)) if given]
-        missing = [name for name in asked if not _takes(self.fn, name)]
+        missing = [name for name in asked if not takes(self.fn, name)]
         if missing:
             return (f"its function takes no {', '.join(f'{m}=' for m in missing)} keyword (a kernel written for "
                     "the signature before it); add it to the function and refuse what it cannot do in refuses()")
@@ -219,13 +225,16 @@ class Kernel:
 
 
 @functools.lru_cache(maxsize=256)
-def _takes(fn: KernelFn, keyword: str) -> bool:
-    """Whether ``fn`` accepts ``keyword`` (by name or through ``**kwargs``)."""
+def takes(fn: KernelFn, keyword: str, *, by_name: bool = False) -> bool:
+    """Whether ``fn`` accepts ``keyword``: by name or through ``**kwargs`` (``by_name``: by name
+    only, as a hint is given, since ``**kwargs`` may be handed on to a function without it)."""
     try:
         parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # no signature to read (a builtin): assume it does
+    except (TypeError, ValueError):  # no signature to read (a builtin): assume it does, unless by name
+        return not by_name
+    if keyword in parameters:
         return True
-    return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return not by_name and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 _KERNELS: dict[str, Kernel] = {}
