@@ -48,4 +48,14 @@ def test_auto_grid_pairs_the_modules_and_both_paths():
     assert all(ratio > 0 for ratio in (*row.ratio.values(), *row.other.values()))
     assert 0 < row.padding < 1
     dense = auto_grid.pair(1, 8, 32, 2, 0.0, repeats=1, window=1e-4)
-    assert dense.path == {"fwd": "dense", "train": "dense"} and dense.other == {}
+    assert dense.path == {"fwd": "fused", "train": "dense"} and dense.other == {}  # a tiny forward: fused
+
+
+def test_overhead_times_the_fused_path_against_the_dense_one():
+    import argparse
+
+    overhead = _load("overhead")
+    args = argparse.Namespace(calls=1, repeats=1, cpu_time=True)
+    rows = overhead.fused_rows(args, shapes=[(1, 4, 16, 2), (2, 8, 32, 4)])
+    assert [row[:4] for row in rows] == [(1, 4, 16, 2), (2, 8, 32, 4)]
+    assert all(fused > 0 and dense > 0 for *_, fused, dense in rows)

@@ -1002,19 +1002,20 @@ def test_a_module_that_remembers_calls_pickles_and_copies_and_follows_a_replaced
 
     from headwise.kernels import registry
 
-    mha = MultiHeadAttention(E, H).eval()
+    mha = MultiHeadAttention(E, H, packing=False).eval()
     x = torch.randn(2, 5, E)
+    mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])  # padding: the dense path, not the fused one
     with torch.no_grad():
-        want = mha(x)
+        want = mha(x, mask)
         assert mha._repeats  # the signature is remembered
         for clone in (copy.deepcopy(mha), pickle.loads(pickle.dumps(mha))):
             assert not clone._repeats
-            torch.testing.assert_close(clone(x), want, rtol=0, atol=0)
+            torch.testing.assert_close(clone(x, mask), want, rtol=0, atol=0)
         seen = []
         original = registry.get_kernel("sdpa")
         replaced = dataclasses.replace(original, fn=lambda *a, **kw: seen.append(1) or original.fn(*a, **kw))
         monkeypatch.setitem(registry._KERNELS, "sdpa", replaced)
-        torch.testing.assert_close(mha(x), want, rtol=0, atol=0)
+        torch.testing.assert_close(mha(x, mask), want, rtol=0, atol=0)
     assert seen == [1]  # the remembered call held the old kernel object: planned and dispatched again
 
 
@@ -1039,3 +1040,26 @@ def test_traces_autocast_and_weights_are_not_remembered(monkeypatch):
             assert mha(x, mask).dtype == torch.bfloat16
         assert mha(x, mask).dtype == torch.float32
     assert len(planned) == 1 + 4  # one remembered signature, four full calls, and none after them
+
+
+@pytest.mark.parametrize("change", [
+    "gradients", "backend", "padding", "causal", "gqa", "rope", "bias", "hook", "size", "weights", "trace", "dropout",
+])
+def test_the_fused_path_is_only_for_plain_small_calls_without_gradients(change):
+    """nn.MultiheadAttention's fused op cannot run a named kernel, a mask with padding, a
+    causal rule, GQA or rope, lacks biases and hooks, returns no weights and no gradients,
+    and loses beyond policy.FUSED_MAX_ELEMENTS: each such call keeps the dense path."""
+    kwargs = {"backend": {"backend": "sdpa"}, "gqa": {"num_kv_heads": 2}, "rope": {"rope": True},
+              "bias": {"bias": False}, "dropout": {"dropout": 0.1}}.get(change, {})
+    mha = MultiHeadAttention(E, H, **kwargs).train(change == "dropout")
+    x = torch.randn(2, 5, E) if change != "size" else torch.randn(2, policy.FUSED_MAX_ELEMENTS // (2 * E) + 1, E)
+    mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]]) if change == "padding" else None
+    if change == "hook":
+        mha.out_proj.register_forward_hook(lambda module, args, out: None)
+    call = {"is_causal": True} if change == "causal" else {"need_weights": True} if change == "weights" else {}
+    with torch.no_grad():
+        assert MultiHeadAttention(E, H).eval().plan(x[:, :5]).path == "fused"  # without the change
+    traced = headwise_trace() if change == "trace" else warnings.catch_warnings()
+    with torch.set_grad_enabled(change == "gradients"), traced:
+        plan = mha.plan(x, mask, **call)
+        assert plan.path != "fused", plan.why

@@ -503,3 +503,22 @@ def test_repeated_calls_skip_the_plan_and_still_match_the_formula(case, dtype, m
             (dx,) = torch.autograd.grad(got, x, g)
             (want_dx,) = torch.autograd.grad(want, x, g)
             torch.testing.assert_close(dx, want_dx, atol=1e-10, rtol=1e-10)
+
+
+# --- the fused path: small calls without gradients, one op -------------------------------------
+
+
+@pytest.mark.parametrize("mask", [None, "all tokens"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_calls_without_gradients_take_the_fused_path_and_match_the_formula(dtype, mask):
+    mha = _module(40).to(dtype)
+    x = _x(2, 5, seed=41).to(dtype)
+    m = None if mask is None else torch.ones(2, 5, dtype=torch.int64)
+    with torch.no_grad():
+        assert mha.plan(x, m).path == "fused"
+        assert mha.dispatch(x, m).backend == "native_mha"
+        for _ in range(2):  # planned, then remembered
+            got = mha(x, m)
+    want, _ = oracle(mha, x, m)
+    tol = 1e-10 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)

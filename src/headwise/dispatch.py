@@ -73,12 +73,12 @@ class Dispatch:
 
     Attributes:
         backend: the kernel that runs (for the module's context-parallel path: the method,
-            ``"ring"`` or ``"ulysses"``).
+            ``"ring"`` or ``"ulysses"``; for its fused path ``"native_mha"``, torch's op).
         reason: why it was chosen.
         passed_over: every other registered kernel with the reason it was not chosen.
         request: what was asked for.
         path: for :meth:`headwise.MultiHeadAttention.dispatch`, the module's path around
-            the kernel: ``"dense"``, ``"packed"`` or ``"context parallel"`` (see
+            the kernel: ``"dense"``, ``"packed"``, ``"fused"`` or ``"context parallel"`` (see
             :class:`headwise.module.Plan`); ``"dense"`` for the function.
         path_reason: why that path ("" for the function).
     """

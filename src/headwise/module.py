@@ -94,7 +94,9 @@ class Plan:
 
     Attributes:
         path: ``"dense"`` (the (B, S) batch, padding included), ``"packed"`` (only the real
-            tokens: projections on (T, E), attention per length bucket) or
+            tokens: projections on (T, E), attention per length bucket), ``"fused"`` (a small
+            call without gradients: ``nn.MultiheadAttention``'s fused inference op runs the
+            projections, attention and output projection in one call) or
             ``"context parallel"`` (this rank's shard of the sequence).
         why: why this path, in one sentence.
         is_causal: the causal flag in effect (the call's, else the constructor's).
@@ -129,6 +131,15 @@ class _Repeat:
 
 
 _REPEATS_LIMIT = 64  # call signatures a module remembers; it starts over when full
+
+
+def _global_module_hooks() -> bool:
+    """Whether global nn.Module hooks (``register_module_forward_hook``) are set: the fused path
+    would skip them for ``out_proj``."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(getattr(torch_module, "_global_forward_hooks", None)
+                or getattr(torch_module, "_global_forward_pre_hooks", None))
 
 
 def _divisors_near(n: int, around: int) -> str:
@@ -633,8 +644,50 @@ class MultiHeadAttention(nn.Module):
         lengths = None
         if padding is not None and policy.reads_values(padding):  # a free read on the CPU, once per call
             lengths = tuple(padding.sum(1).tolist())  # (B,) real tokens per row
+        fused = self._fuses(x, attention_mask, lengths, context, cache, need_weights, causal)
+        if fused is not None:
+            return Plan("fused", fused, causal, padding, lengths)
         path, why = self._packing(x, padding, lengths, cache, need_weights, causal)
         return Plan(path, why, causal, padding, lengths)
+
+    def _fuses(self, x: Tensor, mask: Tensor | None, lengths: tuple[int, ...] | None, context: Tensor | None,
+               cache: KVCache | None, need_weights: bool, causal: bool) -> str | None:
+        """Why "auto" runs this call on the fused path, or None where it does not.
+
+        The fused path is ``torch._native_multi_head_attention``, the op behind
+        ``nn.MultiheadAttention``'s inference fast path: the qkv GEMM, SDPA and the output
+        projection in one C++ call, without the Python between them (8-12 us a call on one
+        Zen 5 thread), but with slower kernels than the dense path's as calls grow. So it
+        takes small plain self-attention calls without gradients: up to
+        ``policy.FUSED_MAX_ELEMENTS`` elements in x (``benchmarks/overhead.py --fused``
+        measures the crossover), no mask (or one without padding), no causal rule, none of
+        the module's extras (GQA, rope, q/k norm, window, ALiBi, soft-capping, sinks, a
+        value head dim), biases, and a plain ``out_proj`` without hooks (the op reads its
+        weights, so a hook or a wrapper would not run).
+        """
+        if (self.backend != "auto" or context is not None or cache is not None or need_weights
+                or torch.is_grad_enabled() or trace.ACTIVE or torch.compiler.is_compiling()):
+            return None
+        S = x.shape[1]
+        if (causal and S > 1) or (mask is not None and (lengths is None or any(n != S for n in lengths))):
+            return None
+        if (self.num_kv_heads != self.num_heads or self.v_head_dim != self.head_dim or self.rope is not None
+                or self.q_norm is not None or self.window is not None or self.alibi_slopes is not None
+                or self.softcap is not None or self.sinks is not None or (self.training and self.dropout > 0)):
+            return None
+        out = self.out_proj
+        if (self.qkv_bias is None or type(out) is not nn.Linear or out.bias is None or out._forward_hooks
+                or out._forward_pre_hooks or _global_module_hooks()):
+            return None
+        if (not x.is_cpu or x.dtype not in (torch.float32, torch.float64) or x.dtype != self.qkv_weight.dtype
+                or torch.is_autocast_enabled("cpu") or not hasattr(torch, "_native_multi_head_attention")):
+            return None
+        n = x.numel()
+        if n > policy.FUSED_MAX_ELEMENTS:
+            return None
+        return (f"B x S x E = {n} <= FUSED_MAX_ELEMENTS {policy.FUSED_MAX_ELEMENTS} without gradients: "
+                "nn.MultiheadAttention's fused inference op (torch._native_multi_head_attention) runs the "
+                "projections, attention and output projection in one call, without the Python between them")
 
     def _packing(self, x: Tensor, padding: Tensor | None, lengths: tuple[int, ...] | None, cache: KVCache | None,
                  need_weights: bool, causal: bool) -> tuple[str, str]:
@@ -715,8 +768,10 @@ class MultiHeadAttention(nn.Module):
                              cache=cache)
         if plan.path == "context parallel":
             return self._forward_context_parallel(x, attention_mask, context, plan.is_causal, need_weights, cache)
-        if key is not None and repeat is None and plan.path == "packed":
+        if key is not None and repeat is None and plan.path != "dense":  # the dense path remembers below
             self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, None, True))
+        if plan.path == "fused":
+            return self._forward_fused(x)
         if trace.ACTIVE:
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
@@ -788,6 +843,13 @@ class MultiHeadAttention(nn.Module):
         out, weights = out if need_weights else (out, None)
         out = self._output(out, padding)  # (B, S, E)
         return (out, cast(Tensor, weights)) if need_weights else out
+
+    def _forward_fused(self, x: Tensor) -> Tensor:
+        """The fused path (see :meth:`_fuses`): (B, S, E) -> (B, S, E) in one op."""
+        out = self.out_proj
+        return torch._native_multi_head_attention(  # (B, S, E); its weights output: None
+            x, x, x, self.embed_dim, self.num_heads, self.qkv_weight, cast(Tensor, self.qkv_bias), out.weight, out.bias,
+            None, False)[0]
 
     def _forward_repeat(self, x: Tensor, padding: Tensor | None, attention: Prepared) -> Tensor:
         """:meth:`forward` of a remembered signature on the dense path: no checks, no plan,
@@ -921,8 +983,9 @@ class MultiHeadAttention(nn.Module):
                 lengths = tuple(padding.sum(1).tolist())  # (B,) real tokens per row
                 masked = (attention_mask.shape, attention_mask.dtype, attention_mask.device, lengths)
             causal = self.is_causal if is_causal is None else bool(is_causal)
-            grad = torch.is_grad_enabled() and (x.requires_grad or self.qkv_weight.requires_grad)
-            key = (x.shape, x.dtype, x.device, masked, causal, grad, self.training, policy.GENERATION)
+            # 0: no grad mode (the fused path may run); 1: grad mode, none flows; 2: gradients flow
+            grads = 0 if not torch.is_grad_enabled() else 1 + (x.requires_grad or self.qkv_weight.requires_grad)
+            key = (x.shape, x.dtype, x.device, masked, causal, grads, self.training, policy.GENERATION)
             return key, padding, lengths
         except (AttributeError, TypeError):  # not tensors: plan names the error
             return None
@@ -1053,6 +1116,9 @@ class MultiHeadAttention(nn.Module):
             return self._dispatch_context_parallel(x, attention_mask, plan)
         if plan.path == "packed":
             return self._dispatch_packed(x, plan)
+        if plan.path == "fused":
+            return Dispatch("native_mha", "torch._native_multi_head_attention: the qkv GEMM, SDPA and the output "
+                            "projection in one op", MappingProxyType({}), None, path="fused", path_reason=plan.why)
         B, S = x.shape[:2]
         Sk = S if context is None else context.shape[1]
         causal, window, slopes, sink_tokens = plan.is_causal, self.window, self.alibi_slopes, self.sink_tokens

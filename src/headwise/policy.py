@@ -290,6 +290,15 @@ RING_FUSED_ROWS = 1024
 RING_PASS_BYTES = 4 * 2**20
 
 
+# The module's fused path (torch._native_multi_head_attention, nn.MultiheadAttention's inference
+# op: projections, SDPA and the output projection in one call) for calls without gradients of at
+# most this many elements in x, B * S * E. It saves the Python between the ops (8-12 us a call) but
+# its kernels are slower as calls grow: benchmarks/overhead.py --fused --threads 1 --cpu-time on
+# the 2-core AMD EPYC (Zen 5), torch 2.13, fused / dense module path: 0.62x at 512 elements
+# (1 x 8 x 64), 0.83x at 4096, 0.90-0.93x at 8192, 0.97-0.98x at 32768, 0.99-1.00x at 65536,
+# 1.005x at 131072 and 262144.
+FUSED_MAX_ELEMENTS = 32768
+
 # Decisions are remembered per call signature (the functional memo, the module's), and each
 # remembered one read the values above. Assigning any name of this module (a retuned
 # threshold, a test's monkeypatch) counts one more GENERATION, and the memos key on it, so
