@@ -6,7 +6,10 @@ The minimal module is what people write by hand: one fused qkv ``nn.Linear``,
 in turns within every repeat (forward under no_grad, and forward + backward) and reports
 paired medians of time(headwise) / time(minimal): below 1 headwise is faster.
 
-    python benchmarks/auto_grid.py [--quick] [--repeats 9] [--threads N] [--paths] [--why]
+    python benchmarks/auto_grid.py [--quick] [--repeats 9] [--threads N] [--paths] [--why] [--shard K/N]
+
+``--shard K/N`` times every N-th row from the K-th (1-based), so N processes, one per core,
+share the full grid.
 
 ``--paths`` also times the module on each fixed path (``packing=False`` / ``True``) in the same
 turns, and reports time(auto's path) / time(the other): above 1, the cost model chose wrong.
@@ -137,6 +140,7 @@ def main(argv=None) -> None:
     parser.add_argument("--paths", action="store_true",
                         help="also time the dense and the packed path of each padded row: did auto pick the faster?")
     parser.add_argument("--why", action="store_true", help="print auto's reason for each row's path")
+    parser.add_argument("--shard", default="1/1", help="K/N: every N-th row from the K-th (N processes, one per core)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time with the process's CPU time, not the wall clock: with --threads 1 it counts only "
                              "this process's work, so a machine shared with other jobs disturbs it less")
@@ -152,7 +156,7 @@ def main(argv=None) -> None:
     table = Table(title=f"default MultiHeadAttention / minimal SDPA module on {cpu_name()} "
                         f"({torch.get_num_threads()} threads, torch {torch.__version__}); paired medians of "
                         f"{args.repeats} repeats in turns, {'CPU' if args.cpu_time else 'wall'} time "
-                        "(< 1: headwise faster)")
+                        "(< 1: headwise faster)" + ("" if args.shard == "1/1" else f"; rows {args.shard}"))
     for col in ("B", "S", "E", "H", "padding", "path", "forward", "forward+backward"):
         table.add_column(col, justify="right")
     if args.paths:
@@ -161,7 +165,8 @@ def main(argv=None) -> None:
     worst = (0.0, 0.0)
     right, priced = 0, 0
     console = Console(width=180)
-    for B, S, E, H, pad in grid(args.quick):
+    k, n = (int(part) for part in args.shard.split("/"))
+    for B, S, E, H, pad in grid(args.quick)[k - 1::n]:
         row = pair(B, S, E, H, pad, args.repeats, args.paths)
         f, t = row.ratio["fwd"], row.ratio["train"]
         worst = (max(worst[0], f), max(worst[1], t))
