@@ -474,8 +474,9 @@ def test_repeated_calls_skip_the_plan_and_still_match_the_formula(case, dtype, m
             mha.k_norm.weight.uniform_(0.5, 1.5)
     eps = 1e-6 if mha.qk_norm else None
     planned = []
-    real_plan = headwise.MultiHeadAttention.plan
-    monkeypatch.setattr(headwise.MultiHeadAttention, "plan", lambda *a, **kw: planned.append(1) or real_plan(*a, **kw))
+    real_plan = headwise.MultiHeadAttention._plan  # plan() and forward's planning
+    monkeypatch.setattr(headwise.MultiHeadAttention, "_plan",
+                        lambda *a, **kw: planned.append(1) or real_plan(*a, **kw))
     masks = [  # (mask, a new signature?)
         ([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4], True),
         ([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4], False),

@@ -635,15 +635,24 @@ class MultiHeadAttention(nn.Module):
         >>> plan.path, plan.lengths  # 8 positions: packing's fixed costs outweigh the 3 it drops
         ('dense', (4, 1))
         """
+        return self._plan(x, attention_mask, context, is_causal, need_weights, cache)
+
+    def _plan(self, x: Tensor, attention_mask: Tensor | None, context: Tensor | None, is_causal: bool | None,
+              need_weights: bool, cache: KVCache | None, read: tuple | None = None) -> Plan:
+        """:meth:`plan`; ``read``: (x's padding, its real tokens per row) where :meth:`_signature`
+        has read them from this mask already."""
         self._check(x, context, cache)
         causal = self.is_causal if is_causal is None else bool(is_causal)
         if self.context_parallel is not None:
             return Plan("context parallel", f"context_parallel={self.context_parallel}: x is this rank's shard of "
                         "the sequence, attention runs across the ranks", causal, None)
-        padding = self._query_padding(x, attention_mask, context, cache)  # (B, S) or None
-        lengths = None
-        if padding is not None and policy.reads_values(padding):  # a free read on the CPU, once per call
-            lengths = tuple(padding.sum(1).tolist())  # (B,) real tokens per row
+        if read is not None:
+            padding, lengths = read
+        else:
+            padding = self._query_padding(x, attention_mask, context, cache)  # (B, S) or None
+            lengths = None
+            if padding is not None and policy.reads_values(padding):  # a free read on the CPU, once per call
+                lengths = tuple(padding.sum(1).tolist())  # (B,) real tokens per row
         fused = self._fuses(x, attention_mask, lengths, context, cache, need_weights, causal)
         if fused is not None:
             return Plan("fused", fused, causal, padding, lengths)
@@ -764,8 +773,8 @@ class MultiHeadAttention(nn.Module):
             plan = Plan(repeat.path, repeat.why, repeat.is_causal, x_padding, x_lengths)
         else:  # a new signature, or one that is not remembered
             repeat = None
-            plan = self.plan(x, attention_mask, context=context, is_causal=is_causal, need_weights=need_weights,
-                             cache=cache)
+            plan = self._plan(x, attention_mask, context, is_causal, need_weights, cache,
+                              None if key is None else (x_padding, x_lengths))
         if plan.path == "context parallel":
             return self._forward_context_parallel(x, attention_mask, context, plan.is_causal, need_weights, cache)
         if key is not None and repeat is None and plan.path != "dense":  # the dense path remembers below
@@ -822,11 +831,12 @@ class MultiHeadAttention(nn.Module):
         if key is not None and repeat is None:  # remember the plan, and the attention call where attend can
             attention = None
             if window is None and slopes is None and self.softcap is None and self.sinks is None:
-                attention = functional.prepare(q, k, v, attention_mask,
-                                               None if padding is None else canonical_mask(padding),  # (B, 1, 1, S)
-                                               is_causal=causal, dropout_p=dropout_p, backend=self.backend,
-                                               key_lengths=key_lengths)
+                mask_4d = None if padding is None else canonical_mask(padding)  # (B, 1, 1, S)
+                attention = functional.prepare(q, k, v, attention_mask, mask_4d, is_causal=causal,
+                                               dropout_p=dropout_p, backend=self.backend, key_lengths=key_lengths)
             self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, attention, padding is not None))
+            if attention is not None:  # what attend would run now, without looking it up again
+                return self._output(attention(q, k, v, mask_4d), padding)  # (B, S, E)
         out = attend(
             q, k, v, attention_mask,
             is_causal=causal,

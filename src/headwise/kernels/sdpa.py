@@ -153,6 +153,11 @@ def sdpa_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )  # (B, H, S, Dv)
         return out, None
+    if known_live and not is_causal and window is None and alibi_slopes is None and sinks is None:
+        # the mask alone, every row with a key: SDPA as is (the path of a repeated padded module call)
+        k, v, extra = _grouped(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, scale=scale,
+                                              **extra), None  # (B, H, S, Dv)
     mask = _folded_mask(q, k, attention_mask, is_causal, window, alibi_slopes, sink_tokens)  # (B|1, H|1, S|1, Sk)
     if sinks is not None:
         k, v, mask = with_sink(q, k, v, mask, sinks)  # one more key: (.., Sk + 1, ..)
