@@ -778,7 +778,7 @@ class MultiHeadAttention(nn.Module):
         if plan.path == "context parallel":
             return self._forward_context_parallel(x, attention_mask, context, plan.is_causal, need_weights, cache)
         if key is not None and repeat is None and plan.path != "dense":  # the dense path remembers below
-            self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, None, True))
+            self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, None, plan.path == "packed"))
         if plan.path == "fused":
             return self._forward_fused(x)
         if trace.ACTIVE:
