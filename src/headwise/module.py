@@ -133,6 +133,11 @@ class _Repeat:
 _REPEATS_LIMIT = 64  # call signatures a module remembers; it starts over when full
 
 
+def _all_tokens(lengths: tuple[int, ...] | None, S: int) -> bool:
+    """Whether read real-token counts say every one of the S positions is a token (no padding)."""
+    return lengths is not None and all(n == S for n in lengths)
+
+
 def _global_module_hooks() -> bool:
     """Whether global nn.Module hooks (``register_module_forward_hook``) are set: the fused path
     would skip them for ``out_proj``."""
@@ -678,7 +683,7 @@ class MultiHeadAttention(nn.Module):
                 or torch.is_grad_enabled() or trace.ACTIVE or torch.compiler.is_compiling()):
             return None
         S = x.shape[1]
-        if (causal and S > 1) or (mask is not None and (lengths is None or any(n != S for n in lengths))):
+        if (causal and S > 1) or (mask is not None and not _all_tokens(lengths, S)):
             return None
         if (self.num_kv_heads != self.num_heads or self.v_head_dim != self.head_dim or self.rope is not None
                 or self.q_norm is not None or self.window is not None or self.alibi_slopes is not None
@@ -801,7 +806,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project_heads(x, context)  # (B, H, S, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv)
         causal, window, slopes, sink_tokens = plan.is_causal, self.window, self.alibi_slopes, self.sink_tokens
         padding = plan.padding
-        if cache is None and plan.lengths is not None and all(n == x.shape[1] for n in plan.lengths):
+        if cache is None and _all_tokens(plan.lengths, x.shape[1]):
             attention_mask = padding = None  # every position is a token: the mask allows all, nothing to zero
             if trace.ACTIVE:
                 trace.record("padding mask", x, "every position of the 2-D mask is a real token: attend without it")
