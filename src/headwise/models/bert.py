@@ -20,7 +20,7 @@ Loading a Hugging Face / sentence-transformers checkpoint into it is
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 import torch
@@ -50,7 +50,13 @@ class BertConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> BertConfig:
         """Read ``config.json``; ``ValueError`` for architectures this encoder does not model."""
-        raw = json.loads(Path(path).read_text())
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); download the model again or fix the file") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} must hold a JSON object (a dict of settings), got a {type(raw).__name__}; "
+                             "download the model again or fix the file")
         if raw.get("model_type", "bert") != "bert":
             raise ValueError(f"{path}: model_type is {raw['model_type']!r}; this encoder is for 'bert' checkpoints")
         if raw.get("hidden_act", "gelu") != "gelu":
@@ -58,8 +64,11 @@ class BertConfig:
         if raw.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"{path}: position_embedding_type is {raw['position_embedding_type']!r}; "
                              "this encoder implements 'absolute'")
-        names = {f.name for f in cls.__dataclass_fields__.values()}
-        return cls(**{k: v for k, v in raw.items() if k in names})
+        fields = cls.__dataclass_fields__.values()
+        missing = [f.name for f in fields if f.default is MISSING and f.name not in raw]
+        if missing:
+            raise ValueError(f"{path} lacks {', '.join(missing)}; a BERT config.json names them all")
+        return cls(**{f.name: raw[f.name] for f in fields if f.name in raw})
 
 
 class BertEmbeddings(nn.Module):
