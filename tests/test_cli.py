@@ -10,6 +10,12 @@ import headwise
 from headwise.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch):
+    """Output as on a 160-column terminal (the tests that are about the width set their own)."""
+    monkeypatch.setenv("COLUMNS", "160")
+
+
 def test_demo_shows_masks_shapes_and_every_backend(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
@@ -27,7 +33,7 @@ def test_help_exits_zero(capsys):
     assert main(["demo", "--help"]) == 0
 
 
-@pytest.mark.parametrize("argv", [[], ["nonsense"], ["demo", "--seed", "x"]])
+@pytest.mark.parametrize("argv", [["nonsense"], ["demo", "--seed", "x"]])
 def test_bad_arguments_exit_nonzero_with_one_line(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -99,7 +105,117 @@ def test_command_errors_are_one_line(argv, message, capsys):
     assert len(err) == 1 and message in err[0]
 
 
-@pytest.mark.parametrize("command", ["demo", "explain", "equivalences"])
+@pytest.mark.parametrize("command", ["demo", "explain", "equivalences", "bench", "embed"])
 def test_every_command_has_help(command, capsys):
     assert main([command, "--help"]) == 0
     assert "usage" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- issue 25: the command line's seams
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_bare_headwise_prints_the_help_with_every_command(capsys):
+    assert main([]) == 2  # a usage error, as argparse's
+    out = capsys.readouterr().out
+    assert out.startswith("usage: headwise")
+    for command in ("demo", "explain", "equivalences", "embed", "bench"):
+        assert f"    {command}" in out
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"headwise {headwise.__version__}"
+
+
+def test_explain_checks_the_plot_path_before_the_work(monkeypatch, capsys):
+    def explain(config):
+        raise AssertionError("explain ran before --plot was checked")
+
+    monkeypatch.setattr("headwise.cli.explain", explain)
+    assert main(["explain", "--plot", "/missing/dir/x.png"]) == 2
+    line = _one_error_line(capsys)
+    assert "--plot /missing/dir/x.png: the folder /missing/dir does not exist" in line
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["explain", "--plot-batch", "9"], "--plot-batch 9 needs --plot FILE.png"),
+    (["explain", "--plot-batch", "4", "--plot", "x.png"], r"--plot-batch 4 is outside \[0, 4\) \(--batch 4\)"),
+    (["explain", "--plot-batch", "-1", "--plot", "x.png"], r"--plot-batch -1 is outside \[0, 4\)"),
+])
+def test_plot_batch_is_checked_before_the_work(argv, message, monkeypatch, capsys):
+    def explain(config):
+        raise AssertionError("explain ran before --plot-batch was checked")
+
+    monkeypatch.setattr("headwise.cli.explain", explain)
+    assert main(argv) == 2
+    assert re.search(message, _one_error_line(capsys))
+
+
+@pytest.mark.parametrize("seq", ["3000", "10000000"])
+def test_explain_refuses_a_size_it_cannot_hold_before_allocating(seq, monkeypatch, capsys):
+    def allocate(*args, **kwargs):
+        raise AssertionError("explain built its module for a size it cannot hold")
+
+    monkeypatch.setattr("headwise.explain.MultiHeadAttention", allocate)
+    assert main(["explain", "--seq", seq]) == 2
+    line = _one_error_line(capsys)
+    assert re.search(rf"B=4 H=8 S={seq} needs about [0-9.]+ GiB, over the 2 GiB limit; lower --seq "
+                     r"\(at most 1923 at B=4 H=8 E=512\)", line), line
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--repeats", "-1"], "argument --repeats: must be an integer >= 1, got '-1'"),
+    (["bench", "--repeats", "0"], "argument --repeats: must be an integer >= 1, got '0'"),
+    (["bench", "--max-repeats", "0"], "argument --max-repeats: must be an integer >= 1, got '0'"),
+    (["bench", "--memory-limit", "-1"], "argument --memory-limit: must be a number > 0, got '-1'"),
+    (["bench", "--memory-limit", "nan"], "argument --memory-limit: must be a number > 0, got 'nan'"),
+    (["bench", "--repeats", "5", "--max-repeats", "3"], r"--max-repeats \(3\) must be >= --repeats \(5\)"),
+    (["bench", "--json", "/missing/dir/b.json"], "--json /missing/dir/b.json: the folder /missing/dir does not exist"),
+    (["bench", "--plot", "/missing/dir/b.png"], "--plot /missing/dir/b.png: the folder /missing/dir does not exist"),
+])
+def test_bench_arguments_are_checked_before_the_work(argv, message, monkeypatch, capsys):
+    from headwise import bench
+
+    def run(**kwargs):
+        raise AssertionError("bench ran before its arguments were checked")
+
+    monkeypatch.setattr(bench, "run", run)
+    assert main(argv) == 2
+    assert re.search(message, _one_error_line(capsys))
+
+
+def test_an_unexpected_failure_is_one_line_not_a_traceback(monkeypatch, capsys):
+    def explain(config):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("headwise.cli.explain", explain)
+    assert main(["explain"]) == 1  # not a usage error
+    assert _one_error_line(capsys) == "headwise explain: error: [Errno 28] No space left on device"
+
+
+def test_output_follows_the_terminal_width(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["demo"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 100 and any(len(line) > 90 for line in lines)
+
+
+def test_the_equivalences_table_wraps_its_forms_instead_of_cutting_them(monkeypatch, capsys):
+    from headwise.equivalences import measure
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["equivalences"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line for line in lines if line[:1] in "┏┃┡│└"]
+    assert all(len(line) <= 80 and line[-1] in "┓┃┩│┘" for line in table)  # whole rows: nothing cropped
+    assert "…" not in "".join(lines)
+    # the form column (the second), read top to bottom, holds every form whole
+    column = "".join(cells[2] for line in lines if len(cells := line.split("│")) > 3).replace(" ", "")
+    for row in measure():
+        assert row.form.replace(" ", "") in column, row.form

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 import headwise
+from headwise.apps.checks import positive_float, positive_int, writable_file
 from headwise.apps.embed import add_embed_parser
 from headwise.equivalences import measure
 from headwise.explain import ExplainConfig, explain, markdown_page
@@ -101,6 +103,8 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
                            lengths=_lengths(spec) if spec else None, causal=args.causal,
                            kv_heads=args.kv_heads, backend=args.backend, seed=args.seed,
                            softcap=args.softcap, sinks=args.sinks)
+    config.validate()  # sizes included: refused here, before anything is allocated
+    row = _plot_row(args, config)  # checked before the work, as the path is
     explained = explain(config)
     if args.markdown:
         console.file.write(markdown_page(explained))
@@ -113,26 +117,43 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
         + (f" softcap={config.softcap:g}" if config.softcap is not None else "")
         + (" sinks" if config.sinks else "") + f", backend {config.backend!r}"))
     if args.plot:
-        row = args.plot_batch
-        if row is None:  # the row with the most padding shows the mask best
-            row = 0 if config.lengths is None else min(range(config.batch), key=config.lengths.__getitem__)
-        if not 0 <= row < config.batch:
-            raise ValueError(f"--plot-batch {row} is outside [0, {config.batch})")
         width, height = plot_attention(explained.allowed[row], explained.weights[row], args.plot,
                                        title=f"batch row {row}: mask and attention weights per head")
         console.print(f"wrote {args.plot} ({width} x {height} px, batch row {row})")
     return 0
 
 
+def _plot_row(args: argparse.Namespace, config: ExplainConfig) -> int:
+    """The batch row ``--plot`` draws, after checking ``--plot``'s path and ``--plot-batch``."""
+    row = args.plot_batch
+    if not args.plot:
+        if row is not None:
+            raise ValueError(f"--plot-batch {row} needs --plot FILE.png: it picks the batch row to draw")
+        return 0
+    writable_file("--plot", args.plot)
+    if row is None:  # the row with the most padding shows the mask best
+        return 0 if config.lengths is None else min(range(config.batch), key=config.lengths.__getitem__)
+    if not 0 <= row < config.batch:
+        raise ValueError(f"--plot-batch {row} is outside [0, {config.batch}) (--batch {config.batch}); "
+                         f"give a row from 0 to {config.batch - 1}")
+    return row
+
+
 def _equivalences(args: argparse.Namespace, console: Console) -> int:
     def yes_no(flag: bool | None) -> str:
         return "fails" if flag is None else ("yes" if flag else "no")
 
+    rows = measure(seed=args.seed)
     table = Table(title="equivalent forms from the first document, measured on random tensors")
-    for column in ("step", "form", "needs contiguous input", "view of a contiguous input",
-                   "view of a non-contiguous input", "max |diff| vs first form"):
-        table.add_column(column)
-    for row in measure(seed=args.seed):
+    # A narrow terminal wraps a cell (folding a long form) rather than cutting it short, and the
+    # forms keep the room: the other columns have fixed widths, their long headers wrapping.
+    narrow = console.width < 120
+    table.add_column("step", overflow="fold", width=9 if narrow else 16)
+    table.add_column("form", overflow="fold")
+    for column in ("needs contiguous input", "view of a contiguous input", "view of a non-contiguous input"):
+        table.add_column(column, overflow="fold", width=8 if narrow else 14)
+    table.add_column("max |diff| vs first form", overflow="fold", max_width=12 if narrow else 24)
+    for row in rows:
         diff = f"{row.max_diff:.1e}" if row.max_diff is not None else f"fails: {(row.error or '')[:70]}"
         needs = "fails" if row.view_of_contiguous is None else ("yes" if row.needs_contiguous else "no")
         table.add_row(*(Text(c) for c in (
@@ -147,9 +168,16 @@ def _equivalences(args: argparse.Namespace, console: Console) -> int:
 def _bench(args: argparse.Namespace, console: Console) -> int:
     from headwise import bench
 
+    if args.repeats is not None and args.max_repeats is not None and args.max_repeats < args.repeats:
+        raise ValueError(f"--max-repeats ({args.max_repeats}) must be >= --repeats ({args.repeats}); "
+                         f"e.g. --max-repeats {5 * args.repeats}")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            writable_file(option, path)
     with console.status("measuring") as status:
         report = bench.run(quick=args.quick, repeats=args.repeats, memory=not args.no_memory,
-                           limit_gib=args.memory_limit, progress=lambda m: status.update(f"measuring {m}"))
+                           limit_gib=args.memory_limit, progress=lambda m: status.update(f"measuring {m}"),
+                           max_repeats=args.max_repeats)
     rows = report["results"]
     table = Table(title=f"modules, one run ({report['machine']['threads']} threads, torch "
                   f"{report['machine']['torch']}): median ms, ratio = time / baseline (< 1 is faster)")
@@ -192,14 +220,50 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     if args.plot:
         bench.plot(report, args.plot)
         console.print(f"wrote {args.plot}")
+    _warn_unstable(report)
     return 0
+
+
+def _warn_unstable(report: dict) -> None:
+    """On stderr: the medians that did not settle, each with its spread (the tables stay on stdout)."""
+    unstable = report.get("unstable", [])
+    if not unstable:
+        return
+    shown = "; ".join(unstable[:3]) + (f"; and {len(unstable) - 3} more" if len(unstable) > 3 else "")
+    print(f"headwise bench: warning: {len(unstable)} medians are not stable within "
+          f"+-{report['tolerance']:.0%} after {report['max_repeats']} repeats (a busy machine?): {shown}. "
+          "Their ratios may be far off: rerun on a quiet machine, or raise --max-repeats.", file=sys.stderr)
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line on stderr (exit 2), not usage plus a line."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help wrapped to the real terminal (argparse reads COLUMNS, else assumes 80 columns)."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=_terminal_width())
+
+
+def _terminal_width() -> int | None:
+    """Columns of the terminal the output goes to: COLUMNS, else the terminal's size; None when
+    neither is known (piped output), which leaves the choice to rich and argparse (80)."""
+    try:
+        return int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        pass
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -207,8 +271,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="headwise",
         description="Multi-head attention, correct for every mask, and able to explain itself.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"headwise {headwise.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     demo = sub.add_parser("demo", help="run the first document's example through every backend",
                           description="Run the first document's example (X (3, 2, 128), 8 heads, "
                           "mask [[1, 1], [1, 0], [1, 0]]) through every backend, then show its "
@@ -220,7 +284,9 @@ def _parser() -> argparse.ArgumentParser:
                         description="Trace one configuration (default: the second document's "
                         "example, B=4 S=10 E=512 H=8) and print every stage's shape.")
     ex.add_argument("--batch", type=int, default=4, help="B (default 4)")
-    ex.add_argument("--seq", type=int, default=10, help="S (default 10)")
+    ex.add_argument("--seq", type=int, default=10,
+                    help="S (default 10; explain keeps (B, H, S, S) tensors, so B, H and S are limited to about "
+                    "2 GiB of them)")
     ex.add_argument("--dim", type=int, default=512, help="E (default 512)")
     ex.add_argument("--heads", type=int, default=8, help="H (default 8)")
     ex.add_argument("--mask", nargs=2, metavar=("KIND", "SPEC"),
@@ -233,7 +299,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ex.add_argument("--plot", metavar="FILE.png", help="also draw the mask and each head's weights")
     ex.add_argument("--plot-batch", type=int, default=None,
-                    help="batch row to plot (default: the one with the most padding)")
+                    help="batch row to plot, with --plot (default: the one with the most padding)")
     ex.add_argument("--markdown", action="store_true",
                     help="print the 'How multi-head attention works' page instead of the table")
     ex.add_argument("--softcap", type=float, default=None,
@@ -255,11 +321,15 @@ def _parser() -> argparse.ArgumentParser:
                         "and forward+backward time and peak memory, dense, padded and long sequences, "
                         "plus the attention core's FLOP rate against the machine's matmul rate.")
     be.add_argument("--quick", action="store_true", help="small shapes, under a minute (CI smoke)")
-    be.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 5, quick 3)")
+    be.add_argument("--repeats", type=positive_int, default=None,
+                    help="timed repeats per case, at least (default 5, quick 3)")
+    be.add_argument("--max-repeats", type=positive_int, default=None,
+                    help="timed repeats per case, at most (default 5 x --repeats): rounds go on until every "
+                    "median is stable within +-5%%, and a warning names those that are not")
     be.add_argument("--json", metavar="FILE", help="also write every measurement as JSON")
     be.add_argument("--plot", metavar="FILE.png", help="draw time and memory against sequence length")
     be.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    be.add_argument("--memory-limit", type=float, default=16.0,
+    be.add_argument("--memory-limit", type=positive_float, default=16.0,
                     help="GiB a case may use before it is reported out of memory (default 16)")
     be.set_defaults(run=_bench)
     return parser
@@ -276,14 +346,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (code 0) or a bad argument (code 2)
+    except SystemExit as exc:  # --help or --version (code 0) or a bad argument (code 2)
         return int(exc.code or 0)
-    console = Console(width=160) if args.command != "explain" or not args.markdown else Console()
+    if args.command is None:  # bare `headwise`: what it can do, as a usage error
+        parser.print_help()
+        return 2
+    console = Console(width=_terminal_width())  # None: rich's own guess (80 columns when piped)
     try:
         return args.run(args, console)
-    except (ValueError, TypeError, ImportError) as exc:
+    except (ValueError, TypeError, ImportError) as exc:  # the caller's mistake: a usage error
         print(f"headwise {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"headwise {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # the machine's (a full disk, no memory) or a bug: still one line
+        if os.environ.get("HEADWISE_TRACEBACK"):
+            raise
+        detail = str(exc) or type(exc).__name__
+        if not isinstance(exc, OSError | MemoryError):
+            detail = f"{type(exc).__name__}: {detail} (HEADWISE_TRACEBACK=1 shows where)"
+        print(f"headwise {args.command}: error: {detail}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ D head dim, E embed dim.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,32 @@ from headwise.masks import causal_mask, key_padding_mask
 from headwise.module import MultiHeadAttention
 from headwise.tracing import Trace, trace
 
-__all__ = ["ExplainConfig", "Explained", "command", "explain", "markdown_page"]
+__all__ = ["MEMORY_LIMIT_GIB", "ExplainConfig", "Explained", "command", "explain", "markdown_page",
+           "memory_estimate_gib"]
+
+
+# explain keeps whole (B, H, S, S) tensors (the traced scores and probabilities, and the
+# weights of its second pass): a limit on their estimated size turns --seq 10000000 (80 GB)
+# into a one-line error instead of an allocation that fails, or swaps, after minutes.
+MEMORY_LIMIT_GIB = 2.0
+_SCORE_COPIES = 4  # (B, H, S, S) float32 tensors alive at the peak: 3.5 measured (S = 1500), rounded up
+_TOKEN_COPIES = 16  # (B, S, E) float32 tensors: x, q, k, v, their head views, outputs
+
+
+def memory_estimate_gib(batch: int, seq: int, dim: int, heads: int) -> float:
+    """The peak memory an explain run of this size needs, roughly, in GiB.
+
+    >>> round(memory_estimate_gib(4, 3000, 512, 8), 1)
+    4.4
+    """
+    return (_SCORE_COPIES * batch * heads * seq * seq + _TOKEN_COPIES * batch * seq * dim) * 4 / 2**30
+
+
+def _longest_seq(batch: int, dim: int, heads: int, limit_gib: float) -> int:
+    """The largest S whose :func:`memory_estimate_gib` is within ``limit_gib``."""
+    a, b = _SCORE_COPIES * batch * heads * 4, _TOKEN_COPIES * batch * dim * 4  # bytes per S^2, per S
+    seq = int((-b + math.sqrt(b * b + 4 * a * limit_gib * 2**30)) / (2 * a))
+    return seq if memory_estimate_gib(batch, seq, dim, heads) <= limit_gib else seq - 1
 
 
 @dataclass(frozen=True)
@@ -61,6 +87,14 @@ class ExplainConfig:
                 raise ValueError(f"mask lengths {bad} are outside [0, --seq {self.seq}]")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"--softcap must be > 0 (Gemma 2 uses 50), got {self.softcap}")
+        need = memory_estimate_gib(self.batch, self.seq, self.dim, self.heads)
+        if need > MEMORY_LIMIT_GIB:
+            longest = _longest_seq(self.batch, self.dim, self.heads, MEMORY_LIMIT_GIB)
+            raise ValueError(
+                f"explain keeps whole (B, H, S, S) scores and weights: B={self.batch} H={self.heads} S={self.seq} "
+                f"needs about {need:.1f} GiB, over the {MEMORY_LIMIT_GIB:g} GiB limit; lower --seq (at most "
+                f"{longest} at B={self.batch} H={self.heads} E={self.dim}), --batch or --heads"
+            )
 
 
 @dataclass(frozen=True)
