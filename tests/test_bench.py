@@ -12,6 +12,12 @@ from headwise.cli import main
 from test_module_oracles import oracle
 
 
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch):
+    """The tables as a 160-column terminal shows them (the command follows the terminal's width)."""
+    monkeypatch.setenv("COLUMNS", "160")
+
+
 def test_every_implementation_computes_the_same_attention():
     """Every implementation `headwise bench` times computes the same function on its case,
     checked against the float64 formula of tests/test_module_oracles.py."""
@@ -42,7 +48,8 @@ def test_memory_child_measures_a_real_rise():
 
 def test_quick_run_writes_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    assert main(["bench", "--quick", "--repeats", "1", "--no-memory", "--json", str(out_json)]) == 0
+    assert main(["bench", "--quick", "--repeats", "1", "--max-repeats", "1", "--no-memory", "--json",
+                 str(out_json)]) == 0
     report = json.loads(out_json.read_text())
     impls = {r["impl"] for r in report["results"]}
     assert {"headwise auto", "SDPA module", "torch MHA", "reference"} <= impls
@@ -69,3 +76,68 @@ def test_sweep_is_the_longest_dense_series():
     drawn = bench.sweep({"results": results})
     assert len(drawn) == 6 and {(r["case"]["B"], r["case"]["E"], r["case"]["H"]) for r in drawn} == {(8, 512, 8)}
     assert bench.sweep({"results": [row("padded", 8, 64, 512, 8)]}) == []
+
+
+# ---------------------------------------------------------------- issue 25: medians that can be trusted
+
+
+class _FakeClock:
+    """time.perf_counter for the timing loops: each fake function "takes" the next scripted seconds."""
+
+    def __init__(self, seconds):
+        self.now, self.seconds = 0.0, iter(seconds)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def fn(self) -> None:
+        self.now += next(self.seconds)
+
+
+def test_round_robin_repeats_until_the_medians_are_stable(monkeypatch):
+    # a warm-up, then a 200 ms hiccup among 1 ms runs: 3 rounds cannot tell, 5 can
+    clock = _FakeClock([0.5, 0.001, 0.2, 0.001] + [0.001] * 20)
+    monkeypatch.setattr(bench.time, "perf_counter", clock.perf_counter)
+    timing = bench.round_robin([clock.fn], repeats=3, max_repeats=20)
+    assert timing.stable and timing.rounds == 5 and timing.ms == [pytest.approx(1.0)]
+    assert timing.spread == [0.0]
+
+
+def test_round_robin_reports_medians_that_do_not_settle(monkeypatch):
+    clock = _FakeClock([0.5] + [0.001, 0.003] * 10)  # alternating 1 and 3 ms: +-50% or worse
+    monkeypatch.setattr(bench.time, "perf_counter", clock.perf_counter)
+    timing = bench.round_robin([clock.fn], repeats=3, max_repeats=8)
+    assert not timing.stable and timing.rounds == 8
+    assert timing.spread[0] == pytest.approx(1.58 * 0.002 / 8**0.5 / 0.002)
+
+
+def test_round_robin_ms_keeps_its_exact_repeats(monkeypatch):
+    clock = _FakeClock([0.5] + [0.001, 0.003] * 10)
+    monkeypatch.setattr(bench.time, "perf_counter", clock.perf_counter)
+    assert bench.round_robin_ms([clock.fn], 3) == [pytest.approx(1.0)]  # 1, 3, 1 ms: no extra rounds
+    assert next(clock.seconds) == 0.003
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"repeats": 0}, r"repeats must be >= 1, got 0; e.g. --repeats 3"),
+    ({"repeats": -1}, r"repeats must be >= 1, got -1"),
+    ({"repeats": 5, "max_repeats": 3}, r"max_repeats \(3\) must be >= repeats \(5\)"),
+    ({"limit_gib": -1}, r"limit_gib must be > 0, got -1; e.g. --memory-limit 16"),
+])
+def test_run_refuses_bad_settings_before_measuring(kwargs, message, monkeypatch):
+    monkeypatch.setattr(bench, "cases", lambda quick: pytest.fail("run measured before checking its settings"))
+    with pytest.raises(ValueError, match=message):
+        bench.run(quick=True, **kwargs)
+
+
+def test_bench_warns_on_stderr_naming_the_spread(monkeypatch, capsys):
+    """Under load the medians do not settle: the tables still print, and stderr says which and by how much."""
+    monkeypatch.setattr(bench, "cases", lambda quick: [bench.Case("dense", 2, 16, 32, 4, backward=False)])
+    monkeypatch.setattr(bench, "median_spread", lambda samples: 0.3)  # a busy machine: +-30% every time
+    assert main(["bench", "--quick", "--no-memory", "--repeats", "3", "--max-repeats", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "/ SDPA mod" in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("headwise bench: warning: ")
+    assert "medians are not stable within +-5% after 4 repeats" in err[0]
+    assert "B=2 S=16 E=32 H=4 headwise auto forward: median +-30% after 4 repeats" in err[0]

@@ -63,3 +63,11 @@ def test_docs_page_is_current():
     headwise explain --mask lengths 10,7,3,5 --markdown > docs/how-attention-works.md"""
     page = markdown_page(explain(ExplainConfig(lengths=(10, 7, 3, 5))))
     assert DOCS.read_text() == page
+
+
+@pytest.mark.parametrize(("size", "limit_seq"), [({"seq": 3000}, 1923), ({"seq": 600, "batch": 64}, 399)])
+def test_a_size_explain_cannot_hold_is_refused_with_the_limit(size, limit_seq):
+    with pytest.raises(ValueError, match=rf"needs about [0-9.]+ GiB, over the 2 GiB limit; lower --seq \(at most "
+                       rf"{limit_seq} at"):
+        ExplainConfig(**size).validate()
+    ExplainConfig(**{**size, "seq": limit_seq}).validate()  # the size it names fits

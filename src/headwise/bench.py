@@ -6,6 +6,9 @@ named backends), the first document's class, ``torch.nn.MultiheadAttention``
 Times are medians of repeats after warm-up, the implementations of a case taking turns
 in every repeat (the long-sequence cases: one run, timed in the memory subprocess); the
 attention core's FLOP rate is compared with an fp32 matmul timed in the same rounds.
+Rounds go on until every median is stable (its ~95% confidence interval within
+``TOLERANCE`` of it) or a cap is reached; a median still unstable at the cap is reported
+in ``report["unstable"]`` (the command line warns on stderr), never published silently.
 Peak memory is how far the resident set of a fresh subprocess rises above its level
 before one run of the case (the kernel's peak mark is reset first; CPU torch has no
 allocator statistics), with predicted out-of-memory cases reported instead of run.
@@ -34,7 +37,13 @@ from torch import Tensor, nn
 import headwise
 from headwise.reference import MultiHeadAttentionFormal
 
-__all__ = ["Case", "Result", "SDPAModule", "build", "headwise_module", "run", "attention_core", "round_robin_ms"]
+__all__ = ["TOLERANCE", "Case", "Result", "SDPAModule", "Timing", "attention_core", "build", "headwise_module",
+           "median_spread", "round_robin", "round_robin_ms", "run"]
+
+# A median counts as stable when its ~95% confidence interval (the boxplot notch,
+# 1.58 IQR / sqrt(n)) lies within +-5% of it: a ratio of two such medians is then good to
+# about 10%, where a busy machine's outliers move a median of 3 by 100x.
+TOLERANCE = 0.05
 
 
 def cpu_name() -> str:
@@ -100,10 +109,14 @@ class SDPADecoder(nn.Module):
         return out
 
 
-def decode_steps_us(E: int, H: int, prompt: int, steps: int, repeats: int,
-                    B: int = 1) -> tuple[list[float], list[float]]:
+def decode_steps_us(E: int, H: int, prompt: int, steps: int, repeats: int, B: int = 1,
+                    max_repeats: int | None = None,
+                    tolerance: float = TOLERANCE) -> tuple[list[float], list[float]]:
     """Microseconds per decoding step after a ``prompt``-token prefill: the headwise module with
-    its cache and :class:`SDPADecoder`, each repeat timing ``steps`` steps of both in turns."""
+    its cache and :class:`SDPADecoder`, each repeat timing ``steps`` steps of both in turns.
+
+    At least ``repeats`` repeats, and more (up to ``max_repeats``) while the median of the
+    per-repeat ratio is not stable within ``tolerance`` (see :func:`median_spread`)."""
     torch.manual_seed(0)
     mha = headwise.MultiHeadAttention(E, H).eval()
     ref = SDPADecoder.like(mha, B, prompt + steps).eval()
@@ -129,10 +142,13 @@ def decode_steps_us(E: int, H: int, prompt: int, steps: int, repeats: int,
 
     with torch.no_grad():
         ours(), theirs()  # warm up
-        a, b = [], []
-        for _ in range(repeats):
+        a: list[float] = []
+        b: list[float] = []
+        while len(a) < max(repeats, max_repeats or repeats):
             a.append(ours())
             b.append(theirs())
+            if len(a) >= repeats and median_spread([o / t for o, t in zip(a, b, strict=True)]) <= tolerance:
+                break
     return a, b
 
 
@@ -233,11 +249,14 @@ def predicted_peak_gib(impl: str, case: Case) -> float:
     return scores * (3 if case.backward else 2)
 
 
-def time_cases(impls: list[str], case: Case, repeats: int) -> list[Result]:
+def time_cases(impls: list[str], case: Case, repeats: int, max_repeats: int | None = None,
+               tolerance: float = TOLERANCE) -> list[Result]:
     """Median forward and forward + backward times of each implementation on one case.
 
     The implementations take turns within every repeat (round robin), so a machine that
-    slows down or speeds up during the run affects them all alike.
+    slows down or speeds up during the run affects them all alike; the rounds go on until
+    the medians are stable (:func:`round_robin`). Each result's ``extra`` holds the spread
+    of its medians (``forward_spread``, ``train_spread``) and the number of ``rounds``.
     """
     fns = {impl: build(impl, case) for impl in impls}
     x, mask = inputs(case, requires_grad=False)
@@ -253,24 +272,103 @@ def time_cases(impls: list[str], case: Case, repeats: int) -> list[Result]:
     runs = [(impl, "forward", lambda fn=fn: forward(fn)) for impl, fn in fns.items()]
     if case.backward:
         runs += [(impl, "train", lambda fn=fn: train(fn)) for impl, fn in fns.items()]
-    times = round_robin_ms([run for _, _, run in runs], repeats)
-    results = {impl: Result(case, impl) for impl in impls}
-    for (impl, kind, _), ms in zip(runs, times, strict=True):
-        setattr(results[impl], "forward_ms" if kind == "forward" else "train_ms", ms)
+    timing = round_robin([run for _, _, run in runs], repeats, max_repeats, tolerance)
+    results = {impl: Result(case, impl, extra={"rounds": timing.rounds}) for impl in impls}
+    for (impl, kind, _), ms, spread in zip(runs, timing.ms, timing.spread, strict=True):
+        setattr(results[impl], f"{kind}_ms", ms)
+        results[impl].extra[f"{kind}_spread"] = spread
     return list(results.values())
 
 
-def round_robin_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median milliseconds of each function, timed in turns after one warm-up call each."""
+def median_spread(samples: list[float]) -> float:
+    """How far the median of ``samples`` may be off, relative to it: the half-width of its ~95%
+    confidence interval, 1.58 IQR / sqrt(n) / median (the boxplot notch of McGill, Tukey and
+    Larsen). Infinite below 3 samples, where nothing can be judged.
+
+    >>> median_spread([1.0, 1.0, 1.0, 1.0])
+    0.0
+    >>> round(median_spread([1.0, 1.0, 9.0, 1.0, 1.0, 1.0, 9.0, 1.0, 1.0]), 2)
+    0.0
+    >>> median_spread([1.0, 2.0])
+    inf
+    """
+    if len(samples) < 3:
+        return float("inf")
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    median = statistics.median(samples)
+    return 1.58 * (q3 - q1) / len(samples) ** 0.5 / median if median > 0 else float("inf")
+
+
+def spread_text(spread: float) -> str:
+    """A spread for people: ``+-12%``, or why there is none.
+
+    >>> spread_text(0.123), spread_text(float("inf"))
+    ('+-12%', 'of unknown spread (fewer than 3 repeats)')
+    """
+    return "of unknown spread (fewer than 3 repeats)" if spread == float("inf") else f"+-{spread:.0%}"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What :func:`round_robin` measured.
+
+    Attributes:
+        ms: median milliseconds of each function.
+        spread: each median's relative uncertainty (:func:`median_spread`).
+        rounds: how many timed rounds ran.
+        tolerance: the spread a stable median stays within.
+    """
+
+    ms: list[float]
+    spread: list[float]
+    rounds: int
+    tolerance: float
+
+    @property
+    def stable(self) -> bool:
+        return max(self.spread, default=0.0) <= self.tolerance
+
+
+def round_robin(fns: list[Callable[[], object]], repeats: int, max_repeats: int | None = None,
+                tolerance: float = TOLERANCE) -> Timing:
+    """Time the functions in turns after one warm-up call each, until their medians are stable.
+
+    Args:
+        fns: the functions, called without arguments.
+        repeats: rounds to run at least.
+        max_repeats: rounds to run at most (None: ``repeats``, no extra rounds); more rounds run
+            while some median's spread (:func:`median_spread`) exceeds ``tolerance``.
+        tolerance: the relative spread a median must come within.
+
+    Returns:
+        A :class:`Timing`; ``stable`` is False when the cap came first.
+
+    Raises:
+        ValueError: ``repeats`` below 1 or ``max_repeats`` below ``repeats``.
+    """
+    max_repeats = repeats if max_repeats is None else max_repeats
+    if repeats < 1 or max_repeats < repeats:
+        raise ValueError(f"repeats ({repeats}) must be >= 1 and max_repeats ({max_repeats}) >= repeats; "
+                         "e.g. repeats=3, max_repeats=15")
     for fn in fns:
         fn()  # warm-up (allocator, dispatch caches, thread pool)
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
+    spread = [float("inf")] * len(fns)
+    for rounds in range(1, max_repeats + 1):
         for fn, mine in zip(fns, times, strict=True):
             start = time.perf_counter()
             fn()
             mine.append(time.perf_counter() - start)
-    return [statistics.median(t) * 1e3 for t in times]
+        if rounds >= repeats:
+            spread = [median_spread(t) for t in times]
+            if max(spread, default=0.0) <= tolerance:
+                break
+    return Timing([statistics.median(t) * 1e3 for t in times], spread, rounds, tolerance)
+
+
+def round_robin_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median milliseconds of each function over exactly ``repeats`` rounds (:func:`round_robin`)."""
+    return round_robin(fns, repeats).ms
 
 
 def measure_in_child(impl: str, case: Case, limit_gib: float, train_only: bool = False) -> dict:
@@ -356,11 +454,13 @@ def _peak_rss_kib() -> int:
 
 
 def attention_core(S: int, backends: list[str], repeats: int, causal: bool = False,
-                   B: int = 1, H: int = 8, D: int = 64, matmul_n: int = 2048) -> list[dict]:
+                   B: int = 1, H: int = 8, D: int = 64, matmul_n: int = 2048, max_repeats: int | None = None,
+                   tolerance: float = TOLERANCE) -> list[dict]:
     """FLOP rate of the attention core alone (q, k, v given), forward, per backend and SDPA.
 
     A (matmul_n x matmul_n) fp32 matmul takes its turn in the same rounds, so each row's
-    ``of_matmul`` compares rates measured under the same load.
+    ``of_matmul`` compares rates measured under the same load. Each row's ``spread`` is its
+    median's and the matmul's, the larger (:func:`round_robin`).
     """
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(B, H, S, D, generator=gen) for _ in range(3))
@@ -372,13 +472,15 @@ def attention_core(S: int, backends: list[str], repeats: int, causal: bool = Fal
              for name in backends
              if not (name in ("matmul", "einsum", "bmm", "einops") and S > 4096)]  # (B, H, S, S) scores: too big
     with torch.no_grad():
-        ms = round_robin_ms([lambda: m1 @ m2] + [fn for _, fn in runs], repeats)
+        timing = round_robin([lambda: m1 @ m2] + [fn for _, fn in runs], repeats, max_repeats, tolerance)
+    ms = timing.ms
     rate = 2 * matmul_n**3 / (ms[0] / 1e3) / 1e9
     rows = []
-    for (name, _), t in zip(runs, ms[1:], strict=True):
+    for (name, _), t, spread in zip(runs, ms[1:], timing.spread[1:], strict=True):
         gflops = flops / (t / 1e3) / 1e9
         rows.append({"impl": name, "S": S, "causal": causal, "ms": t, "gflops": gflops,
-                     "matmul_gflops": rate, "of_matmul": gflops / rate})
+                     "matmul_gflops": rate, "of_matmul": gflops / rate, "rounds": timing.rounds,
+                     "spread": max(spread, timing.spread[0])})
     return rows
 
 
@@ -402,10 +504,39 @@ def cases(quick: bool) -> list[Case]:
 
 
 def run(quick: bool = False, repeats: int | None = None, memory: bool = True, limit_gib: float = 16.0,
-        progress: Callable[[str], None] | None = None) -> dict:
-    """Measure everything; returns a JSON-ready dict (``results``, ``core``, ``matmul_gflops``)."""
-    repeats = repeats or (3 if quick else 5)
+        progress: Callable[[str], None] | None = None, max_repeats: int | None = None,
+        tolerance: float = TOLERANCE) -> dict:
+    """Measure everything; returns a JSON-ready dict.
+
+    Args:
+        quick: small shapes, no memory subprocesses (seconds).
+        repeats: timed rounds per case at least (None: 5, quick 3).
+        memory: measure peak memory in subprocesses.
+        limit_gib: GiB a case may use before it is reported out of memory.
+        progress: called with a short message before each step.
+        max_repeats: rounds per case at most (None: 5 x ``repeats``); rounds go on while a
+            median's spread exceeds ``tolerance``.
+        tolerance: the relative spread of a stable median (:func:`median_spread`).
+
+    Returns:
+        ``machine``, ``results``, ``core``, ``decode``, ``matmul_gflops``, and ``unstable``:
+        one line per median still unstable after ``max_repeats`` rounds (empty when all are).
+
+    Raises:
+        ValueError: ``repeats`` or ``max_repeats`` below 1, ``max_repeats`` below ``repeats``,
+            or ``limit_gib`` not positive.
+    """
+    repeats = (3 if quick else 5) if repeats is None else repeats
+    max_repeats = 5 * repeats if max_repeats is None else max_repeats
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}; e.g. --repeats 3")
+    if max_repeats < repeats:
+        raise ValueError(f"max_repeats ({max_repeats}) must be >= repeats ({repeats}); e.g. --max-repeats "
+                         f"{5 * repeats}")
+    if not limit_gib > 0:
+        raise ValueError(f"limit_gib must be > 0, got {limit_gib}; e.g. --memory-limit 16")
     say = progress or (lambda message: None)
+    unstable: list[str] = []
     results: list[Result] = []
     for case in cases(quick):
         impls = list(IMPLS) + (["headwise sdpa", "headwise chunked"] if case.group != "long" else [])
@@ -424,7 +555,12 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
         timed = [impl for impl in impls if impl not in done]  # side by side, in turns
         if timed:
             say(f"{case.label()}: timing {len(timed)} implementations in turns")
-            for result in time_cases(timed, case, repeats):
+            for result in time_cases(timed, case, repeats, max_repeats, tolerance):
+                for kind in ("forward", "train"):
+                    spread = result.extra.get(f"{kind}_spread", 0.0)
+                    if spread > tolerance:
+                        unstable.append(f"{case.label()} {result.impl} {kind}: median {spread_text(spread)} after "
+                                        f"{result.extra['rounds']} repeats")
                 if memory and not quick:
                     say(f"{case.label()}: {result.impl}, peak memory")
                     measured = measure_in_child(result.impl, case, limit_gib)
@@ -436,16 +572,24 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
     say("decode steps")
     decode = []
     for E, H, prompt in ((512, 8, 512),) if quick else ((512, 8, 512), (1024, 16, 2048)):
-        ours, theirs = decode_steps_us(E, H, prompt, steps=32 if quick else 64, repeats=repeats)
+        ours, theirs = decode_steps_us(E, H, prompt, steps=32 if quick else 64, repeats=repeats,
+                                       max_repeats=max_repeats, tolerance=tolerance)
+        ratios = [o / t for o, t in zip(ours, theirs, strict=True)]
+        spread = median_spread(ratios)
+        if spread > tolerance:
+            unstable.append(f"decode E={E} H={H} prompt={prompt}: ratio median {spread_text(spread)} after "
+                            f"{len(ratios)} repeats")
         decode.append({"E": E, "H": H, "prompt": prompt, "ours_us": statistics.median(ours),
-                       "sdpa_us": statistics.median(theirs),
-                       "ratio": statistics.median(o / t for o, t in zip(ours, theirs, strict=True))})
+                       "sdpa_us": statistics.median(theirs), "ratio": statistics.median(ratios),
+                       "rounds": len(ratios), "spread": spread})
     say("attention core")
     backends = [b for b in headwise.available_backends() if b != "varlen"]
     core = []
     for S in ((256,) if quick else (1024, 4096)):
         core += attention_core(S, backends if S <= 1024 else ["sdpa", "chunked"], repeats,
-                               matmul_n=1024 if quick else 2048)
+                               matmul_n=1024 if quick else 2048, max_repeats=max_repeats, tolerance=tolerance)
+    unstable += [f"core {r['impl']} S={r['S']}: median {spread_text(r['spread'])} after {r['rounds']} repeats"
+                 for r in core if r["spread"] > tolerance]
     return {
         "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count()},
         "matmul_gflops": statistics.median(r["matmul_gflops"] for r in core),
@@ -453,6 +597,10 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
                                             "padding": r.case.padding}} for r in results],
         "core": core,
         "decode": decode,
+        "repeats": repeats,
+        "max_repeats": max_repeats,
+        "tolerance": tolerance,
+        "unstable": unstable,
     }
 
 
