@@ -36,13 +36,14 @@ ROOT = HERE.parents[1]
 # ---------------------------------------------------------------- the cases
 
 def _case(name, dtype="float64", method="ring", layout="zigzag", *, mask=None, causal=False, window=None,
-          alibi=False, heads="mha", dS=0, tiles=(4, 3), tiny=False, fused=True, passes=None, **extra):
+          alibi=False, heads="mha", dS=0, tiles=(4, 3), tiny=False, S=None, fused=True, passes=None, **extra):
+    # S: the global query length at every world size (None: 3 for tiny, else 2N*3 + 1)
     # passes: "one" sends every kv head in one message, "per-head" one kv head per pass (policy.RING_PASS_BYTES);
     # None: one pass for the plain and causal cases, one pass per kv head for the rest
     if passes is None:
         passes = "one" if name.startswith(("plain", "causal")) else "per-head"
     return {"name": name, "dtype": dtype, "method": method, "layout": layout, "mask": mask, "causal": causal,
-            "window": window, "alibi": alibi, "heads": heads, "dS": dS, "tiles": list(tiles), "tiny": tiny,
+            "window": window, "alibi": alibi, "heads": heads, "dS": dS, "tiles": list(tiles), "tiny": tiny, "S": S,
             "fused": fused, "passes": passes, **extra}
 
 
@@ -76,6 +77,14 @@ def cases() -> list[dict]:
         _case("float16-ring-causal", "float16", causal=True, heads="gqa"),
         _case("bfloat16-ring-pad", "bfloat16", mask="pad-bool"),
     ]
+    # Dense masks where a rank holds one query (or none): its (.., 1, Sk) shard is its query's row,
+    # not a row to broadcast (S = 2 or 3: shards of 1 and 2 queries on 2 ranks, 1/1/1 or 1/1/0 on 3).
+    for method in ("ring", "ulysses"):
+        for layout in ("zigzag", "contiguous"):
+            for S in (2, 3):
+                for mask in ("dense-bool", "dense-float", "int-3d", "rows-broadcast"):
+                    out.append(_case(f"one-query-S{S}-{mask}-{method}-{layout}", method=method, layout=layout,
+                                     mask=mask, S=S, causal=mask == "dense-bool"))
     return out
 
 
@@ -90,11 +99,26 @@ ERROR_CASES = {
     "value-dim": ("ValueError", r"needs v's head dim to be k's \(the ring sends k and v as one block\): got D = 8, "
                                 r"Dv = 5"),
     "unshard-misfit": ("ValueError", r"unshard got shards of lengths \[\d+(, \d+)+\] along dim 2, but layout 'zigzag'"),
+    # every disagreement between ranks is the same ValueError on every rank, naming the ranks' values
+    "unshard-heads": ("ValueError", r"unshard: the ranks disagree on the shape outside dim 2: \[\(2, 4, \*, 8\), "
+                                    r"\(2, 3, \*, 8\)"),
+    "unshard-dtype": ("ValueError", r"unshard: the ranks disagree on the dtype: \['float32', 'float64'"),
+    "unshard-layout": ("ValueError", r"unshard: the ranks disagree on the layout: \['zigzag', 'contiguous'"),
+    "unshard-ndim": ("ValueError", r"unshard: the ranks disagree on the number of dims: \[4, 3"),
+    "unshard-dim": ("ValueError", r"unshard: the ranks disagree on the sequence dim: \[2, 1"),
+    "unshard-bad-dim": ("ValueError", r"(unshard: dim 7 is out of range for a 4-D tensor|rank\(s\) \[1\] of \d "
+                                      r"rejected their inputs)"),
+    "shard-length": ("ValueError", r"^shard: the ranks disagree on the shape: \[\(2, 4, (\d+), 8\), "
+                                   r"\(2, 4, (?!\1)\d+, 8\)"),
+    "mask-rows-mixed": ("ValueError", r"attention_mask has \[3, 1(, 2)*\] rows on ranks 0\.\.\d for \[3(, 2)+\] "
+                                      r"queries"),
+    "module-rope-misfit": ("ValueError", r"x shards hold \[\d+(, \d+)+\] positions on ranks 0\.\.\d, but layout "
+                                         r"'zigzag' splits \d+ positions as"),
 }
 
 
 def sizes(case: dict, world: int) -> tuple[int, int]:
-    S = 3 if case["tiny"] else 2 * world * 3 + 1
+    S = case["S"] or (3 if case["tiny"] else 2 * world * 3 + 1)
     return S, max(1, S + case["dS"])
 
 
@@ -121,7 +145,7 @@ def make_inputs(case: dict, world: int) -> dict:
             mask[0, :2] = randn(2)  # a real additive bias too
     elif kind in ("dense-bool", "dense-float"):
         keep = torch.rand(B, H, S, Sk, generator=gen) > 0.4
-        keep[0, 1, 2] = False  # a fully masked query row
+        keep[0, 1, min(2, S - 1)] = False  # a fully masked query row
         if kind == "dense-bool":
             mask = keep
         else:
@@ -240,6 +264,30 @@ def _run_error(hwd, name, rank, world):
         hwd.unshard(q.index_select(2, positions_of(S, world, world - 1 - rank, "zigzag")), dim=2)
     elif name == "mask-keys":
         hwd.attention(sq, sq, sq, torch.ones(B, 1, sq.shape[2], S + 1, dtype=torch.bool))
+    elif name == "unshard-heads":  # rank 1's shard has 3 heads, the others 4
+        hwd.unshard(sq[:, :3] if rank == 1 else sq, dim=2)
+    elif name == "unshard-dtype":
+        hwd.unshard(sq.double() if rank == 1 else sq, dim=2)
+    elif name == "unshard-layout":
+        hwd.unshard(sq, dim=2, layout="contiguous" if rank == 1 else "zigzag")
+    elif name == "unshard-ndim":
+        hwd.unshard(sq[0] if rank == 1 else sq, dim=-2)
+    elif name == "unshard-dim":  # rank 1 names the heads: (B, H, S_l, D) read as split along H
+        hwd.unshard(sq, dim=1 if rank == 1 else 2)
+    elif name == "unshard-bad-dim":
+        hwd.unshard(sq, dim=7 if rank == 1 else 2)
+    elif name == "shard-length":  # rank 1 holds a longer sequence than the others
+        hwd.shard(torch.cat([q, q[:, :, :1]], dim=2) if rank == 1 else q, dim=2)
+    elif name == "mask-rows-mixed":  # rank 1 broadcasts one row, rank 0 passes its queries' rows
+        rows = 1 if rank == 1 else sq.shape[2]
+        hwd.attention(sq, sq, sq, torch.ones(B, 1, rows, S, dtype=torch.bool))
+    elif name == "module-rope-misfit":  # rank r passes rank N-1-r's shard to a module with rope
+        import headwise
+        from headwise.distributed.layout import positions_of
+
+        mha = headwise.MultiHeadAttention(16, 4, rope=True, context_parallel=hwd.ContextParallel())
+        x = torch.randn(1, S, 16, generator=gen)
+        mha(x.index_select(1, positions_of(S, world, world - 1 - rank, "zigzag")))
 
 
 def _run_module(hwd, name, world):

@@ -26,6 +26,7 @@ S_l / Sk_l this rank's lengths, D head dim, N world size.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -41,7 +42,7 @@ from headwise.functional import _check_inputs, _check_structure
 from headwise.masks import normalize_mask
 
 __all__ = ["ContextParallel", "MethodChoice", "METHODS", "LAYOUTS", "attention", "choose_method",
-           "global_length", "positions", "shard", "unshard"]
+           "global_length", "global_positions", "positions", "shard", "unshard"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +101,13 @@ def _group_info(group) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-def _comm_device(group, like: Any) -> torch.device:
-    if isinstance(like, Tensor):
-        return like.device
+def _comm_device(group, like: Tensor | torch.device | None) -> torch.device:
+    """Where metadata travels: this process's GPU under NCCL (whatever ``like``'s device), else like's device."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if isinstance(like, Tensor):
+        return like.device
+    return torch.device("cpu") if like is None else like
 
 
 def _all_gather_rows(values: list[float], group, world: int, device: torch.device) -> list[list[float]]:
@@ -121,6 +123,83 @@ def _all_gather_rows(values: list[float], group, world: int, device: torch.devic
     return torch.stack(every).cpu().tolist()
 
 
+def _checked_rows(local, width: int, group, world: int, device: torch.device) -> list[list[float]]:
+    """Every rank's metadata row (``local()``, ``width`` numbers), gathered whatever a rank's own check says.
+
+    A rank whose ``local`` raised sends zeros and re-raises its own error; the others raise a
+    ValueError naming it, so every rank stops at the same point and no data moves.
+    """
+    error: Exception | None = None
+    try:
+        row = [1.0, *local()]
+    except (TypeError, ValueError) as caught:
+        error, row = caught, [0.0] * (width + 1)
+    rows = _all_gather_rows(row, group, world, device)
+    if error is not None:
+        raise error
+    bad = [r for r, every in enumerate(rows) if every[0] != 1]
+    if bad:
+        raise ValueError(f"rank(s) {bad} of {world} rejected their inputs (their own errors say why); "
+                         "every rank stops before any data moves")
+    return [every[1:] for every in rows]
+
+
+_DTYPE_NAMES = tuple(sorted({str(d).removeprefix("torch.") for d in vars(torch).values()
+                             if isinstance(d, torch.dtype)}))  # the same order on every rank of one torch
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "xla", "meta")
+_SHAPE_SLOTS = 8  # dims sent with the first exchange; a tensor of more dims sends its shape in a second
+
+
+def _tensor_row(what: str, t: Tensor, dim: int, layout: str) -> list[float]:
+    """This rank's (ndim, dtype, device type, layout, dim, shape[:8] padded with -1) for shard / unshard."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what} takes a tensor, got {type(t).__name__}")
+    check_layout(layout)
+    if not isinstance(dim, int) or not -t.dim() <= dim < t.dim():
+        raise ValueError(f"{what}: dim {dim} is out of range for a {t.dim()}-D tensor; pass a dim in "
+                         f"[{-t.dim()}, {t.dim() - 1}]")
+    dtype = str(t.dtype).removeprefix("torch.")
+    device = _DEVICE_TYPES.index(t.device.type) if t.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)
+    shape = list(t.shape[:_SHAPE_SLOTS]) + [-1] * (_SHAPE_SLOTS - min(t.dim(), _SHAPE_SLOTS))
+    return [t.dim(), _DTYPE_NAMES.index(dtype), device, LAYOUTS.index(layout), dim % t.dim(), *shape]
+
+
+def _agree_tensors(what: str, t: Tensor, dim: int, layout: str, group, world: int, *,
+                   whole: bool) -> list[list[int]]:
+    """Check that every rank passes a tensor of one ndim, dtype, device type, layout and dim, and one
+    shape (``whole``) or one shape outside ``dim`` (a shard); the same ValueError on every rank.
+
+    Returns every rank's shape.
+    """
+    device = _comm_device(group, t if isinstance(t, Tensor) else None)
+    rows = _checked_rows(lambda: _tensor_row(what, t, dim, layout), 5 + _SHAPE_SLOTS, group, world, device)
+    remedy = ("every rank must pass the same whole tensor, with the same dim and layout" if whole else
+              "every rank must pass its own shard of one tensor, with the same dim and layout (hwd.shard(x, dim, "
+              "layout) makes them)")
+    fields: tuple[tuple[str, Callable[[float], object]], ...] = (
+        ("number of dims", int), ("dtype", lambda c: _DTYPE_NAMES[int(c)]),
+        ("device type", lambda c: (*_DEVICE_TYPES, "other")[int(c)]), ("layout", lambda c: LAYOUTS[int(c)]),
+        ("sequence dim", int))
+    for i, (name, show) in enumerate(fields):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            raise ValueError(f"{what}: the ranks disagree on the {name}: {[show(v) for v in values]} on ranks "
+                             f"0..{world - 1}; {remedy}")
+    ndim, seq = int(rows[0][0]), int(rows[0][4])
+    if ndim <= _SHAPE_SLOTS:
+        shapes = [[int(x) for x in row[5:5 + ndim]] for row in rows]
+    else:  # every rank has the same ndim: one more exchange of the whole shape
+        shapes = [[int(x) for x in row] for row in _all_gather_rows(list(t.shape), group, world, device)]
+    # a shard's length along dim is checked against the layout by the caller: shown as *
+    shown = ["(" + ", ".join("*" if i == seq and not whole else str(x) for i, x in enumerate(s)) + ")"
+             for s in shapes]
+    if len(set(shown)) > 1:
+        where = "shape" if whole else f"shape outside dim {seq}"
+        raise ValueError(f"{what}: the ranks disagree on the {where}: [{', '.join(shown)}] on ranks "
+                         f"0..{world - 1}; {remedy}")
+    return shapes
+
+
 def global_length(local_len: int, group=None, device: torch.device | str | None = None) -> int:
     """The sequence length summed over the ranks of ``group`` (one all-gather).
 
@@ -128,7 +207,7 @@ def global_length(local_len: int, group=None, device: torch.device | str | None 
         RuntimeError: torch.distributed is not initialised.
     """
     _, world = _group_info(group)
-    device = torch.device(device) if device is not None else _comm_device(group, None)
+    device = _comm_device(group, torch.device(device) if device is not None else None)
     return int(sum(row[0] for row in _all_gather_rows([local_len], group, world, device)))
 
 
@@ -154,6 +233,44 @@ def positions(seq_len: int, layout: str = "zigzag", group=None,
     return positions_of(seq_len, world, rank, layout, device)
 
 
+def global_positions(local_len: int, layout: str = "zigzag", group=None,
+                     device: torch.device | str | None = None) -> tuple[int, Tensor]:
+    """The global length and this rank's global positions, from this rank's shard length (one all-gather).
+
+    Unlike :func:`global_length` then :func:`positions`, it checks that the ranks' lengths are
+    the layout's split of their sum, so a shard made some other way is the same ValueError on
+    every rank, not a size mismatch on some and a hang on the others.
+
+    Args:
+        local_len: S_l, this rank's shard length.
+        layout: ``"zigzag"`` or ``"contiguous"``, as the shards were made.
+        group: the process group (None: the default group).
+        device: where to build the positions (and, with gloo, where the metadata travels).
+
+    Returns:
+        (S, positions): the global length and (S_l,) int64 positions in the shard's order.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: an unknown layout, or lengths that are not the layout's split (on every rank).
+
+    >>> S, pos = global_positions(x_local.shape[1], "zigzag")  # doctest: +SKIP
+    """
+    rank, world = _group_info(group)
+    device = torch.device(device) if device is not None else None
+    comm = _comm_device(group, device)
+
+    def local() -> list[float]:
+        check_layout(layout)
+        if isinstance(local_len, bool) or not isinstance(local_len, int) or local_len < 0:
+            raise ValueError(f"local_len must be a shard length (an int >= 0), got {local_len!r}")
+        return [local_len]
+
+    lengths = _lengths([int(row[0]) for row in _checked_rows(local, 1, group, world, comm)], world, layout, "x",
+                       dim=1)
+    return sum(lengths), positions_of(sum(lengths), world, rank, layout, device)
+
+
 def shard(x: Tensor, dim: int = 1, layout: str = "zigzag", group=None) -> Tensor:
     """This rank's part of ``x`` along ``dim`` (a view for ``"contiguous"``, a copy for ``"zigzag"``).
 
@@ -170,10 +287,15 @@ def shard(x: Tensor, dim: int = 1, layout: str = "zigzag", group=None) -> Tensor
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: an unknown layout.
+        ValueError: an unknown layout, a dim out of range, or ranks that pass tensors of another
+            shape, dtype or device type, or another dim or layout (on every rank: one small
+            all-gather of metadata checks).
     """
-    check_layout(layout)
     rank, world = _group_info(group)
+    if world == 1:
+        _tensor_row("shard", x, dim, layout)
+    else:
+        _agree_tensors("shard", x, dim, layout, group, world, whole=True)
     parts = [x.narrow(dim, a, b - a) for a, b in segments(x.shape[dim], world, rank, layout)]
     if not parts:
         return x.narrow(dim, 0, 0)
@@ -234,14 +356,18 @@ def unshard(y: Tensor, dim: int = 2, layout: str = "zigzag", group=None) -> Tens
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: an unknown layout, or shards whose lengths do not fit the layout.
+        ValueError: an unknown layout, a dim out of range, shards whose lengths do not fit the
+            layout, or ranks whose shards differ in ndim, dtype, device type, dim, layout or
+            shape outside ``dim`` (on every rank: one small all-gather of metadata checks).
     """
-    check_layout(layout)
     rank, world = _group_info(group)
-    rows = _all_gather_rows([y.shape[dim], y.dim()], group, world, y.device)
-    lengths = [int(row[0]) for row in rows]
+    if world == 1:
+        _tensor_row("unshard", y, dim, layout)
+    shapes = _agree_tensors("unshard", y, dim, layout, group, world, whole=False) if world > 1 else [list(y.shape)]
+    dim = dim % y.dim()
+    lengths = [shape[dim] for shape in shapes]
     expected = [local_length(sum(lengths), world, r, layout) for r in range(world)]
-    if lengths != expected or len({row[1] for row in rows}) != 1:
+    if lengths != expected:
         raise ValueError(f"unshard got shards of lengths {lengths} along dim {dim}, but layout {layout!r} splits "
                          f"{sum(lengths)} positions as {expected}; shard with hwd.shard(x, dim, layout={layout!r})")
     return _Unshard.apply(y, dim, lengths, layout, group, rank)
@@ -275,8 +401,8 @@ tensor, then the local 'auto' kernel attends whole sequences
 
 
 _FIELDS = ("inputs valid", "batch B", "num_heads H", "num_kv_heads Hkv", "head_dim D", "dtype", "is_causal",
-           "window", "alibi", "scale", "mask kind", "mask batch", "mask heads", "mask rows broadcast",
-           "mask key length", "method", "layout", "dropout_p", "device type")
+           "window", "alibi", "scale", "mask kind", "mask batch", "mask heads", "mask key length", "method", "layout",
+           "dropout_p", "device type")
 _MASK_KINDS = ("none", "bool (B, Sk_l) key padding", "float (B, Sk_l) key padding", "bool (.., S_l, Sk)",
                "float (.., S_l, Sk)")
 
@@ -290,7 +416,7 @@ def _same_value_dim(k: Tensor, v: Tensor) -> None:
 
 
 def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale, dropout_p, method, layout):
-    """Validate this rank's arguments; returns (normalised masks, metadata row, q/k lengths)."""
+    """Validate this rank's arguments; returns (normalised masks, metadata row, q/k lengths, dense mask rows)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_layout(layout)
@@ -303,7 +429,7 @@ def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale
     B, H, S_l, D = q.shape
     Sk_l = k.shape[2]
     pad = dense = None
-    mask_kind, mask_b, mask_h, rows1, mask_sk = 0, 0, 0, 0, -1
+    mask_kind, mask_b, mask_h, mask_rows, mask_sk = 0, 0, 0, -1, -1
     m = attention_mask
     if m is not None:
         if isinstance(m, Tensor) and m.dim() == 2:
@@ -317,12 +443,12 @@ def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale
             dense = cast(Tensor, normalize_mask(m, batch=B, heads=H, q_len=S_l, k_len=k_len, device=q.device,
                                                 dtype=q.dtype))  # a tensor for a tensor
             mask_kind = 3 if dense.dtype == torch.bool else 4
-            mask_b, mask_h, rows1, mask_sk = dense.shape[0], dense.shape[1], int(dense.shape[2] == 1), k_len
+            mask_b, mask_h, mask_rows, mask_sk = dense.shape[0], dense.shape[1], dense.shape[2], k_len
     row = [1, B, H, k.shape[1], D, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, int(bool(is_causal)),
            -1 if window is None else window, int(alibi_slopes is not None), -1.0 if scale is None else float(scale),
-           mask_kind, mask_b, mask_h, rows1, mask_sk, METHODS.index(method), LAYOUTS.index(layout),
+           mask_kind, mask_b, mask_h, mask_sk, METHODS.index(method), LAYOUTS.index(layout),
            float(dropout_p), 0 if q.device.type == "cpu" else 1]
-    return pad, dense, row, S_l, Sk_l
+    return pad, dense, row, S_l, Sk_l, mask_rows
 
 
 def _agree(rows: list[list[float]], rank: int, world: int, error: Exception | None, layout: str):
@@ -341,13 +467,28 @@ def _agree(rows: list[list[float]], rank: int, world: int, error: Exception | No
                              "pass tensors of the same batch, heads, head dim and dtype, and the same flags")
 
 
-def _lengths(local: list[int], world: int, layout: str, what: str) -> list[int]:
+def _lengths(local: list[int], world: int, layout: str, what: str, dim: int = 2) -> list[int]:
     total = sum(local)
     expected = [local_length(total, world, r, layout) for r in range(world)]
     if local != expected:
         raise ValueError(f"{what} shards hold {local} positions on ranks 0..{world - 1}, but layout {layout!r} "
-                         f"splits {total} positions as {expected}; shard with hwd.shard(x, dim=2, layout={layout!r})")
+                         f"splits {total} positions as {expected}; shard with hwd.shard(x, dim={dim}, "
+                         f"layout={layout!r})")
     return local
+
+
+def _rows_broadcast(rows: list[int], q_lens: list[int]) -> bool:
+    """Whether a dense mask is one (.., 1, Sk) row for every query (True) or each rank's own rows.
+
+    A rank that holds one query reads its one-row mask the same way under both, so the
+    rows are each rank's own whenever every rank's row count is its query count.
+    """
+    if rows == q_lens:
+        return False
+    if all(n == 1 for n in rows):
+        return True
+    raise ValueError(f"attention_mask has {rows} rows on ranks 0..{len(rows) - 1} for {q_lens} queries; pass every "
+                     "rank the rows of its own queries (.., S_l, Sk), or every rank the same (.., 1, Sk) row")
 
 
 def attention(
@@ -404,17 +545,19 @@ def attention(
         _same_value_dim(k, v)  # the same contract at every world size
         return cast(Tensor, headwise.attention(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p,
                                                scale=scale, window=window, alibi_slopes=alibi_slopes))  # no weights
-    error, pad, dense, row, S_l, Sk_l = None, None, None, [0] * len(_FIELDS), -1, -1
+    error, pad, dense, row, S_l, Sk_l, mask_rows = None, None, None, [0] * len(_FIELDS), -1, -1, -1
     try:
-        pad, dense, row, S_l, Sk_l = _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale,
-                                                  dropout_p, method, layout)
+        pad, dense, row, S_l, Sk_l, mask_rows = _local_check(q, k, v, attention_mask, is_causal, window,
+                                                             alibi_slopes, scale, dropout_p, method, layout)
     except (TypeError, ValueError) as caught:
         error = caught
     device = _comm_device(group, q)
-    rows = _all_gather_rows([*row, S_l, Sk_l], group, world, device)
+    rows = _all_gather_rows([*row, S_l, Sk_l, mask_rows], group, world, device)
     _agree([r[:len(_FIELDS)] for r in rows], rank, world, error, layout)
-    q_lens = _lengths([int(r[-2]) for r in rows], world, layout, "q")
-    k_lens = _lengths([int(r[-1]) for r in rows], world, layout, "k/v")
+    q_lens = _lengths([int(r[-3]) for r in rows], world, layout, "q")
+    k_lens = _lengths([int(r[-2]) for r in rows], world, layout, "k/v")
+    # each rank's rows are its queries' unless every rank passes one row to broadcast
+    broadcast = dense is not None and _rows_broadcast([int(r[-1]) for r in rows], q_lens)
     S, Sk = sum(q_lens), sum(k_lens)
     if dense is not None and dense.shape[-1] != Sk:
         raise ValueError(f"attention_mask covers {dense.shape[-1]} keys, but the k shards hold Sk = {Sk}; "
@@ -428,8 +571,8 @@ def attention(
         method = choice.method
     if method == "ulysses":
         _ulysses.check_heads(H, Hkv, world)
-        return _ulysses_attention(q, k, v, pad, dense, q_lens, k_lens, rank, layout, group, is_causal=is_causal,
-                                  window=window, alibi_slopes=alibi_slopes, scale=scale)
+        return _ulysses_attention(q, k, v, pad, dense, broadcast, q_lens, k_lens, rank, layout, group,
+                                  is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, scale=scale)
     plan = _ring.RingPlan(q, k, S=S, Sk=Sk, rank=rank, world=world, layout=layout, dense=dense,
                           is_causal=is_causal, window=window, slopes=alibi_slopes, scale=scale)
     if pad is not None:  # bool stored inverted (True = blocked), ready for masked_fill
@@ -437,7 +580,7 @@ def attention(
     return _ring.ring_attention(q, k, v, pad, plan, _ring.Ring(group, rank, world))
 
 
-def _ulysses_attention(q, k, v, pad, dense, q_lens, k_lens, rank, layout, group, *, is_causal, window,
+def _ulysses_attention(q, k, v, pad, dense, broadcast, q_lens, k_lens, rank, layout, group, *, is_causal, window,
                        alibi_slopes, scale):
     world = len(q_lens)
     B, H, _, D = q.shape
@@ -451,7 +594,8 @@ def _ulysses_attention(q, k, v, pad, dense, q_lens, k_lens, rank, layout, group,
     if pad is not None:
         mask = _gather_seq(pad, -1, k_lens, layout, group)  # (B|1, Sk)
     elif dense is not None:
-        mask = dense if dense.shape[2] == 1 else _gather_seq(dense, 2, q_lens, layout, group)  # (B|1, H|1, S, Sk)
+        # (B|1, H|1, 1, Sk) broadcast, or every rank's rows gathered: (B|1, H|1, S, Sk)
+        mask = dense if broadcast else _gather_seq(dense, 2, q_lens, layout, group)
         if mask.shape[1] == H:
             mask = mask[:, rank * h:(rank + 1) * h]  # this rank's heads
     slopes = None if alibi_slopes is None else alibi_slopes[rank * h:(rank + 1) * h]
