@@ -7,8 +7,9 @@ Build it (warnings are errors, as in CI) with::
 
 The pages are Markdown (MyST); the API reference is rendered from the docstrings
 (autodoc, Google style through napoleon). Pictures, tables and the "how attention works"
-page are produced by the code while the site builds (``_ext/generated.py``): nothing
-generated is committed.
+page are produced by the code while the site builds (``_ext/generated.py``), except
+timings: a build never measures, it renders the benchmark run committed in
+``_measured/bench.json`` (written by ``python tools/measure_docs.py`` on a quiet machine).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ extensions = [
     "myst_parser",
     "constants",  # _ext/constants.py: module constants with the comments written beside them
     "generated",  # _ext/generated.py: runs headwise at build time for the generated pages and pictures
+    "viewcode_links",  # _ext/viewcode_links.py: the source pages' "[docs]" links land on their entries
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}

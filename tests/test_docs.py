@@ -2,13 +2,15 @@
 name, and the names its pages cite are the code's.
 
 The site is built once for this file (about half a minute: the build runs ``headwise
-explain`` and a quick ``headwise bench`` for its generated pages).
+explain`` for its generated pages; it times nothing, the benchmark tables are committed in
+docs/_measured/).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -98,7 +100,9 @@ def test_the_site_builds_with_every_page_and_picture(site):
     for picture in ("weights-padding.png", "weights-causal.png", "bench.png"):
         assert (site / "_images" / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
     bench = (site / "benchmarks.html").read_text()
-    assert "Measured while this site was built, on <strong>" in bench and "headwise auto" in bench
+    measured = json.loads((DOCS / "_measured" / "bench.json").read_text())["measured"]
+    assert f"Measured on <strong>{measured['cpu']}</strong>" in bench and "headwise auto" in bench
+    assert f"torch {measured['torch']}) on {measured['date']}" in bench and "not while this site was built" in bench
     attention = " ".join(re.sub(r"<[^>]+>", " ", (site / "attention.html").read_text()).split())  # the text
     assert "How multi-head attention works" in attention and "split heads q (4, 8, 10, 64)" in attention
 
@@ -211,3 +215,48 @@ def test_the_guides_python_examples_run(page, capsys):
     for block in blocks:
         exec(compile(block, f"docs/{page}", "exec"), {})  # the page's own example, as a reader runs it
     assert capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- issue 25: published numbers, links
+
+
+TIMING = ("run", "time_cases", "round_robin", "round_robin_ms", "attention_core", "decode_steps_us",
+          "measure_in_child")  # headwise.bench's functions that time something
+
+
+def test_a_docs_build_measures_nothing(monkeypatch, tmp_path):
+    """The build renders the committed benchmark run: it runs no `headwise bench` and calls none of
+    headwise.bench's timing functions (a busy build machine once published "130.79x")."""
+    from headwise import bench
+
+    monkeypatch.syspath_prepend(str(DOCS / "_ext"))
+    generated = importlib.import_module("generated")
+    source = ast.parse((DOCS / "_ext" / "generated.py").read_text())
+    imported = {alias.name for node in ast.walk(source) if isinstance(node, ast.ImportFrom)
+                and node.module == "headwise.bench" for alias in node.names}
+    assert imported and not imported & set(TIMING)
+    for name in TIMING:
+        monkeypatch.setattr(bench, name, lambda *a, name=name, **k: pytest.fail(f"the docs build called {name}"))
+    commands = []
+    monkeypatch.setattr(generated, "headwise_cli", lambda *args: commands.append(args) or "")
+    monkeypatch.setattr(generated, "GENERATED", tmp_path)
+    generated.generate(None)
+    assert commands and all("bench" not in args for args in commands)
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    measured = json.loads(generated.MEASURED.read_text())["measured"]
+    assert set(measured) == {"cpu", "torch", "date", "command"}
+    assert measured["command"].startswith("python tools/measure_docs.py")
+    assert f"Measured on **{measured['cpu']}**" in (tmp_path / "bench.md").read_text()
+
+
+def test_every_docs_link_on_the_source_pages_resolves(site):
+    """The "[docs]" links of the highlighted source pages (sphinx.ext.viewcode) land on an anchor."""
+    links, broken = 0, []
+    for page in (site / "_modules").rglob("*.html"):
+        for href in re.findall(r'<a class="viewcode-back" href="([^"]+)">', page.read_text()):
+            links += 1
+            target, _, anchor = href.partition("#")
+            html = (page.parent / target).resolve()
+            if not html.is_file() or f'id="{anchor}"' not in html.read_text():
+                broken.append(f"{page.relative_to(site)} -> {href}")
+    assert links > 100 and broken == []

@@ -1,14 +1,17 @@
 """Sphinx extension: the site's generated content, made by running headwise while the site builds.
 
-Nothing here is committed: at every build the ``headwise`` command writes, into
-``docs/_generated/``,
+A build computes what is deterministic and never times anything. At every build it writes,
+into ``docs/_generated/`` (not committed),
 
 - ``how-attention-works.md``: ``headwise explain --mask lengths 10,7,3,5 --markdown``;
 - ``weights-padding.png`` and ``weights-causal.png``: ``headwise explain ... --plot``, a mask
   and every head's attention weights;
-- ``equivalences.md``: the table ``headwise equivalences`` prints, from the same measurements;
-- ``bench.json``, ``bench.png`` and ``bench.md``: ``headwise bench --quick --json --plot``, its
-  tables, and the CPU it ran on.
+- ``equivalences.md``: the table ``headwise equivalences`` prints, from the same computations
+  (shapes, views and differences: no timings);
+- ``bench.md`` and ``bench.png``: the tables and the plot of the benchmark run committed in
+  ``docs/_measured/bench.json``, with the machine, torch version and date it was measured on.
+  That file is measured by one command, ``python tools/measure_docs.py``, on a quiet machine;
+  a build only renders it, so a busy build machine cannot publish its own noise.
 
 The pages pull them in with ``{include}`` and ``![...](_generated/...)``.
 """
@@ -25,12 +28,13 @@ from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
 from sphinx.util import logging
 
-from headwise import bench
+from headwise.bench import fmt_mib, fmt_ms, plot, ratio
 from headwise.equivalences import measure
 
 logger = logging.getLogger(__name__)
 
 GENERATED = Path(__file__).resolve().parents[1] / "_generated"
+MEASURED = Path(__file__).resolve().parents[1] / "_measured" / "bench.json"  # tools/measure_docs.py writes it
 EXPLAIN = ("explain", "--mask", "lengths", "10,7,3,5")  # the example README.md and the tests use
 
 
@@ -68,12 +72,17 @@ def equivalences_markdown() -> str:
                    "view of a non-contiguous input", "max abs diff vs the first form"], rows)
 
 
-def bench_markdown(report: dict, cpu: str) -> str:
-    """The tables ``headwise bench`` prints, as Markdown, under the machine they ran on."""
-    machine = report["machine"]
-    head = (f"Measured while this site was built, on **{cpu}** ({machine['cpus']} CPUs, "
-            f"{machine['threads']} torch threads, torch {machine['torch']}). Median milliseconds; a ratio is "
-            "time / baseline, so below 1 is faster than the baseline.\n\n")
+def bench_markdown(report: dict) -> str:
+    """The tables ``headwise bench`` prints, as Markdown, under the machine, torch version and date
+    of the measurement (``report["measured"]``, written by ``tools/measure_docs.py``)."""
+    machine, measured = report["machine"], report["measured"]
+    head = (f"Measured on **{measured['cpu']}** ({machine['cpus']} CPUs, {machine['threads']} torch threads, "
+            f"torch {machine['torch']}) on {measured['date']} with `{measured['command']}`, not while this "
+            "site was built. Median milliseconds; a ratio is time / baseline, so below 1 is faster than the "
+            "baseline.\n\n")
+    if report.get("unstable"):
+        head += ("**Not stable:** " + "; ".join(report["unstable"][:5])
+                 + ("; ..." if len(report["unstable"]) > 5 else "") + ".\n\n")
     memory = any(r["forward_peak_mib"] or r["train_peak_mib"] for r in report["results"])
     header = ["case", "implementation", "fwd ms", "/ SDPA module", "/ torch MHA", "fwd+bwd ms", "/ SDPA module",
               "/ torch MHA"] + (["peak fwd", "peak fwd+bwd"] if memory else [])
@@ -83,14 +92,14 @@ def bench_markdown(report: dict, cpu: str) -> str:
         base = {r["impl"]: r for r in group}
         sdpa, mha = base.get("SDPA module", {}), base.get("torch MHA", {})
         for i, r in enumerate(group):
-            row = [label if i == 0 else "", r["impl"], bench.fmt_ms(r["forward_ms"]),
-                   bench.ratio(r["forward_ms"], sdpa.get("forward_ms")),
-                   bench.ratio(r["forward_ms"], mha.get("forward_ms")), bench.fmt_ms(r["train_ms"]),
-                   bench.ratio(r["train_ms"], sdpa.get("train_ms")), bench.ratio(r["train_ms"], mha.get("train_ms"))]
+            row = [label if i == 0 else "", r["impl"], fmt_ms(r["forward_ms"]),
+                   ratio(r["forward_ms"], sdpa.get("forward_ms")),
+                   ratio(r["forward_ms"], mha.get("forward_ms")), fmt_ms(r["train_ms"]),
+                   ratio(r["train_ms"], sdpa.get("train_ms")), ratio(r["train_ms"], mha.get("train_ms"))]
             if memory:
-                row += [bench.fmt_mib(r["forward_peak_mib"]), bench.fmt_mib(r["train_peak_mib"])]
+                row += [fmt_mib(r["forward_peak_mib"]), fmt_mib(r["train_peak_mib"])]
             rows.append(row)
-    core = [[r["impl"], str(r["S"]), bench.fmt_ms(r["ms"]), f"{r['gflops']:.0f}", f"{r['matmul_gflops']:.0f}",
+    core = [[r["impl"], str(r["S"]), fmt_ms(r["ms"]), f"{r['gflops']:.0f}", f"{r['matmul_gflops']:.0f}",
              f"{r['of_matmul']:.0%}"] for r in report["core"]]
     return (head + "### Modules, forward and forward + backward\n\n" + _table(header, rows, left=2)
             + "\n### The attention core against the machine's matmul rate\n\n"
@@ -105,15 +114,17 @@ def bench_markdown(report: dict, cpu: str) -> str:
 
 
 def generate(app: Sphinx) -> None:
-    """Write everything in ``docs/_generated/`` anew."""
+    """Write everything in ``docs/_generated/`` anew (no timing: the benchmark tables are committed)."""
     GENERATED.mkdir(exist_ok=True)
     (GENERATED / "how-attention-works.md").write_text(headwise_cli(*EXPLAIN, "--markdown"))
     headwise_cli(*EXPLAIN, "--plot", str(GENERATED / "weights-padding.png"))
     headwise_cli(*EXPLAIN, "--causal", "--kv-heads", "2", "--plot", str(GENERATED / "weights-causal.png"))
     (GENERATED / "equivalences.md").write_text(equivalences_markdown())
-    headwise_cli("bench", "--quick", "--json", str(GENERATED / "bench.json"), "--plot", str(GENERATED / "bench.png"))
-    report = json.loads((GENERATED / "bench.json").read_text())
-    (GENERATED / "bench.md").write_text(bench_markdown(report, bench.cpu_name()))
+    if not MEASURED.is_file():
+        raise ExtensionError(f"{MEASURED} is missing; measure it with: python tools/measure_docs.py")
+    report = json.loads(MEASURED.read_text())
+    (GENERATED / "bench.md").write_text(bench_markdown(report))
+    plot(report, str(GENERATED / "bench.png"))  # drawn from the committed numbers: nothing is timed
 
 
 def setup(app: Sphinx) -> dict:

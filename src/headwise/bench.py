@@ -590,7 +590,7 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
                                matmul_n=1024 if quick else 2048, max_repeats=max_repeats, tolerance=tolerance)
     unstable += [f"core {r['impl']} S={r['S']}: median {spread_text(r['spread'])} after {r['rounds']} repeats"
                  for r in core if r["spread"] > tolerance]
-    return {
+    return _finite({
         "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__, "cpus": os.cpu_count()},
         "matmul_gflops": statistics.median(r["matmul_gflops"] for r in core),
         "results": [{**asdict(r), "case": {**asdict(r.case), "label": r.case.label(),
@@ -601,7 +601,16 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
         "max_repeats": max_repeats,
         "tolerance": tolerance,
         "unstable": unstable,
-    }
+    })
+
+
+def _finite(obj):
+    """``obj`` with every infinite float (a spread of fewer than 3 repeats) as None: strict JSON."""
+    if isinstance(obj, dict):
+        return {key: _finite(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(value) for value in obj]
+    return None if isinstance(obj, float) and obj == float("inf") else obj
 
 
 def ratio(a: float | None, b: float | None) -> str:
