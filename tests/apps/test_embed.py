@@ -189,8 +189,8 @@ def minilm_dir():
      "download the model again or give another --model"),
     ({"config__json": b"[1, 2]"}, r"config.json must hold a JSON object \(a dict of settings\), got a list"),
     ({"config__json": b"{not json"}, r"config.json is not valid JSON \(.*line 1"),
-    ({"config__json": b'{"model_type": "bert"}'}, r"config.json lacks vocab_size, hidden_size, num_attention_heads, .*; a BERT config.json "
-     "names them all"),
+    ({"config__json": b'{"model_type": "bert"}'},
+     r"config.json lacks vocab_size, hidden_size, num_attention_heads, .*; a BERT config.json names them all"),
 ])
 def test_a_broken_model_directory_is_a_one_line_error(tmp_path, minilm_dir, files, message):
     model = _model_copy(tmp_path, minilm_dir, **files)
