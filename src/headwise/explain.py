@@ -32,7 +32,7 @@ def memory_estimate_gib(batch: int, seq: int, dim: int, heads: int) -> float:
     """The peak memory an explain run of this size needs, roughly, in GiB.
 
     >>> round(memory_estimate_gib(4, 3000, 512, 8), 1)
-    4.4
+    4.7
     """
     return (_SCORE_COPIES * batch * heads * seq * seq + _TOKEN_COPIES * batch * seq * dim) * 4 / 2**30
 
