@@ -260,3 +260,24 @@ def test_every_docs_link_on_the_source_pages_resolves(site):
             if not html.is_file() or f'id="{anchor}"' not in html.read_text():
                 broken.append(f"{page.relative_to(site)} -> {href}")
     assert links > 100 and broken == []
+
+
+def test_measure_docs_records_the_machine_torch_date_and_command(monkeypatch, tmp_path):
+    """tools/measure_docs.py, the one command that writes the published tables."""
+    import importlib.util
+
+    from headwise import bench
+
+    spec = importlib.util.spec_from_file_location("measure_docs", ROOT / "tools" / "measure_docs.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda **kwargs: calls.append(kwargs) or {
+        "machine": {"torch": torch.__version__}, "unstable": ["core headwise sdpa S=256: median +-9%"]})
+    out = tmp_path / "bench.json"
+    assert tool.main(["--repeats", "3", "--out", str(out)]) == 1  # written, but a median did not settle
+    assert calls[0]["quick"] and calls[0]["repeats"] == 3 and not calls[0]["memory"]
+    measured = json.loads(out.read_text())["measured"]
+    assert measured["cpu"] == bench.cpu_name() and measured["torch"] == torch.__version__
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", measured["date"])
+    assert measured["command"] == f"python tools/measure_docs.py --repeats 3 --out {out}"
