@@ -497,7 +497,7 @@ def test_forward_packed_directly():
     torch.testing.assert_close(packing.unpack(out, info), mha(x, mask), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"packed x must be \(T, E\) with E = embed_dim = 32, got \(2, 6, 32\)"):
         mha.forward_packed(x, info.cu_seqlens)
-    with pytest.raises(ValueError, match=re.escape("lengths_q (6, 4) must be >= 0 and sum to the 9 packed rows of q")):
+    with pytest.raises(ValueError, match=re.escape("cu_seqlens must end at the 9 rows of x, got 10 ([0, 6, 10])")):
         headwise.MultiHeadAttention(E, H).forward_packed(torch.randn(9, E), info.cu_seqlens)
 
 

@@ -97,7 +97,16 @@ class KVCache:
 
     def __len__(self) -> int:
         """The positions seen so far (where the next one goes); :attr:`held` of them are in the buffers."""
-        return int(self.position) if self.static else self._length + self.evicted
+        if not self.static:
+            return self._length + self.evicted
+        position = int(self.position)
+        if not 0 <= position <= self.max_seq_len:
+            raise ValueError(self._bad_position(position))
+        return position
+
+    def _bad_position(self, position: int) -> str:
+        return (f"the static cache's position {position} is outside 0..max_seq_len = 0..{self.max_seq_len} (it "
+                "is the length written so far); call cache.reset() to start over")
 
     @property
     def held(self) -> int:
@@ -176,6 +185,8 @@ class KVCache:
             )
         if self.static and not policy.reads_values(self.position):
             return  # the length is a device tensor (or traced): index_copy_ refuses an overflow itself
+        if self.static and not 0 <= int(self.position) <= self.max_seq_len:
+            raise ValueError(self._bad_position(int(self.position)))
         if self.window is not None:
             kept = sum(self.kept())
             if kept + new > self.max_seq_len:
@@ -198,6 +209,76 @@ class KVCache:
             raise ValueError(f"cache.{method} grows a dynamic cache; this one is static (new_cache(..., static=True)): "
                              "step it with cache.update_static(k, v, mask)")
 
+    def check_mask(self, mask: Tensor | None, new: int) -> None:
+        """Raise what a step of ``new`` positions with this mask would raise, changing nothing.
+
+        :meth:`update` and :meth:`update_static` call it before they write, so a refused mask
+        leaves the cache as it was; :func:`~headwise.masks.normalize_mask` then checks what
+        every mask must be (a tensor, not complex, a shape that fits).
+
+        Raises:
+            TypeError: a complex mask; a floating 2-D padding mask (a bias cannot be remembered).
+            ValueError: a static cache's mask that is not (B, T); an evicting cache's 3-D /
+                4-D mask; a 2-D mask of another batch, or covering neither the ``new``
+                positions nor all ``len(cache) + new``.
+        """
+        if not isinstance(mask, Tensor):
+            return  # None, or not a tensor: normalize_mask names the type
+        if mask.is_complex():  # normalize_mask's words, so a cache step refuses it as a call without one
+            raise TypeError(f"attention_mask has dtype {mask.dtype}; use bool/integer (True = attend) or a "
+                            "real floating additive bias")
+        if self.static:
+            if mask.dim() != 2 or tuple(mask.shape) != (self.batch_size, new):
+                raise ValueError(f"a static cache takes a (B, T) = ({self.batch_size}, {new}) padding mask of the new "
+                                 f"positions (batch {self.batch_size}, {new} new), got a {mask.dim()}-D mask of "
+                                 f"shape {tuple(mask.shape)}; earlier positions are remembered")
+        elif self.evicts and mask.dim() != 2:
+            raise ValueError(f"an evicting cache takes a 2-D (B, T) or (B, len(cache) + T) padding mask, got a "
+                             f"{mask.dim()}-D mask of shape {tuple(mask.shape)}: after eviction its keys are not "
+                             "positions 0..Sk-1, so a (S, Sk) mask cannot name them")
+        if mask.dim() != 2:
+            return  # 3-D / 4-D masks cover (S, Sk): normalize_mask checks them
+        if mask.is_floating_point():
+            raise TypeError(
+                "with a cache, give the 2-D padding mask as bool or integer (True / 1 = token); "
+                "a floating (B, Sk) bias cannot be remembered across steps"
+            )
+        if mask.shape[0] != self.batch_size:
+            raise ValueError(f"attention_mask batch ({mask.shape[0]}) differs from the cache's "
+                             f"batch_size ({self.batch_size})")
+        seen = len(self) + new
+        if not self.static and mask.shape[-1] not in (new, seen):
+            raise ValueError(f"a cache step's 2-D mask covers the {new} new positions, (B, T) = "
+                             f"({self.batch_size}, {new}), or all of them, (B, len(cache) + T) = "
+                             f"({self.batch_size}, {seen}); got shape {tuple(mask.shape)}")
+
+    def savepoint(self, new: int) -> tuple:
+        """What a step of ``new`` positions may change, copied, for :meth:`rollback`: the
+        lengths and flags, the key mask and the slots the step (and its eviction) may write.
+        Cheap: ``new`` slots, or ``window - 1 + new`` for an evicting cache."""
+        if self.static:
+            slots = (self.position + torch.arange(new, device=self.position.device)).clamp(0, self.max_seq_len - 1)
+            return (self.position.clone(), self.key_mask.clone(), slots, self.k.index_select(2, slots),
+                    self.v.index_select(2, slots))
+        lo = self.kept()[0] if self.evicts else self._length  # eviction moves the recent slots to the sinks
+        hi = min(self._length + new, self.max_seq_len)
+        return (self._length, self.evicted, self.padded, self.key_mask[:, :hi].clone(), lo,
+                self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone())
+
+    def rollback(self, saved: tuple) -> None:
+        """Undo a step: back to what :meth:`savepoint` copied (after a refused call)."""
+        if self.static:
+            position, key_mask, slots, k, v = saved
+            self.position.copy_(position)
+            self.key_mask.copy_(key_mask)
+            self.k.index_copy_(2, slots, k)
+            self.v.index_copy_(2, slots, v)
+            return
+        self._length, self.evicted, self.padded, key_mask, lo, k, v = saved
+        self.key_mask[:, :key_mask.shape[1]] = key_mask
+        self.k[:, :, lo:lo + k.shape[2]] = k
+        self.v[:, :, lo:lo + v.shape[2]] = v
+
     def update_static(self, k: Tensor, v: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """A static cache's step: write T new positions at ``position`` with the same shapes every step.
 
@@ -215,12 +296,9 @@ class KVCache:
         """
         B, _, T, _ = k.shape
         self.check(B, T)
-        if mask is not None:
-            if mask.dim() != 2 or tuple(mask.shape) != (self.batch_size, T):
-                raise ValueError(f"a static cache takes a (B, T) = ({self.batch_size}, {T}) padding mask of the new "
-                                 f"positions, got shape {tuple(mask.shape)}; earlier positions are remembered")
-            if mask.is_floating_point():
-                raise TypeError("with a cache, give the 2-D padding mask as bool or integer (True / 1 = token)")
+        self.check_mask(mask, T)
+        if mask is not None and not isinstance(mask, Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
         positions = self.position + torch.arange(T, device=self.position.device)  # (T,)
         self.k.index_copy_(2, positions, k)  # (B, Hkv, T, D) into (B, Hkv, L_max, D); v the same with Dv
         self.v.index_copy_(2, positions, v)
@@ -243,28 +321,15 @@ class KVCache:
             mask as given; else None.
 
         Raises:
-            TypeError: a floating 2-D mask (an additive bias cannot be remembered).
-            ValueError: a 2-D mask whose batch differs from the cache's; a 3-D / 4-D mask
-                for an evicting cache (its keys are not the positions 0..L-1 such a mask names).
+            TypeError / ValueError: what :meth:`check_mask` refuses.
         """
         start, total = self._length, self._length + new  # the dynamic cache's (update_static masks itself)
         seen = len(self) + new  # = total until eviction drops positions
         if mask is None:
             return self.key_mask[:, :total] if self.padded else None  # (B, L)
-        if self.evicts and mask.dim() != 2:
-            raise ValueError(f"an evicting cache takes a 2-D (B, T) or (B, len(cache) + T) padding mask, got a "
-                             f"{mask.dim()}-D mask of shape {tuple(mask.shape)}: after eviction its keys are not "
-                             "positions 0..Sk-1, so a (S, Sk) mask cannot name them")
-        if mask.dim() != 2 or mask.shape[-1] not in (new, seen):
+        self.check_mask(mask, new)
+        if mask.dim() != 2:
             return mask  # 3-D / 4-D masks already cover (S, Sk); normalize_mask checks them
-        if mask.is_floating_point():
-            raise TypeError(
-                "with a cache, give the 2-D padding mask as bool or integer (True / 1 = token); "
-                "a floating (B, Sk) bias cannot be remembered across steps"
-            )
-        if mask.shape[0] != self.batch_size:
-            raise ValueError(f"attention_mask batch ({mask.shape[0]}) differs from the cache's "
-                             f"batch_size ({self.batch_size})")
         mask = mask.to(self.key_mask.device) != 0
         if mask.shape[-1] == new:
             mask = torch.cat([self.key_mask[:, :start], mask], dim=1)  # (B, L)
@@ -291,6 +356,7 @@ class KVCache:
         self._dynamic("update")
         B, _, T, _ = k.shape
         self.check(B, T)
+        self.check_mask(mask, T)  # before eviction and the write: a refused mask changes nothing
         self._evict()
         given, mask = mask, self.mask_for(mask, T)
         total = self._length + T

@@ -125,11 +125,14 @@ def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.
             r.batch, r.heads, r.kv_heads, r.q_len, r.k_len, r.head_dim,
             varlen_calls(list(r.key_lengths) * (r.batch // len(r.key_lengths))),
             is_causal=r.is_causal, training=r.requires_grad, costs=training if r.requires_grad else inference)
+        # the exact share for the words: key_padding is rounded to 0.05 (a memo key), and the
+        # module's path reason says the exact share of the same mask
+        share = 1.0 - sum(r.key_lengths) / (len(r.key_lengths) * r.k_len)
         if estimate.drops:
             return _VARLEN_ORDER, (
-                f"{r.key_padding:.0%} of the keys are padding: varlen drops them per row, {estimate}"
+                f"{share:.0%} of the keys are padding: varlen drops them per row, {estimate}"
             )
-        priced = f"; {r.key_padding:.0%} of the keys are padding, but {estimate}"
+        priced = f"; {share:.0%} of the keys are padding, but {estimate}"
     else:
         priced = ""
     per_query = r.is_causal or r.alibi or (r.mask_shape is not None and r.mask_shape[2] != 1)

@@ -26,6 +26,7 @@ fused ``qkv_weight`` / ``qkv_bias`` entry loads too)::
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from headwise.dispatch import Dispatch
 from headwise.functional import Prepared, attend, choose_backend
 from headwise.kernels.registry import get_kernel
 from headwise.masks import _canonical as canonical_mask
-from headwise.masks import alibi_slopes
+from headwise.masks import alibi_slopes, normalize_mask
 from headwise.positions import RotaryEmbedding, apply_rotary
 
 __all__ = ["FusedProjection", "MultiHeadAttention", "Plan"]
@@ -177,19 +178,76 @@ def _price_packing(lengths: tuple[int, ...], S: int, E: int, H: int, Hkv: int, c
     return "dense", f"{share:.0%} of the batch is padding, but {kind} {estimate}"
 
 
-def _zero_padding(out: Tensor, padding: Tensor) -> Tensor:
-    """``out`` (B, S, E) with zeros where ``padding`` (B, S) is False (padded positions).
+def _zero_padding(t: Tensor, padding: Tensor) -> Tensor:
+    """``t`` (B, S, E) with zeros where ``padding`` (B, S) is False (padded positions), whatever
+    ``t`` holds there, NaN and inf included (the NaN/inf contract: a padded position never
+    reaches a result).
 
-    A product with the 0/1 mask, not ``masked_fill``: on the CPU a broadcast ``masked_fill``
-    costs about 0.6 ns an element (41 us at B=8, S=64, E=128 on one Zen 5 thread), the
-    product 8 us, and its backward is one more product. Without autograd it is taken in
-    place on ``out_proj``'s fresh output, which saves allocating a (B, S, E) buffer. (A
-    padded row of finite values becomes zeros; the kernels keep every row finite.)
+    Not a product with the 0/1 mask (``NaN * 0`` is NaN), and not a broadcast ``masked_fill``
+    or ``torch.where`` (on the CPU about 7x the product's time). Where the mask's values can
+    be read, ``index_fill`` of the padded rows: about 2x the product forward and faster in
+    backward (measured at B=8, S=64, E=128 on one Zen 5 thread). In place on a fresh tensor
+    without autograd (``out_proj``'s output), which saves allocating a (B, S, E) buffer;
+    otherwise a copy (x itself is never written).
     """
-    keep = padding.unsqueeze(-1)  # (B, S, 1) bool: True (1) at a token, False (0) at padding
-    if out.requires_grad:
-        return out * keep  # (B, S, E)
-    return out.mul_(keep)
+    if not policy.reads_values(padding):  # on an accelerator, or traced: no host read of the mask
+        return torch.where(padding.unsqueeze(-1), t, t.new_zeros(()))  # (B, S, E)
+    rows = (~padding).flatten().nonzero().squeeze(1)  # (P,) flat indices of the padded positions
+    if rows.numel() == 0:
+        return t
+    flat = t.reshape(-1, t.shape[-1])  # (B * S, E)
+    return flat.index_fill(0, rows, 0).view(t.shape)  # (B, S, E)
+
+
+def _packed_lengths(cu_seqlens: Tensor, lengths: tuple[int, ...] | None, T: int) -> tuple[int, ...]:
+    """The sequence lengths of packed offsets ``cu_seqlens`` (B + 1,) over T rows, checked.
+
+    Where the offsets' values can be read (CPU, outside torch.compile) they must start at 0,
+    never decrease and end at T, and given ``lengths`` must be their differences; on an
+    accelerator, given ``lengths`` are trusted (reading the offsets would sync)."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor of int32/int64 offsets, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor (int32 or int64 offsets), got {cu_seqlens.dtype}; "
+                        "pass cu_seqlens.long()")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D (B + 1,) offsets, got shape {tuple(cu_seqlens.shape)}")
+    if lengths is not None:
+        lengths = tuple(int(n) for n in lengths)
+        if len(lengths) != cu_seqlens.numel() - 1:
+            raise ValueError(f"lengths {lengths} name {len(lengths)} sequences but cu_seqlens "
+                             f"{tuple(cu_seqlens.shape)} holds {cu_seqlens.numel() - 1}")
+        if not policy.reads_values(cu_seqlens):
+            return lengths
+    offsets = cu_seqlens.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 (sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]), got "
+                         f"{offsets[:4]}{' ...' if len(offsets) > 4 else ''}")
+    steps = [b - a for a, b in itertools.pairwise(offsets)]
+    if any(n < 0 for n in steps):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {offsets}")
+    if offsets[-1] != T:
+        raise ValueError(f"cu_seqlens must end at the {T} rows of x, got {offsets[-1]} ({offsets})")
+    if lengths is not None and lengths != tuple(steps):
+        raise ValueError(f"lengths {lengths} are not the differences of cu_seqlens {offsets} ({tuple(steps)}); "
+                         "pass lengths=None to read them from cu_seqlens")
+    return tuple(steps)
+
+
+def _as_padding(mask: Tensor) -> Tensor:
+    """A 2-D key mask as (B|1, Sk) bool, True at a key: bool/integer True / nonzero, float not -inf."""
+    if mask.dtype == torch.bool:
+        return mask
+    return ~torch.isneginf(mask) if mask.is_floating_point() else mask != 0
+
+
+def _zero_padding_(out: Tensor, padding: Tensor) -> Tensor:
+    """:func:`_zero_padding` in place where ``out`` (a fresh, contiguous output) takes no gradient."""
+    if out.requires_grad or not out.is_contiguous() or not policy.reads_values(padding):
+        return _zero_padding(out, padding)
+    rows = (~padding).flatten().nonzero().squeeze(1)  # (P,) flat indices of the padded positions
+    out.view(-1, out.shape[-1]).index_fill_(0, rows, 0)  # (B * S, E), in place
+    return out
 
 
 class MultiHeadAttention(nn.Module):
@@ -517,6 +575,7 @@ class MultiHeadAttention(nn.Module):
                 f"{tuple(x.shape)}"
                 + ("; add a batch dimension with x.unsqueeze(0)" if x.dim() == 2 else "")
             )
+        self._check_dtype_device("x", x)
         if context is None:
             return
         if not isinstance(context, Tensor):
@@ -530,6 +589,22 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"context batch ({context.shape[0]}) differs from x batch ({x.shape[0]})"
             )
+        self._check_dtype_device("context", context)
+
+    def _check_dtype_device(self, name: str, t: Tensor) -> None:
+        """``t`` (x or context) must be floating, on the parameters' device, and of their dtype
+        (under autocast, any floating dtype: autocast casts the projections' inputs)."""
+        w = self.qkv_weight
+        if not t.is_floating_point():
+            raise TypeError(f"{name} has dtype {t.dtype}; the module takes floating inputs (its parameters are "
+                            f"{w.dtype}): pass {name}.to({w.dtype})")
+        if t.device != w.device:
+            raise ValueError(f"{name} is on {t.device} but the module's parameters are on {w.device}; move one "
+                             f"to the other: {name}.to({str(w.device)!r}) or mha.to({str(t.device)!r})")
+        if t.dtype != w.dtype and not torch.is_autocast_enabled(t.device.type):
+            raise TypeError(f"{name} has dtype {t.dtype} but the module's parameters are {w.dtype}; convert one "
+                            f"to the other: {name}.to({w.dtype}) or mha.to({t.dtype}) (or run under "
+                            "torch.autocast)")
 
     def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """The three projections of (B, S, E) inputs, or of packed (T, E) tokens."""
@@ -647,6 +722,7 @@ class MultiHeadAttention(nn.Module):
         """:meth:`plan`; ``read``: (x's padding, its real tokens per row) where :meth:`_signature`
         has read them from this mask already."""
         self._check(x, context, cache)
+        self._check_mask(x, attention_mask, context, cache)
         causal = self.is_causal if is_causal is None else bool(is_causal)
         if self.context_parallel is not None:
             return Plan("context parallel", f"context_parallel={self.context_parallel}: x is this rank's shard of "
@@ -663,6 +739,22 @@ class MultiHeadAttention(nn.Module):
             return Plan("fused", fused, causal, padding, lengths)
         path, why = self._packing(x, padding, lengths, cache, need_weights, causal)
         return Plan(path, why, causal, padding, lengths)
+
+    def _check_mask(self, x: Tensor, mask: Tensor | None, context: Tensor | None, cache: KVCache | None) -> None:
+        """Refuse, before anything runs or changes, a mask that :meth:`forward` would refuse
+        (the kernels' :func:`~headwise.masks.normalize_mask`, and a cache's own rules)."""
+        if mask is None or self.context_parallel is not None:  # context parallelism checks its shards itself
+            return
+        B, S = x.shape[:2]
+        Sk = S if context is None else context.shape[1]
+        if cache is not None:
+            if isinstance(mask, Tensor):
+                cache.check_mask(mask, S)  # what a cache step takes (before normalize_mask's general rules)
+            Sk = cache.max_seq_len if cache.static else sum(cache.kept()) + S  # the keys the step attends
+            if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[-1] in (S, len(cache) + S):
+                Sk = mask.shape[-1]  # the new positions' padding, or every position's (remembered)
+        normalize_mask(mask, batch=B, heads=self.num_heads, q_len=S, k_len=Sk, device=x.device,
+                       dtype=self.qkv_weight.dtype)
 
     def _fuses(self, x: Tensor, mask: Tensor | None, lengths: tuple[int, ...] | None, context: Tensor | None,
                cache: KVCache | None, need_weights: bool, causal: bool) -> str | None:
@@ -782,34 +874,60 @@ class MultiHeadAttention(nn.Module):
                               None if key is None else (x_padding, x_lengths))
         if plan.path == "context parallel":
             return self._forward_context_parallel(x, attention_mask, context, plan.is_causal, need_weights, cache)
-        if key is not None and repeat is None and plan.path != "dense":  # the dense path remembers below
-            self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, None, plan.path == "packed"))
         if plan.path == "fused":
-            return self._forward_fused(x)
+            out = self._forward_fused(x)
+        elif plan.path == "packed":
+            out = self._forward_packed_path(x, plan)
+        elif cache is None or torch.compiler.is_compiling():
+            return self._forward_dense(x, attention_mask, context, plan, need_weights, cache, key, repeat)
+        else:  # a refused step (a kernel's refusal, an interrupt) leaves the cache as it was
+            saved = cache.savepoint(x.shape[1])
+            try:
+                return self._forward_dense(x, attention_mask, context, plan, need_weights, cache, key, repeat)
+            except BaseException:
+                cache.rollback(saved)
+                raise
+        if key is not None and repeat is None:  # remembered once it ran: a refused call changes no memo
+            self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, None, plan.path == "packed"))
+        return out
+
+    def _forward_packed_path(self, x: Tensor, plan: Plan) -> Tensor:
+        """The packed path of :meth:`forward`: (B, S, E) -> pack the real tokens -> attend per
+        length bucket -> unpack to (B, S, E), zeros at the padding."""
+        if trace.ACTIVE:
+            trace.begin_call()
+            trace.record("input", x, "x: (B, S, E)")
+        padding = cast(Tensor, plan.padding)  # the packed path always has x's padding
+        packed, info = packing.pack(x, padding)  # (T, E): the real tokens only
+        if trace.ACTIVE:
+            B, S = padding.shape
+            trace.record("pack", packed, f"keep the {info.tokens} real tokens of {B} x {S} positions "
+                         f"(drop {B * S - info.tokens} padded), {B} sequences end to end")
+        out = self._attend_packed(packed, info.cu_seqlens, info.lengths, info.positions, plan.is_causal,
+                                  rope_len=padding.shape[1])  # dynamic NTK scales by S, as the dense path
+        out = packing.unpack(out, info)  # (B, S, E), zeros at the padding
+        if trace.ACTIVE:
+            trace.record("unpack", out, "scatter the tokens back to (B, S, E); padded positions output zeros")
+        return out
+
+    def _forward_dense(self, x: Tensor, attention_mask: Tensor | None, context: Tensor | None, plan: Plan,
+                       need_weights: bool, cache: KVCache | None, key: tuple | None,
+                       repeat: _Repeat | None) -> Tensor | tuple[Tensor, Tensor]:
+        """The dense path of :meth:`forward` (the (B, S) batch, padding included; cache steps too)."""
         if trace.ACTIVE:
             trace.begin_call()
             trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
-        padding: Tensor | None  # (B, S) x's padding, or None
-        if plan.path == "packed":
-            padding = cast(Tensor, plan.padding)  # the packed path always has x's padding
-            packed, info = packing.pack(x, padding)  # (T, E): the real tokens only
-            if trace.ACTIVE:
-                B, S = padding.shape
-                trace.record("pack", packed, f"keep the {info.tokens} real tokens of {B} x {S} positions "
-                             f"(drop {B * S - info.tokens} padded), {B} sequences end to end")
-            out = self._attend_packed(packed, info.cu_seqlens, info.lengths, info.positions, plan.is_causal,
-                                      rope_len=padding.shape[1])  # dynamic NTK scales by S, as the dense path
-            out = packing.unpack(out, info)  # (B, S, E), zeros at the padding
-            if trace.ACTIVE:
-                trace.record("unpack", out, "scatter the tokens back to (B, S, E); padded positions output zeros")
-            return out
-        q, k, v = self._project_heads(x, context)  # (B, H, S, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv)
         causal, window, slopes, sink_tokens = plan.is_causal, self.window, self.alibi_slopes, self.sink_tokens
         padding = plan.padding
         if cache is None and _all_tokens(plan.lengths, x.shape[1]):
             attention_mask = padding = None  # every position is a token: the mask allows all, nothing to zero
             if trace.ACTIVE:
                 trace.record("padding mask", x, "every position of the 2-D mask is a real token: attend without it")
+        if padding is not None:  # what a padded position holds (NaN, inf) reaches no result and no gradient
+            x = _zero_padding(x, padding)
+        if context is not None and isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
+            context = _zero_padding(context, _as_padding(attention_mask))  # the context's padded keys, the same
+        q, k, v = self._project_heads(x, context)  # (B, H, S, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv)
         q, k = self._normalize(q, k)
         if cache is not None and cache.static:  # same shapes every step; positions are tensors
             q, k, v, attention_mask = self._static_step(q, k, v, cache, attention_mask, causal)
@@ -839,9 +957,11 @@ class MultiHeadAttention(nn.Module):
                 mask_4d = None if padding is None else canonical_mask(padding)  # (B, 1, 1, S)
                 attention = functional.prepare(q, k, v, attention_mask, mask_4d, is_causal=causal,
                                                dropout_p=dropout_p, backend=self.backend, key_lengths=key_lengths)
-            self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, attention, padding is not None))
             if attention is not None:  # what attend would run now, without looking it up again
-                return self._output(attention(q, k, v, mask_4d), padding)  # (B, S, E)
+                out = self._output(attention(q, k, v, mask_4d), padding)  # (B, S, E)
+                self._remember(key, _Repeat(plan.path, plan.why, plan.is_causal, attention, padding is not None))
+                return out
+            remember = _Repeat(plan.path, plan.why, plan.is_causal, None, padding is not None)
         out = attend(
             q, k, v, attention_mask,
             is_causal=causal,
@@ -857,7 +977,14 @@ class MultiHeadAttention(nn.Module):
         )
         out, weights = out if need_weights else (out, None)
         out = self._output(out, padding)  # (B, S, E)
-        return (out, cast(Tensor, weights)) if need_weights else out
+        if key is not None and repeat is None:  # remembered once it ran: a refused call changes no memo
+            self._remember(key, remember)
+        if not need_weights:
+            return out
+        weights = cast(Tensor, weights)  # (B, H, S, Sk)
+        if padding is not None:  # a padded query's output is zeros, and so are its weights
+            weights = weights.masked_fill(~padding[:, None, :, None], 0)
+        return out, weights
 
     def _forward_fused(self, x: Tensor) -> Tensor:
         """The fused path (see :meth:`_fuses`): (B, S, E) -> (B, S, E) in one op."""
@@ -870,6 +997,8 @@ class MultiHeadAttention(nn.Module):
         """:meth:`forward` of a remembered signature on the dense path: no checks, no plan,
         the attention call :func:`headwise.functional.prepare` made for it. (B, S, E) -> (B, S, E).
         ``padding``: (B, S), False at padding; None where there is none (no mask, or all tokens)."""
+        if padding is not None:  # what a padded position holds reaches no result and no gradient
+            x = _zero_padding(x, padding)
         q, k, v = self._project_heads(x, None)  # (B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
         if self.rope is not None or self.q_norm is not None:
             q, k = self._rotate(*self._normalize(q, k), 0)
@@ -889,7 +1018,7 @@ class MultiHeadAttention(nn.Module):
             trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b"
                          if self.v_head_dim == self.head_dim else "out_proj: (B, S, H*Dv) x (E, H*Dv)^T + b")
         if padding is not None:  # padded query positions output zeros, as the packed path gives
-            out = _zero_padding(out, padding)
+            out = _zero_padding_(out, padding)
             if trace.ACTIVE:
                 trace.record("zero padding", out, "padded positions (2-D mask False) output zeros")
         return out
@@ -955,20 +1084,21 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("context_parallel attends sharded whole sequences: it takes no cache= and no "
                              "need_weights=True; build the module without context_parallel for decoding")
         cp = self.context_parallel
+        padding = self._query_padding(x, attention_mask, context, None)  # (B, S_l) or None
+        if padding is not None:  # what a padded position holds reaches no result and no gradient
+            x = _zero_padding(x, padding)
         q, k, v = self._project_heads(x, context)  # (B, H, S_l, D), (B, Hkv, Sk_l, D)
         q, k = self._normalize(q, k)
         if self.rope is not None:  # rotate by global positions (dynamic NTK: by the global length)
-            S = hwd.global_length(x.shape[1], cp.group, x.device)
+            S, pos = hwd.global_positions(x.shape[1], cp.layout, cp.group, x.device)  # (S_l,); checks the split
             cos, sin = self.rope.angles(0, S, q.dtype, x.device)  # (S, D)
-            pos = hwd.positions(S, cp.layout, cp.group, x.device)  # (S_l,)
             cos, sin = cos.index_select(0, pos), sin.index_select(0, pos)  # (S_l, D)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = hwd.attention(q, k, v, attention_mask, is_causal=causal, window=self.window,
                             alibi_slopes=self.alibi_slopes, dropout_p=self.dropout if self.training else 0.0,
                             method=cp.method, layout=cp.layout, group=cp.group)  # (B, H, S_l, D)
         out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, S_l, D) -> (B, S_l, E)
-        padding = self._query_padding(x, attention_mask, context, None)
-        return out if padding is None else _zero_padding(out, padding)
+        return out if padding is None else _zero_padding_(out, padding)
 
     def _signature(self, x: Tensor, attention_mask: Tensor | None, context: Tensor | None, is_causal: bool | None,
                    need_weights: bool, cache: KVCache | None) -> tuple[tuple, Tensor | None, tuple | None] | None:
@@ -1051,15 +1181,17 @@ class MultiHeadAttention(nn.Module):
             cost follows the real token count.
 
         Raises:
-            ValueError: ``x`` not (T, E), or rows that do not match ``cu_seqlens``.
+            ValueError: ``x`` not (T, E); ``cu_seqlens`` not 1-D, not starting at 0, decreasing
+                or not ending at T; ``lengths`` that are not its differences.
+            TypeError: ``cu_seqlens`` not an integer tensor; ``x`` not of the module's dtype.
         """
         if self.context_parallel is not None:
             raise ValueError("forward_packed runs in one process; context_parallel takes (B, S_l, E) shards in forward")
         if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"packed x must be (T, E) with E = embed_dim = {self.embed_dim}, got "
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-        if lengths is None:
-            lengths = tuple(torch.diff(cu_seqlens).tolist())
+        self._check_dtype_device("x", x)
+        lengths = _packed_lengths(cu_seqlens, lengths, x.shape[0])
         if trace.ACTIVE:
             trace.begin_call()
             trace.record("input (packed)", x, f"x: (T, E), {len(lengths)} sequences end to end, no padding")
