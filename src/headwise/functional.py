@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from headwise.dispatch import logger as dispatch_logger
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros
 from headwise.kernels.registry import Call, Kernel, Request, find_kernel, takes
-from headwise.masks import _canonical, normalize_mask
+from headwise.masks import _canonical, check_mask_values, hide_excluded, normalize_mask
 
 __all__ = ["attention", "available_backends", "choose_backend"]
 
@@ -73,9 +74,28 @@ def _check_structure(q: Tensor, window: int | None, alibi_slopes: Tensor | None,
         if sinks.device != q.device:
             raise ValueError(f"sinks is on {sinks.device} but the queries are on {q.device}; "
                              "move it with sinks.to(q.device)")
+        if policy.reads_values(sinks) and bool(torch.isposinf(sinks).any()):
+            heads = torch.isposinf(sinks).nonzero().flatten().tolist()
+            raise ValueError(f"sinks holds +inf (head {', '.join(map(str, heads))}): the sink would take every "
+                             "row's whole probability and the softmax gives NaN; give finite logits (-inf: no sink)")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str) -> None:
+def _check_numbers(dropout_p, scale) -> None:
+    """``dropout_p`` and ``scale`` are real numbers (numpy's too), never bools or strings."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} ({dropout_p!r})")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            shown = "" if isinstance(scale, Tensor) else f" ({scale!r})"
+            raise TypeError(f"scale must be a float or None (None: 1 / sqrt(D)), got {type(scale).__name__}"
+                            f"{shown}; pass float(scale)")
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"scale must be finite, got {scale}; None gives 1 / sqrt(D)")
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: str, scale=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -101,6 +121,9 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: st
             "v (B, Hkv, Sk, Dv); only the last dimension (the head dim) may differ"
         )
     B, H, _, D = q.shape
+    if D == 0:
+        raise ValueError(f"head dim D must be >= 1, got q of shape {tuple(q.shape)}; "
+                         "give q and k at least one feature per head")
     if k.shape[0] != B:
         raise ValueError(f"q has batch {B} but k and v have batch {k.shape[0]}")
     if k.shape[-1] != D:
@@ -114,8 +137,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, backend: st
             f"q has {H} heads, which is not a multiple of k/v's {Hkv} heads; "
             "grouped-query attention needs num_heads % num_kv_heads == 0"
         )
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    _check_numbers(dropout_p, scale)
     if backend != "auto":
         get_kernel(backend)  # raises ValueError listing the known names
 
@@ -176,8 +198,8 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
 
 
 def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
-             window=None, alibi_slopes=None, softcap=None, sinks=None, sink_tokens=0):
-    _check_inputs(q, k, v, dropout_p, backend)
+             window=None, alibi_slopes=None, softcap=None, sinks=None, sink_tokens=0, scale=None):
+    _check_inputs(q, k, v, dropout_p, backend, scale)
     _check_structure(q, window, alibi_slopes, softcap, sinks, sink_tokens)
     B, H, S, _ = q.shape
     mask = normalize_mask(attention_mask, batch=B, heads=H, q_len=S, k_len=k.shape[2],
@@ -298,6 +320,9 @@ class Prepared:
         return find_kernel(self.kernel.name) is self.kernel
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        if mask is not None:
+            check_mask_values(mask)
+        q, k, v = hide_excluded(q, k, v, mask, is_causal=self.args["is_causal"])  # the NaN contract
         return self.kernel.fn(q, k, v, attention_mask=mask, **self.args)[0]  # (B, H, S, Dv)
 
 
@@ -362,7 +387,7 @@ def prepare(q, k, v, attention_mask=None, mask_4d=None, *, is_causal=False, drop
         return prepared
     if k.shape[-2] == 0:  # no keys: the full path checks the call and gives the contract's zeros
         return None
-    _, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, False, backend)
+    _, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, False, backend, scale=scale)
     args = _arguments(dispatch.request.is_causal, dropout_p, scale, q.shape[-1])
     # Read key counts, none zero and no causal rule: every query row has a key, so a kernel
     # that guards rows with none may skip the guard. Only where "auto" read them: they are
@@ -419,9 +444,14 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
             prepared = prepare(q, k, v, attention_mask, mask_4d, is_causal=is_causal, dropout_p=dropout_p,
                                scale=scale, backend=backend, key_lengths=key_lengths)
             if prepared is not None:  # prepared(q, k, v, mask_4d), one Python call fewer
+                if attention_mask is not None:
+                    check_mask_values(attention_mask)
+                q, k, v = hide_excluded(q, k, v, mask_4d, is_causal=prepared.args["is_causal"])  # the NaN contract
                 return prepared.kernel.fn(q, k, v, attention_mask=mask_4d, **prepared.args)[0]  # (B, H, S, Dv)
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
-                              backend, window, alibi_slopes, softcap, sinks, sink_tokens)
+                              backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale)
+    if attention_mask is not None:
+        check_mask_values(attention_mask)
     B, H, S, D = q.shape
     if trace.ACTIVE and trace.recording():
         if attention_mask is not None:
@@ -437,6 +467,9 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
     args = _arguments(dispatch.request.is_causal, dropout_p, scale, D, need_weights, window, alibi_slopes, softcap,
                       sinks, sink_tokens)
+    # What the mask excludes for every query must not reach a result, even as NaN or inf.
+    q, k, v = hide_excluded(q, k, v, mask, is_causal=dispatch.request.is_causal, window=window,
+                            sink_tokens=sink_tokens)
     out, weights = dispatch.kernel.fn(q, k, v, attention_mask=mask, **args)
     if trace.ACTIVE and trace.recording():
         call = Call(q, k, v, attention_mask=mask, **args, scale_given=scale is not None)

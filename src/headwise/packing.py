@@ -27,7 +27,7 @@ from torch import Tensor
 
 from headwise import policy
 from headwise import tracing as trace
-from headwise.functional import _check_structure, attend
+from headwise.functional import _check_numbers, _check_structure, attend
 from headwise.kernels.common import attached_zeros, length_buckets
 from headwise.kernels.registry import get_kernel
 
@@ -168,7 +168,7 @@ def packed_attention(
     """
     if trace.ACTIVE:
         trace.begin_call()
-    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks, sink_tokens)
+    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale)
     lengths_q = _lengths(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q")
     if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0]:
         lengths_k = lengths_q  # self-attention passes one tensor twice: read it once (a device sync)
@@ -225,7 +225,7 @@ def attend_packed(
     >>> attend_packed(q, k, v, (2, 3), (2, 3), is_causal=True).shape
     torch.Size([5, 2, 4])
     """
-    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks, sink_tokens)
+    _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale)
     lengths_q, lengths_k = tuple(lengths_q), tuple(lengths_k)
     if len(lengths_q) != len(lengths_k):
         raise ValueError(f"lengths_q has {len(lengths_q)} sequences but lengths_k has {len(lengths_k)}; "
@@ -244,7 +244,7 @@ def attend_packed(
 
 
 def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap=None, sinks=None,
-                  sink_tokens=0) -> None:
+                  sink_tokens=0, scale=None) -> None:
     """What attend would check per bucket, checked once up front (and also where no bucket runs)."""
     for name, t, shape in (("q", q, "(Tq, H, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):
         if not isinstance(t, Tensor):
@@ -265,14 +265,16 @@ def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap=Non
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (Tk, Hkv): k is (Tk, Hkv, D), "
                          "v (Tk, Hkv, Dv); only the head dim may differ")
     H, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    if D == 0:
+        raise ValueError(f"head dim D must be >= 1, got q of shape {tuple(q.shape)}; "
+                         "give q and k at least one feature per head")
     if k.shape[2] != D:
         raise ValueError(f"q head dim ({D}) differs from k head dim ({k.shape[2]}); "
                          "project q and k to the same head_dim (v may have its own)")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"q has {H} heads, which is not a multiple of k/v's {Hkv} heads; "
                          "grouped-query attention needs num_heads % num_kv_heads == 0")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    _check_numbers(dropout_p, scale)
     if backend != "auto":
         get_kernel(backend)  # raises ValueError listing the known names
     # q.shape[1] is H in (T, H, D) as in (B, H, S, D)

@@ -48,7 +48,8 @@ def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout
     """
     k, v, extra = _grouped(q, k, v)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **extra)  # (B, H, S, Dv)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale, **extra)  # (B, H, S, Dv)
+        return keep_nan_rows(out, q)
     dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
     if policy.reads_values(dead) and not bool(dead.any()):  # known live (a free read on the CPU):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
@@ -57,6 +58,19 @@ def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                          **extra)  # (B, H, S, Dv)
     return out.masked_fill(dead, 0.0)
+
+
+def keep_nan_rows(out: Tensor, q: Tensor) -> Tensor:
+    """``out`` (B, H, S, Dv) with NaN in the rows whose query (B, H, S, D) holds NaN or inf.
+
+    Without a mask, torch's CPU flash kernel returns a zero row for such a query (its row
+    maximum skips NaN, so the row looks as if it attended nothing), which would turn a
+    live NaN into zeros; ``out + 0 * rowsum(q)`` is NaN exactly there. Its backward is
+    already NaN, so the sum is taken outside autograd.
+    """
+    if not q.is_cpu:
+        return out
+    return torch.add(out, q.detach().sum(-1, keepdim=True), alpha=0)  # (B, H, S, Dv) + 0 * (B, H, S, 1)
 
 
 def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict]:
@@ -149,7 +163,7 @@ def sdpa_attention(
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
         )  # (B, H, S, Dv)
-        return out, None
+        return keep_nan_rows(out, q), None
     if known_live and not is_causal and window is None and alibi_slopes is None and sinks is None:
         # the mask alone, every row with a key: SDPA as is, without the dead-row guard's reduction
         # over the mask (~4 us a call on the CPU); with a rule folded in, the guard runs
@@ -164,8 +178,9 @@ def sdpa_attention(
 
 def _refuses(r: Request) -> str | None:
     if r.softcap:
+        # no advice here: a named backend's refusal ends with the backends that can serve it
         return ("cannot soft-cap the scores (softcap): F.scaled_dot_product_attention applies no function "
-                "between q k^T and the softmax; use backend 'chunked' or 'matmul'")
+                "between q k^T and the softmax")
     return None
 
 

@@ -160,7 +160,7 @@ def varlen_attention(
 def _refuses(r: Request) -> str | None:
     if r.softcap:
         return ("cannot soft-cap the scores (softcap): its buckets run F.scaled_dot_product_attention, which "
-                "applies no function between q k^T and the softmax; use backend 'chunked' or 'matmul'")
+                "applies no function between q k^T and the softmax")  # a refusal ends with the able backends
     return None
 
 
