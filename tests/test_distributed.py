@@ -112,6 +112,9 @@ ERROR_CASES = {
                                    r"\(2, 4, (?!\1)\d+, 8\)"),
     "mask-rows-mixed": ("ValueError", r"attention_mask has \[3, 1(, 2)*\] rows on ranks 0\.\.\d for \[3(, 2)+\] "
                                       r"queries"),
+    # a backward that runs on some ranks only would wait for the others until the group's timeout
+    "grad-disagree": ("ValueError", r"the ranks disagree on needs grad: \[1\.0, 0\.0"),
+    "unshard-grad": ("ValueError", r"unshard: the ranks disagree on needs grad: \[True, False"),
     "module-rope-misfit": ("ValueError", r"x shards hold \[\d+(, \d+)+\] positions on ranks 0\.\.\d, but layout "
                                          r"'zigzag' splits \d+ positions as"),
 }
@@ -278,6 +281,11 @@ def _run_error(hwd, name, rank, world):
         hwd.unshard(sq, dim=7 if rank == 1 else 2)
     elif name == "shard-length":  # rank 1 holds a longer sequence than the others
         hwd.shard(torch.cat([q, q[:, :, :1]], dim=2) if rank == 1 else q, dim=2)
+    elif name == "grad-disagree":
+        g = sq.detach().requires_grad_(rank == 0)
+        hwd.attention(g, sq, sq)
+    elif name == "unshard-grad":
+        hwd.unshard(sq.detach().requires_grad_(rank == 0), dim=2)
     elif name == "mask-rows-mixed":  # rank 1 broadcasts one row, rank 0 passes its queries' rows
         rows = 1 if rank == 1 else sq.shape[2]
         hwd.attention(sq, sq, sq, torch.ones(B, 1, rows, S, dtype=torch.bool))
@@ -530,6 +538,8 @@ def test_uninitialised_group_raises():
         hwd.attention(q, q, q)
     with pytest.raises(RuntimeError, match="not initialised"):
         hwd.shard(q, dim=2)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        hwd.global_positions(4)
 
 
 def test_a_dead_rank_fails_the_others_quickly(tmp_path):

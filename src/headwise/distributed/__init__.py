@@ -16,8 +16,9 @@ In every process, after ``torch.distributed.init_process_group(...)``::
     full = hwd.unshard(y, dim=2)                                # (B, H, S, D) on every rank
 
 Every rank validates its inputs, then one small all-gather of metadata checks that the
-ranks agree (shapes, flags, shard lengths); any problem raises on every rank before any
-data moves, so a mistake never hangs the group.
+ranks agree (shapes, dtype, layout, flags, shard lengths) in ``attention``, ``shard``,
+``unshard`` and ``global_positions``; any problem raises the same
+ValueError on every rank before any data moves, so a mistake never hangs the group.
 
 Legend: B batch, H query heads, Hkv key/value heads, S / Sk global query / key length,
 S_l / Sk_l this rank's lengths, D head dim, N world size.
@@ -151,7 +152,7 @@ _SHAPE_SLOTS = 8  # dims sent with the first exchange; a tensor of more dims sen
 
 
 def _tensor_row(what: str, t: Tensor, dim: int, layout: str) -> list[float]:
-    """This rank's (ndim, dtype, device type, layout, dim, shape[:8] padded with -1) for shard / unshard."""
+    """This rank's (ndim, dtype, device type, layout, dim, needs grad, shape[:8] padded with -1)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{what} takes a tensor, got {type(t).__name__}")
     check_layout(layout)
@@ -161,7 +162,8 @@ def _tensor_row(what: str, t: Tensor, dim: int, layout: str) -> list[float]:
     dtype = str(t.dtype).removeprefix("torch.")
     device = _DEVICE_TYPES.index(t.device.type) if t.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)
     shape = list(t.shape[:_SHAPE_SLOTS]) + [-1] * (_SHAPE_SLOTS - min(t.dim(), _SHAPE_SLOTS))
-    return [t.dim(), _DTYPE_NAMES.index(dtype), device, LAYOUTS.index(layout), dim % t.dim(), *shape]
+    grad = what == "unshard" and torch.is_grad_enabled() and t.requires_grad  # its backward is collective
+    return [t.dim(), _DTYPE_NAMES.index(dtype), device, LAYOUTS.index(layout), dim % t.dim(), int(grad), *shape]
 
 
 def _agree_tensors(what: str, t: Tensor, dim: int, layout: str, group, world: int, *,
@@ -172,22 +174,24 @@ def _agree_tensors(what: str, t: Tensor, dim: int, layout: str, group, world: in
     Returns every rank's shape.
     """
     device = _comm_device(group, t if isinstance(t, Tensor) else None)
-    rows = _checked_rows(lambda: _tensor_row(what, t, dim, layout), 5 + _SHAPE_SLOTS, group, world, device)
+    rows = _checked_rows(lambda: _tensor_row(what, t, dim, layout), 6 + _SHAPE_SLOTS, group, world, device)
     remedy = ("every rank must pass the same whole tensor, with the same dim and layout" if whole else
               "every rank must pass its own shard of one tensor, with the same dim and layout (hwd.shard(x, dim, "
               "layout) makes them)")
     fields: tuple[tuple[str, Callable[[float], object]], ...] = (
-        ("number of dims", int), ("dtype", lambda c: _DTYPE_NAMES[int(c)]),
-        ("device type", lambda c: (*_DEVICE_TYPES, "other")[int(c)]), ("layout", lambda c: LAYOUTS[int(c)]),
-        ("sequence dim", int))
+        ("the number of dims", int), ("the dtype", lambda c: _DTYPE_NAMES[int(c)]),
+        ("the device type", lambda c: (*_DEVICE_TYPES, "other")[int(c)]), ("the layout", lambda c: LAYOUTS[int(c)]),
+        ("the sequence dim", int), ("needs grad", bool))
     for i, (name, show) in enumerate(fields):
         values = [row[i] for row in rows]
         if len(set(values)) > 1:
-            raise ValueError(f"{what}: the ranks disagree on the {name}: {[show(v) for v in values]} on ranks "
-                             f"0..{world - 1}; {remedy}")
+            why = remedy if name != "needs grad" else ("its backward is collective: every rank's shard must "
+                                                       "require grad (under grad mode), or none")
+            raise ValueError(f"{what}: the ranks disagree on {name}: {[show(v) for v in values]} on ranks "
+                             f"0..{world - 1}; {why}")
     ndim, seq = int(rows[0][0]), int(rows[0][4])
     if ndim <= _SHAPE_SLOTS:
-        shapes = [[int(x) for x in row[5:5 + ndim]] for row in rows]
+        shapes = [[int(x) for x in row[6:6 + ndim]] for row in rows]
     else:  # every rank has the same ndim: one more exchange of the whole shape
         shapes = [[int(x) for x in row] for row in _all_gather_rows(list(t.shape), group, world, device)]
     # a shard's length along dim is checked against the layout by the caller: shown as *
@@ -237,7 +241,8 @@ def global_positions(local_len: int, layout: str = "zigzag", group=None,
                      device: torch.device | str | None = None) -> tuple[int, Tensor]:
     """The global length and this rank's global positions, from this rank's shard length (one all-gather).
 
-    Unlike :func:`global_length` then :func:`positions`, it checks that the ranks' lengths are
+    Unlike :func:`~headwise.distributed.global_length` then
+    :func:`~headwise.distributed.positions`, it checks that the ranks' lengths are
     the layout's split of their sum, so a shard made some other way is the same ValueError on
     every rank, not a size mismatch on some and a hang on the others.
 
@@ -248,7 +253,7 @@ def global_positions(local_len: int, layout: str = "zigzag", group=None,
         device: where to build the positions (and, with gloo, where the metadata travels).
 
     Returns:
-        (S, positions): the global length and (S_l,) int64 positions in the shard's order.
+        The global length S and this rank's (S_l,) int64 positions, in the shard's order.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
@@ -273,6 +278,9 @@ def global_positions(local_len: int, layout: str = "zigzag", group=None,
 
 def shard(x: Tensor, dim: int = 1, layout: str = "zigzag", group=None) -> Tensor:
     """This rank's part of ``x`` along ``dim`` (a view for ``"contiguous"``, a copy for ``"zigzag"``).
+
+    Every rank of ``group`` calls it with the same whole tensor: one small all-gather of
+    metadata checks its shape, dtype, device type, dim and layout on every rank.
 
     Args:
         x: the whole tensor, the same on every rank, e.g. (B, S, E) with ``dim=1`` or
@@ -402,7 +410,7 @@ tensor, then the local 'auto' kernel attends whole sequences
 
 _FIELDS = ("inputs valid", "batch B", "num_heads H", "num_kv_heads Hkv", "head_dim D", "dtype", "is_causal",
            "window", "alibi", "scale", "mask kind", "mask batch", "mask heads", "mask key length", "method", "layout",
-           "dropout_p", "device type")
+           "dropout_p", "device type", "needs grad")
 _MASK_KINDS = ("none", "bool (B, Sk_l) key padding", "float (B, Sk_l) key padding", "bool (.., S_l, Sk)",
                "float (.., S_l, Sk)")
 
@@ -447,7 +455,8 @@ def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale
     row = [1, B, H, k.shape[1], D, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, int(bool(is_causal)),
            -1 if window is None else window, int(alibi_slopes is not None), -1.0 if scale is None else float(scale),
            mask_kind, mask_b, mask_h, mask_sk, METHODS.index(method), LAYOUTS.index(layout),
-           float(dropout_p), 0 if q.device.type == "cpu" else 1]
+           float(dropout_p), 0 if q.device.type == "cpu" else 1,
+           int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))]  # backward is collective
     return pad, dense, row, S_l, Sk_l, mask_rows
 
 
@@ -463,8 +472,10 @@ def _agree(rows: list[list[float]], rank: int, world: int, error: Exception | No
         values = [row[i] for row in rows]
         if len(set(values)) > 1:
             shown = [_MASK_KINDS[int(x)] if name == "mask kind" else x for x in values]
-            raise ValueError(f"the ranks disagree on {name}: {shown} on ranks 0..{world - 1}; every rank must "
-                             "pass tensors of the same batch, heads, head dim and dtype, and the same flags")
+            why = ("every rank must pass tensors of the same batch, heads, head dim and dtype, and the same flags"
+                   if name != "needs grad" else "the backward is collective: q, k or v must require grad (under "
+                   "grad mode) on every rank, or on none")
+            raise ValueError(f"the ranks disagree on {name}: {shown} on ranks 0..{world - 1}; {why}")
 
 
 def _lengths(local: list[int], world: int, layout: str, what: str, dim: int = 2) -> list[int]:
