@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import headwise
-from headwise.bench import SDPAModule, cpu_name
+from headwise.bench import SDPAModule, copy_weights, cpu_name
 
 # The issue's rows first, then the grid.
 ISSUE_ROWS = [(1, 32, 256, 4, 0.0), (8, 64, 128, 4, 0.42), (8, 128, 256, 4, 0.32), (16, 128, 384, 6, 0.21),
@@ -71,10 +71,7 @@ def pair(B, S, E, H, pad, repeats, paths=False, window=10e-3) -> Row:
     torch.manual_seed(0)
     ours = headwise.MultiHeadAttention(E, H)
     ref = SDPAModule(E, H)
-    with torch.no_grad():
-        ref.qkv.weight.copy_(ours.qkv_weight)  # (3E, E): q, k, v rows stacked
-        ref.qkv.bias.copy_(ours.qkv_bias)
-        ref.out.load_state_dict(ours.out_proj.state_dict())
+    copy_weights(ref, ours)  # (3E, E): q, k, v rows stacked
     x = torch.randn(B, S, E, generator=gen)
     n = lengths(B, S, pad, gen)
     mask = None if pad == 0 else torch.arange(S)[None, :] < n[:, None]  # (B, S) True = token

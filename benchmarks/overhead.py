@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import headwise
 from headwise.bench import cpu_name, decode_steps_us
+from headwise.module import fused
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -71,11 +72,11 @@ def fused_rows(args, shapes=FUSED_SHAPES) -> list[tuple[int, int, int, int, floa
         x = torch.randn(B, S, E)
         calls = max(2, int(args.calls * 4096 / (B * S * E)))  # about as long a repeat at every size
         with torch.no_grad():
-            fused, dense = functools.partial(mha._forward_fused, x), functools.partial(mha, x)
-            torch.testing.assert_close(fused(), dense(), atol=1e-5, rtol=1e-5)
+            fused_call, dense = functools.partial(fused.forward, mha, x), functools.partial(mha, x)
+            torch.testing.assert_close(fused_call(), dense(), atol=1e-5, rtol=1e-5)
             times: tuple[list[float], list[float]] = ([], [])
             for _ in range(args.repeats):
-                for fn, acc in zip((fused, dense), times, strict=True):
+                for fn, acc in zip((fused_call, dense), times, strict=True):
                     start = clock()
                     for _ in range(calls):
                         fn()

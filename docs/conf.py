@@ -74,6 +74,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(?!headwise\.).*"),
     (r"py:.*", r"headwise(\.\w+)*\._\w+.*"),
     (r"py:func", r"headwise\.functional\.attend"),  # the internal entry point kernels' docs name
+    (r"py:(func|class)", r"headwise\.functional\.(prepare|Prepared)"),  # the memo's internal call (module/memo.py)
 ]
 
 html_theme = "furo"

@@ -108,7 +108,8 @@ def test_static_cache_bookkeeping_and_errors():
         cache.append(torch.randn(B, H, 1, E // H), torch.randn(B, H, 1, E // H))
     cache.reset()
     assert len(cache) == 0 and bool(cache.key_mask.all())
-    d = mha.dispatch(torch.randn(B, 1, E), cache=cache, is_causal=True)
+    with torch.no_grad():
+        d = mha.dispatch(torch.randn(B, 1, E), cache=cache, is_causal=True)
     assert d.request.k_len == 4 and d.request.mask_shape == (B, 1, 1, 4) and not d.request.is_causal
 
 
@@ -196,7 +197,8 @@ def test_dispatch_with_cache_sees_every_cached_key_and_changes_nothing():
     cache = mha.new_cache(2, 8)
     with torch.no_grad():
         mha(torch.randn(2, 5, E), torch.ones(2, 5, dtype=torch.bool), cache=cache, is_causal=True)
-    d = mha.dispatch(torch.randn(2, 1, E), cache=cache, is_causal=True)
+    with torch.no_grad():  # as forward, dispatch refuses a cache step with gradients
+        d = mha.dispatch(torch.randn(2, 1, E), cache=cache, is_causal=True)
     assert d.request.k_len == 6 and d.request.q_len == 1 and d.request.mask_shape == (2, 1, 1, 6)
     assert len(cache) == 5
 
@@ -323,7 +325,8 @@ def test_dispatch_with_an_evicting_cache_changes_nothing():
         for _ in range(8):
             mha(torch.randn(B, 1, E), cache=cache)
     before = (len(cache), cache.held, cache.evicted, cache.k.clone())
-    d = mha.dispatch(torch.randn(B, 1, E), cache=cache)
+    with torch.no_grad():
+        d = mha.dispatch(torch.randn(B, 1, E), cache=cache)
     assert d.request.k_len == sum(cache.kept()) + 1 == 4 and not d.request.is_causal and d.request.sink_tokens == 0
     assert (len(cache), cache.held, cache.evicted) == before[:3] and torch.equal(cache.k, before[3])
 

@@ -279,7 +279,7 @@ def test_heavy_key_padding_on_cpu_picks_varlen_when_priced_lower_and_says_why(mo
     monkeypatch.setattr(headwise.policy, "INFERENCE_COSTS", dear)
     with torch.no_grad():
         d = choose_backend(q, k, v, keys)
-    assert d.backend == "sdpa" and d.reason.startswith("PyTorch's fused kernel is the fastest dense path; 55% of "
+    assert d.backend == "sdpa" and d.reason.startswith("PyTorch's fused kernel is the fastest dense path; 56% of "
                                                        "the keys are padding, but estimated varlen")
     monkeypatch.setattr(headwise.policy, "VARLEN_MIN_PADDING", 0.99)  # not priced below it
     assert choose_backend(q, k, v, keys).reason == "PyTorch's fused kernel is the fastest dense path"

@@ -18,6 +18,7 @@ from headwise import MultiHeadAttention, available_backends, policy
 from headwise import trace as headwise_trace
 from headwise.kernels.registry import get_kernel
 from headwise.masks import from_torch_masks
+from headwise.module import plan as planning
 from headwise.reference import MHSA, MultiHeadAttentionFormal, to_headwise_state_dict
 
 B, S, Sk, E, H = 2, 5, 3, 16, 4
@@ -376,7 +377,9 @@ def test_from_torch_gradients_match(backend):
     grad_out = torch.randn(B, S, E)
     (run_torch(m, x, kpm, am, need_weights=False)[0] * grad_out).sum().backward()
     (ours(x, from_torch_masks(kpm, am)) * grad_out).sum().backward()
-    in_w, in_b = ours.qkv_weight.grad, ours.qkv_bias.grad  # q, k, v rows stacked, as torch's in_proj
+    projections = (ours.q_proj, ours.k_proj, ours.v_proj)
+    in_w = torch.cat([p.weight.grad for p in projections])  # (3E, E): q, k, v rows stacked, as torch's in_proj
+    in_b = torch.cat([p.bias.grad for p in projections])
     close(in_w, m.in_proj_weight.grad)
     close(in_b, m.in_proj_bias.grad)
     close(ours.out_proj.weight.grad, m.out_proj.weight.grad)
@@ -677,16 +680,17 @@ def test_dispatch_checks_and_uses_context_and_cache_like_forward():
     with torch.no_grad():
         mha(x, cache=cache, is_causal=True)  # prefill 4 positions, no padding
     step_mask = torch.tensor([[0], [1]])  # the new position of row 0 is padding
-    d = mha.dispatch(x[:, :1], step_mask, cache=cache, is_causal=True)
+    with torch.no_grad():  # a cache step runs without gradients; dispatch refuses what forward refuses
+        d = mha.dispatch(x[:, :1], step_mask, cache=cache, is_causal=True)
     assert d.backend != "varlen" and d.request.k_len == 5 and d.request.mask_shape == (B, 1, 1, 5)
     assert len(cache) == 4 and not cache.padded  # dispatch computes, it does not append or remember
 
 
 @pytest.mark.parametrize("n, around, hint", [(9, 2, "1 or 3"), (8, 1, "2"), (8, 4, "2 or 8"), (12, 12, "6")])
 def test_divisor_hints_are_the_nearest_divisors_strictly_below_and_above(n, around, hint):
-    from headwise.module import _divisors_near
+    from headwise.module.checks import divisors_near
 
-    assert _divisors_near(n, around) == hint
+    assert divisors_near(n, around) == hint
 
 
 @pytest.mark.parametrize("x, got", [([[0.0] * E], "list"), (torch.randn(2, 3, E), "(2, 3, 16)"),
@@ -746,26 +750,25 @@ def test_a_float_padding_mask_cannot_be_remembered_by_a_cache():
         mha(torch.randn(B, 2, E), torch.zeros(B, 2), cache=mha.new_cache(B, 4))
 
 
-# --- one fused qkv parameter, the projections as views -------------------------------------------
+# --- the projections are ordinary nn.Linear modules --------------------------------------------
 
 
-def test_the_projections_are_views_of_one_fused_parameter():
+def test_the_projections_are_ordinary_linear_modules():
     mha = MultiHeadAttention(E, H, num_kv_heads=2)
     kv = 2 * (E // H)
-    assert [n for n, _ in mha.named_parameters()] == ["qkv_weight", "qkv_bias", "out_proj.weight", "out_proj.bias"]
-    assert mha.qkv_weight.shape == (E + 2 * kv, E)
+    assert [n for n, _ in mha.named_parameters()] == [
+        "q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+        "out_proj.weight", "out_proj.bias"]
+    assert all(type(m) is nn.Linear for m in (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj))
     assert (mha.q_proj.weight.shape, mha.k_proj.weight.shape, mha.v_proj.bias.shape) == ((E, E), (kv, E), (kv,))
-    assert mha.k_proj.weight.data_ptr() == mha.qkv_weight[E:].data_ptr()  # a view, no copy
-    with torch.no_grad():
-        mha.v_proj.weight.fill_(0.5)  # writing the view writes the fused parameter
-    assert (mha.qkv_weight[E + kv:] == 0.5).all()
     x = torch.randn(B, S, E)
-    before = mha.q_proj.weight.clone()
-    torch.optim.SGD(mha.parameters(), lr=0.1).zero_grad()
-    mha(x).sum().backward()
-    torch.optim.SGD(mha.parameters(), lr=0.1).step()
-    assert not torch.equal(mha.q_proj.weight, before)  # trained through the fused parameter
-    assert "rows 0:16 of qkv_weight" in repr(mha)
+    before = [p.weight.clone() for p in (mha.q_proj, mha.k_proj, mha.v_proj)]
+    opt = torch.optim.SGD(mha.parameters(), lr=0.1)
+    mha(x, is_causal=True).sum().backward()
+    opt.step()
+    assert all(not torch.equal(p.weight, b) for p, b in zip((mha.q_proj, mha.k_proj, mha.v_proj), before,
+                                                             strict=True))
+    assert "(q_proj): Linear(in_features=16, out_features=16, bias=True)" in repr(mha)
 
 
 def test_state_dict_keeps_the_separate_names_and_loads_old_and_fused_checkpoints():
@@ -774,24 +777,28 @@ def test_state_dict_keeps_the_separate_names_and_loads_old_and_fused_checkpoints
 
     mha = MultiHeadAttention(E, H, num_kv_heads=2)
     sd = mha.state_dict()
-    assert list(sd) == ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
+    assert list(sd) == ["q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight",
                         "v_proj.bias", "out_proj.weight", "out_proj.bias"]
-    old = {k: v.clone() for k, v in sd.items()}  # the layout of earlier versions (three nn.Linear)
+    old = {k: v.clone() for k, v in sd.items()}
     fresh = MultiHeadAttention(E, H, num_kv_heads=2)
     assert not fresh.load_state_dict(old).missing_keys
-    torch.testing.assert_close(fresh.qkv_weight, mha.qkv_weight, rtol=0, atol=0)
-    fused = {"qkv_weight": mha.qkv_weight.detach().clone(), "qkv_bias": mha.qkv_bias.detach().clone(),
+    for name, value in old.items():
+        torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0)
+    projections = (mha.q_proj, mha.k_proj, mha.v_proj)
+    fused = {"qkv_weight": torch.cat([p.weight.detach() for p in projections]),  # earlier versions' layout
+             "qkv_bias": torch.cat([p.bias.detach() for p in projections]),
              "out_proj.weight": mha.out_proj.weight.detach(), "out_proj.bias": mha.out_proj.bias.detach()}
     again = MultiHeadAttention(E, H, num_kv_heads=2)
-    again.load_state_dict(fused)
-    torch.testing.assert_close(again.qkv_weight, mha.qkv_weight, rtol=0, atol=0)
+    assert not again.load_state_dict(fused).missing_keys
+    for name, value in old.items():
+        torch.testing.assert_close(again.state_dict()[name], value, rtol=0, atol=0)
     partial = {k: v for k, v in old.items() if k != "k_proj.weight"}
     result = MultiHeadAttention(E, H, num_kv_heads=2).load_state_dict(partial, strict=False)
-    assert "qkv_weight" in result.missing_keys and "q_proj.weight" in result.unexpected_keys
+    assert result.missing_keys == ["k_proj.weight"] and result.unexpected_keys == []
     for clone in (copy.deepcopy(mha), pickle.loads(pickle.dumps(mha))):
-        assert clone.q_proj._owner is clone and clone.q_proj.weight.data_ptr() == clone.qkv_weight.data_ptr()
+        torch.testing.assert_close(clone.q_proj.weight, mha.q_proj.weight, rtol=0, atol=0)
     nobias = MultiHeadAttention(E, H, bias=False)
-    assert nobias.qkv_bias is None and nobias.q_proj.bias is None and "q_proj.bias" not in nobias.state_dict()
+    assert nobias.q_proj.bias is None and "q_proj.bias" not in nobias.state_dict()
 
 
 def test_a_mask_without_padding_is_dropped_and_padded_rows_are_zeroed_in_place():
@@ -823,21 +830,20 @@ def test_value_head_dim_sizes_the_v_and_output_projections():
     mha = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV)
     D = E // H
     assert (mha.head_dim, mha.v_head_dim) == (D, DV)
-    assert mha.qkv_weight.shape == (E + 2 * D + 2 * DV, E)
     shapes = {k: tuple(v.shape) for k, v in mha.state_dict().items()}
     assert shapes == {
         "q_proj.weight": (E, E), "k_proj.weight": (2 * D, E), "v_proj.weight": (2 * DV, E),
         "q_proj.bias": (E,), "k_proj.bias": (2 * D,), "v_proj.bias": (2 * DV,),
         "out_proj.weight": (E, H * DV), "out_proj.bias": (E,),
     }
-    assert "v_head_dim=6" in repr(mha) and "rows 24:36 of qkv_weight" in repr(mha.v_proj)
-    fresh = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV)
-    fresh.load_state_dict(mha.state_dict())  # the separate names, as saved
-    torch.testing.assert_close(fresh.qkv_weight, mha.qkv_weight, rtol=0, atol=0)
-    fused = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV)
-    fused.load_state_dict({"qkv_weight": mha.qkv_weight.detach(), "qkv_bias": mha.qkv_bias.detach(),
+    assert "v_head_dim=6" in repr(mha) and "Linear(in_features=16, out_features=12" in repr(mha.v_proj)
+    projections = (mha.q_proj, mha.k_proj, mha.v_proj)
+    fused = MultiHeadAttention(E, H, num_kv_heads=2, v_head_dim=DV)  # an earlier version's fused checkpoint
+    fused.load_state_dict({"qkv_weight": torch.cat([p.weight.detach() for p in projections]),
+                           "qkv_bias": torch.cat([p.bias.detach() for p in projections]),
                            **{k: v for k, v in mha.state_dict().items() if k.startswith("out_proj")}})
-    torch.testing.assert_close(fused.qkv_weight, mha.qkv_weight, rtol=0, atol=0)
+    for name, value in mha.state_dict().items():
+        torch.testing.assert_close(fused.state_dict()[name], value, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -861,8 +867,8 @@ def test_value_head_dim_and_sinks_match_the_float64_reference(backend, case, ref
     assert out.shape == (B, 7, E)
     torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
     g = torch.randn(out.shape, dtype=torch.float64)
-    for got, exact in zip(torch.autograd.grad(out, (x, mha.qkv_weight, mha.out_proj.weight), g),
-                          torch.autograd.grad(want, (x, mha.qkv_weight, mha.out_proj.weight), g), strict=True):
+    leaves = (x, mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight, mha.out_proj.weight)
+    for got, exact in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, leaves, g), strict=True):
         torch.testing.assert_close(got, exact, atol=1e-10, rtol=1e-10)
 
 
@@ -953,8 +959,8 @@ def test_masks_of_one_shape_and_other_lengths_each_get_their_own_result():
 
 def _counting_plans(monkeypatch):
     planned = []
-    real = MultiHeadAttention._plan  # plan() and forward's planning
-    monkeypatch.setattr(MultiHeadAttention, "_plan", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    real = planning.make_plan  # plan() and forward's planning
+    monkeypatch.setattr(planning, "make_plan", lambda *a, **kw: planned.append(1) or real(*a, **kw))
     return planned
 
 

@@ -100,7 +100,7 @@ def test_a_step_refused_by_the_kernel_after_the_cache_update_rolls_it_back(kind,
     def refuse(*args, **kwargs):
         raise ValueError("the kernel refuses")
 
-    monkeypatch.setattr("headwise.module.attend", refuse)
+    monkeypatch.setattr("headwise.module.cached.attend", refuse)
     with torch.no_grad(), pytest.raises(ValueError, match="the kernel refuses"):
         mha(torch.rand(2, 1, E), cache=cache)
     _assert_same(cache, before)

@@ -75,6 +75,17 @@ class SDPAModule(nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, S, E))  # (B, S, E)
 
 
+def copy_weights(target: SDPAModule | SDPADecoder, mha: headwise.MultiHeadAttention) -> None:
+    """Copy ``mha``'s weights into a minimal module with one fused ``qkv`` and an ``out``
+    ``nn.Linear``: q, k and v stacked as (3E, E) rows."""
+    projections = (mha.q_proj, mha.k_proj, mha.v_proj)
+    with torch.no_grad():
+        target.qkv.weight.copy_(torch.cat([p.weight for p in projections]))  # (3E, E)
+        if target.qkv.bias is not None:
+            target.qkv.bias.copy_(torch.cat([p.bias for p in projections]))
+        target.out.load_state_dict(mha.out_proj.state_dict())
+
+
 class SDPADecoder(nn.Module):
     """The plain decoder people write: fused qkv, SDPA on a preallocated (B, H, L, D) cache, out."""
 
@@ -101,11 +112,7 @@ class SDPADecoder(nn.Module):
     def like(cls, mha: headwise.MultiHeadAttention, B: int, max_len: int) -> SDPADecoder:
         """One with ``mha``'s weights (q, k, v stacked into qkv)."""
         out = cls(mha.embed_dim, mha.num_heads, B, max_len)
-        with torch.no_grad():
-            out.qkv.weight.copy_(mha.qkv_weight)  # (3E, E): q, k, v rows stacked
-            if mha.qkv_bias is not None:
-                out.qkv.bias.copy_(mha.qkv_bias)
-            out.out.load_state_dict(mha.out_proj.state_dict())
+        copy_weights(out, mha)
         return out
 
 
@@ -213,11 +220,7 @@ def build(impl: str, case: Case) -> Callable[[Tensor, Tensor | None], Tensor]:
     ours = headwise_module(case)
     if impl == "SDPA module":
         sdpa = SDPAModule(E, H, case.dropout)
-        with torch.no_grad():
-            sdpa.qkv.weight.copy_(ours.qkv_weight)  # (3E, E): q, k, v rows stacked
-            if ours.qkv_bias is not None:
-                sdpa.qkv.bias.copy_(ours.qkv_bias)
-            sdpa.out.load_state_dict(ours.out_proj.state_dict())
+        copy_weights(sdpa, ours)
         return lambda x, mask: sdpa(x, mask)
     if impl == "torch MHA":
         torch_mha = ours.to_torch(batch_first=True)

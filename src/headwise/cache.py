@@ -54,8 +54,9 @@ class KVCache:
     >>> import headwise
     >>> mha = headwise.MultiHeadAttention(32, 4)
     >>> cache = mha.new_cache(batch_size=2, max_seq_len=16)
-    >>> _ = mha(torch.rand(2, 5, 32), cache=cache, is_causal=True)  # prefill 5
-    >>> _ = mha(torch.rand(2, 1, 32), cache=cache, is_causal=True)  # one more step
+    >>> with torch.no_grad():  # a cache step takes no gradients
+    ...     _ = mha(torch.rand(2, 5, 32), cache=cache, is_causal=True)  # prefill 5
+    ...     _ = mha(torch.rand(2, 1, 32), cache=cache, is_causal=True)  # one more step
     >>> len(cache)
     6
     """
@@ -246,8 +247,10 @@ class KVCache:
         if mask.shape[0] != self.batch_size:
             raise ValueError(f"attention_mask batch ({mask.shape[0]}) differs from the cache's "
                              f"batch_size ({self.batch_size})")
+        if self.static:
+            return  # (B, T), checked above (len(self) of a static cache would read its position)
         seen = len(self) + new
-        if not self.static and mask.shape[-1] not in (new, seen):
+        if mask.shape[-1] not in (new, seen):
             raise ValueError(f"a cache step's 2-D mask covers the {new} new positions, (B, T) = "
                              f"({self.batch_size}, {new}), or all of them, (B, len(cache) + T) = "
                              f"({self.batch_size}, {seen}); got shape {tuple(mask.shape)}")

@@ -30,7 +30,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from headwise.policy import reads_values
+from headwise import policy
 
 __all__ = [
     "normalize_mask",
@@ -304,7 +304,7 @@ def hide_excluded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_ca
         return q, k, v
     if allowed.dtype != torch.bool:
         allowed = ~torch.isneginf(allowed)  # (B|1, H|1, S|1, Sk) True = may attend
-    read = reads_values(allowed)
+    read = policy.reads_values(allowed)
     if read and bool(allowed.all()):
         return q, k, v
     b, h, s, _ = allowed.shape
@@ -338,7 +338,7 @@ def check_mask_values(mask: Tensor) -> None:
         ValueError: the mask holds ``+inf``.
     """
     global _WARNED_BINARY
-    if not mask.is_floating_point() or not reads_values(mask):
+    if not mask.is_floating_point() or not policy.reads_values(mask):
         return
     positive = torch.isposinf(mask)
     if bool(positive.any()):

@@ -1,0 +1,15 @@
+"""``MultiHeadAttention`` as parts: the layer (``layer``), one file per path (``dense``,
+``packed``, ``cached``, ``fused``, ``context_parallel``), the plan that chooses among them
+(``plan``), the memo of repeated calls (``memo``), the checks (``checks``), the stages
+around the kernel (``projections``), the dispatch report (``report``) and the conversions
+to and from ``torch.nn.MultiheadAttention`` (``torch_mha``).
+"""
+
+from headwise import policy
+from headwise.deprecation import moved
+from headwise.module.layer import MultiHeadAttention
+from headwise.module.plan import Plan
+
+__all__ = ["MultiHeadAttention", "Plan"]
+
+__getattr__ = moved(__name__, {"PACK_MIN_PADDING": (policy, "headwise.policy.PACK_MIN_PADDING")})

@@ -1,0 +1,142 @@
+"""The cached path: one decoding step through a :class:`~headwise.cache.KVCache`.
+
+x (B, T, E) holds the next T positions; their keys and values are appended and the queries
+attend to every cached position. A dynamic cache attends over what it holds (bottom-right
+causal); a static cache over all its slots through a mask of the written ones; an evicting
+cache over the positions it kept through a mask of their true positions. A refused step
+(a kernel's refusal, an interrupt) leaves the cache exactly as it was.
+
+Legend: B batch, H query heads, Hkv key/value heads, T new positions, L cached positions,
+D head dim, Dv value head dim, E embed dim.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from headwise import tracing as trace
+from headwise.cache import KVCache
+from headwise.functional import attend
+from headwise.module import projections as proj
+from headwise.module.plan import Plan
+from headwise.positions import apply_rotary
+
+if TYPE_CHECKING:
+    from headwise.module.layer import MultiHeadAttention
+
+
+def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
+            cache: KVCache) -> Tensor | tuple[Tensor, Tensor]:
+    """One step, undone if it is refused after the cache changed."""
+    if torch.compiler.is_compiling():  # a compiled step raises no refusal at run time
+        return _step(mha, x, attention_mask, plan, need_weights, cache)
+    saved = cache.savepoint(x.shape[1])
+    try:
+        return _step(mha, x, attention_mask, plan, need_weights, cache)
+    except BaseException:
+        cache.rollback(saved)
+        raise
+
+
+def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
+          cache: KVCache) -> Tensor | tuple[Tensor, Tensor]:
+    if trace.ACTIVE:
+        trace.begin_call()
+        trace.record("input", x, "x: (B, S, E)")
+    # x's padded positions are not zeroed here: their keys and values are cached as they are
+    # (a later mask may declare them tokens), the kernels hide what no query may attend
+    # (NaN included), and a step takes no gradients
+    padding = plan.padding  # (B, T): the new positions' padding, or None
+    q, k, v = proj.project_heads(mha, x, None)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv)
+    q, k = proj.normalize(mha, q, k)
+    causal, window, slopes, sink_tokens = plan.is_causal, mha.window, mha.alibi_slopes, mha.sink_tokens
+    if cache.static:  # same shapes every step; positions are tensors
+        q, k, v, attention_mask = _static(mha, q, k, v, cache, attention_mask, causal)
+        causal, window, slopes, sink_tokens = False, None, None, 0  # all in the mask now
+    else:
+        q, k = proj.rotate(mha, q, k, len(cache))
+        k, v, attention_mask = cache.update(k, v, attention_mask)  # (B, Hkv, L, D|Dv): every cached position
+        if cache.evicted:  # key j is no longer position j: the rules read the kept keys' positions
+            T = q.shape[2]
+            queries = torch.arange(len(cache) - T, len(cache), device=q.device)  # (T,)
+            kept = attention_mask[:, None, None, :] if attention_mask is not None else k.new_ones(
+                1, 1, 1, k.shape[2], dtype=torch.bool)  # (B|1, 1, 1, L)
+            attention_mask = rules_mask(mha, queries, cache.key_positions(), kept, causal, q.dtype)
+            causal, window, slopes, sink_tokens = False, None, None, 0  # all in the mask now
+        if trace.ACTIVE:
+            _record(cache, x.shape[1], k)
+    out = attend(q, k, v, attention_mask, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
+                 backend=mha.backend, need_weights=need_weights, window=window, alibi_slopes=slopes,
+                 softcap=mha.softcap, sinks=mha.sinks, sink_tokens=sink_tokens)
+    out, weights = out if need_weights else (out, None)
+    out = proj.output(mha, out, padding)  # (B, T, E)
+    if weights is None:
+        return out
+    if padding is not None:  # a padded query's output is zeros, and so are its weights
+        weights = weights.masked_fill(~padding[:, None, :, None], 0)  # (B, H, T, L)
+    return out, weights
+
+
+def _record(cache: KVCache, T: int, k: Tensor) -> None:
+    note = f"append {T} positions; attend to all {cache.held} cached"
+    if cache.evicted:
+        note += (f" (evicted {cache.evicted} of {len(cache)}: kept the {cache.sink_tokens} sink "
+                 f"positions and the window's last ones, ruled by their true positions)")
+    trace.record("kv cache", k, note)
+
+
+def _static(mha: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, mask: Tensor | None,
+            causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Write this step into a static cache; return q, k, v over every slot and the mask.
+
+    The mask (B, 1, T, L), or (B, H, T, L) float with ALiBi, allows the written, unpadded
+    slots, with causality, the window and ALiBi measured from the positions tensor (not
+    from the slot count, which is always L = max_seq_len).
+    """
+    positions = cache.position + torch.arange(q.shape[2], device=q.device)  # (T,) where this step goes
+    if mha.rope is not None:  # at the position tensor; dynamic NTK's length is one too (no host read)
+        cos, sin = mha.rope.cos_sin(positions, q.dtype, seq_len=cache.position + q.shape[2])  # (T, R)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if trace.ACTIVE:
+            trace.record("rotary positions", q, f"{mha.rope.describe()}, positions from the cache's "
+                         "position tensor")
+    k, v, _ = cache.update_static(k, v, mask)  # (B, Hkv, L, D), (B, Hkv, L, Dv): every slot
+    j = torch.arange(cache.max_seq_len, device=q.device)  # (L,) slot positions
+    written = (j < cache.position)[None, None, None, :] & cache.key_mask[:, None, None, :]  # (B, 1, 1, L)
+    if trace.ACTIVE:
+        trace.record("kv cache", k, f"static: write {q.shape[2]} positions at the position tensor "
+                     f"(index_copy_); attend to all {cache.max_seq_len} slots through a mask of the written ones")
+    return q, k, v, rules_mask(mha, positions, j, written, causal, q.dtype)
+
+
+def rules_mask(mha: MultiHeadAttention, queries: Tensor, keys: Tensor, allowed: Tensor, causal: bool,
+               dtype: torch.dtype) -> Tensor:
+    """The module's positional rules as one mask, for keys that are not positions 0..L-1.
+
+    Args:
+        queries: (T,) the queries' positions.
+        keys: (L,) the keys' positions.
+        allowed: (B|1, 1, 1, L) bool, the keys that may be attended at all.
+        causal: apply the causal rule (a window implies it).
+        dtype: the float mask's dtype when ALiBi makes it a bias.
+
+    Returns:
+        (B|1, 1, T, L) bool with causality, the window and its sink tokens ANDed in, or
+        (B|1, H, T, L) float with ALiBi's bias and ``-inf`` where blocked.
+    """
+    i, j = queries[:, None], keys[None, :]  # (T, 1), (1, L)
+    if causal or mha.window is not None:
+        near = j <= i  # (T, L)
+        if mha.window is not None:
+            band = j > i - mha.window  # (T, L)
+            near = near & (band | (j < mha.sink_tokens) if mha.sink_tokens else band)
+        allowed = allowed & near  # (B|1, 1, T, L)
+    allowed = allowed.expand(-1, -1, queries.shape[0], -1)  # (B|1, 1, T, L)
+    if mha.alibi_slopes is None:
+        return allowed
+    distance = (i - j).abs().to(dtype)  # (T, L)
+    bias = -mha.alibi_slopes.to(dtype)[:, None, None] * distance  # (H, T, L)
+    return bias[None].masked_fill(~allowed, float("-inf"))  # (B|1, H, T, L)

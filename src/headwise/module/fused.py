@@ -1,0 +1,92 @@
+"""The fused path: ``nn.MultiheadAttention``'s fused inference op for small calls.
+
+``torch._native_multi_head_attention`` runs the qkv GEMM, SDPA and the output projection in
+one C++ call, without the Python between them (8-12 us a call on one Zen 5 thread), but
+with slower kernels than the dense path's as calls grow. So it takes small plain
+self-attention calls without gradients: up to ``policy.FUSED_MAX_ELEMENTS`` elements in x
+(``benchmarks/overhead.py --fused`` measures the crossover), no padding, no causal rule,
+none of the module's extras.
+
+The op reads the projections' weights instead of calling the modules, so it runs only
+while all four are plain ``nn.Linear`` with biases, no hooks (theirs or global) and nothing
+wrapping them; :func:`allowed` checks that on every call, remembered or not. The q, k and v
+weights are concatenated on each call (no cached copy that a write through ``.data``, as
+PEFT's ``merge_and_unload`` does, could leave stale).
+
+Legend: B batch, S query length, E embed dim.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from headwise import policy
+from headwise import tracing as trace
+from headwise.cache import KVCache
+
+if TYPE_CHECKING:
+    from headwise.module.layer import MultiHeadAttention
+
+
+def global_module_hooks() -> bool:
+    """Whether global nn.Module hooks (``register_module_forward_hook``) are set: the fused path
+    would skip them for the projections."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(getattr(torch_module, "_global_forward_hooks", None)
+                or getattr(torch_module, "_global_forward_pre_hooks", None))
+
+
+def _plain(m: nn.Module) -> bool:
+    """A plain ``nn.Linear`` with a bias, no hooks, no parametrization (whose class differs) and
+    plain weights (not a tensor subclass, as quantisation makes them)."""
+    return (type(m) is nn.Linear and m.bias is not None and not m._forward_hooks and not m._forward_pre_hooks
+            and not m._backward_hooks and not m._backward_pre_hooks
+            and type(m.weight) in _PLAIN and type(m.bias) in _PLAIN)
+
+
+_PLAIN = (nn.Parameter, torch.Tensor)
+
+
+def allowed(mha: MultiHeadAttention) -> bool:
+    """Whether the op may read the projections' weights in place of calling them."""
+    return (all(_plain(m) for m in (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj))
+            and not mha._forward_hooks and not mha._forward_pre_hooks and not global_module_hooks())
+
+
+def why(mha: MultiHeadAttention, x: Tensor, padded: bool, context: Tensor | None, cache: KVCache | None,
+        need_weights: bool, causal: bool) -> str | None:
+    """Why "auto" runs this call on the fused path, or None where it does not."""
+    if (mha.backend != "auto" or context is not None or cache is not None or need_weights
+            or torch.is_grad_enabled() or trace.ACTIVE or torch.compiler.is_compiling()):
+        return None
+    if (causal and x.shape[1] > 1) or padded:
+        return None
+    if (mha.num_kv_heads != mha.num_heads or mha.v_head_dim != mha.head_dim or mha.rope is not None
+            or mha.q_norm is not None or mha.window is not None or mha.alibi_slopes is not None
+            or mha.softcap is not None or mha.sinks is not None or (mha.training and mha.dropout > 0)):
+        return None
+    if not allowed(mha):
+        return None
+    w = mha.out_proj.weight
+    if (not x.is_cpu or x.dtype not in (torch.float32, torch.float64) or x.dtype != w.dtype
+            or torch.is_autocast_enabled("cpu") or not hasattr(torch, "_native_multi_head_attention")):
+        return None
+    n = x.numel()
+    if n > policy.FUSED_MAX_ELEMENTS:
+        return None
+    return (f"B x S x E = {n} <= FUSED_MAX_ELEMENTS {policy.FUSED_MAX_ELEMENTS} without gradients: "
+            "nn.MultiheadAttention's fused inference op (torch._native_multi_head_attention) runs the "
+            "projections, attention and output projection in one call, without the Python between them")
+
+
+def forward(mha: MultiHeadAttention, x: Tensor) -> Tensor:
+    """(B, S, E) -> (B, S, E) in one op (the caller checked :func:`why` and :func:`allowed`)."""
+    q, k, v, out = mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj
+    qkv_weight = torch.cat([q.weight, k.weight, v.weight])  # (3E, E): q, k, v rows stacked
+    qkv_bias = torch.cat([q.bias, k.bias, v.bias])  # (3E,)
+    return torch._native_multi_head_attention(  # (B, S, E); its weights output: None
+        x, x, x, mha.embed_dim, mha.num_heads, qkv_weight, qkv_bias, out.weight, out.bias, None, False)[0]

@@ -1,0 +1,105 @@
+"""The module's memo: what a repeated call signature of ``forward`` may reuse.
+
+A training or serving loop calls the module with the same shapes again and again; the
+checks, the plan and "auto"'s kernel choice then give the same answers. The memo keeps them
+per call signature, so a repeated call runs the projections, the remembered kernel call and
+the output projection, with nothing between them.
+
+It never outlives what it read:
+
+- the key holds everything the checks, the plan and the choice read from the call (x's
+  shape, dtype and device, the mask's shape, dtype, device and real tokens per row, the
+  causal flag, the grad state, the training flag, ``policy.GENERATION``);
+- assigning or deleting any attribute of the module (a setting, a parameter, a replaced
+  projection) clears it, and so does pickling or copying;
+- an entry is stored only once its call ran: a refused call leaves the memo as it was;
+- the projections are called as modules every time, so hooks and wrappers added later run;
+  the fused path checks that nothing hooks or wraps them on every call.
+
+Legend: B batch, S query length, E embed dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from headwise import functional, policy
+from headwise import tracing as trace
+from headwise.cache import KVCache
+from headwise.functional import Prepared
+from headwise.module import checks, plan
+
+if TYPE_CHECKING:
+    from headwise.module.layer import MultiHeadAttention
+
+LIMIT = 64  # call signatures a module remembers; it starts over when full
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """What a repeated call signature reuses: its plan but the tensors, and on the dense path
+    the attention call that :func:`headwise.functional.prepare` checked and dispatched (None:
+    ``attend`` runs in full)."""
+
+    path: str
+    why: str
+    is_causal: bool
+    attention: Prepared | None
+    padded: bool  # the mask has padding (False: every position is a token, the mask is dropped)
+
+    def current(self) -> bool:
+        """Whether the remembered attention call's kernel is still the registered one."""
+        return self.attention is None or self.attention.current()
+
+
+def signature(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+              is_causal: bool | None, need_weights: bool,
+              cache: KVCache | None) -> tuple[tuple, Tensor | None, tuple | None] | None:
+    """The key a self-attention call is remembered under, with x's padding (B, S) and its real
+    tokens per row; None where every call plans afresh.
+
+    Not remembered: cross-attention, a cache, weights, context parallelism, 3-D / 4-D /
+    float masks, masks whose values are not read (on an accelerator), a trace,
+    torch.compile, autocast, and "auto" logging its choices.
+    """
+    if (context is not None or cache is not None or need_weights or mha.context_parallel is not None
+            or trace.ACTIVE or torch.compiler.is_compiling() or functional.logs_choices()):
+        return None
+    try:
+        if checks.autocast_on(x.device):  # q's dtype is autocast's, not x's
+            return None
+        padding, lengths, masked = None, None, None
+        if attention_mask is not None:
+            padding = plan.query_padding(x, attention_mask, None, None)  # (B, S) or None
+            if padding is None or not policy.reads_values(padding):
+                return None
+            lengths = tuple(padding.sum(1).tolist())  # (B,) real tokens per row
+            masked = (attention_mask.shape, attention_mask.dtype, attention_mask.device, lengths)
+        causal = mha.is_causal if is_causal is None else bool(is_causal)
+        # 0: no grad mode (the fused path may run); 1: grad mode, none flows; 2: gradients flow
+        grads = 0 if not torch.is_grad_enabled() else 1 + (x.requires_grad or mha.trains())
+        key = (x.shape, x.dtype, x.device, masked, causal, grads, mha.training, policy.GENERATION)
+        return key, padding, lengths
+    except (AttributeError, TypeError):  # not tensors: the plan's checks name the error
+        return None
+
+
+class Memo(dict):
+    """Repeat per call signature, at most :data:`LIMIT` (it starts over when full)."""
+
+    def remember(self, key: tuple | None, repeat: Repeat) -> None:
+        if key is None:
+            return
+        if len(self) >= LIMIT:
+            self.clear()
+        self[key] = repeat
+
+    def __reduce__(self):  # pickled and copied empty: the remembered kernels are this process's
+        return (Memo, ())
+
+    def __deepcopy__(self, memo: dict) -> Memo:
+        return Memo()

@@ -1,0 +1,147 @@
+"""Which path one call of the module takes, and why: decided before any arithmetic.
+
+:meth:`~headwise.MultiHeadAttention.forward` follows the :class:`Plan`, and
+:meth:`~headwise.MultiHeadAttention.dispatch` reports it, so the two cannot disagree.
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, E embed dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from headwise import packing, policy
+from headwise.cache import KVCache
+from headwise.module import checks, fused
+
+if TYPE_CHECKING:
+    from headwise.module.layer import MultiHeadAttention
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call of the module runs, decided before any arithmetic.
+
+    Attributes:
+        path: ``"dense"`` (the (B, S) batch, padding included), ``"packed"`` (only the real
+            tokens: projections on (T, E), attention per length bucket), ``"fused"`` (a small
+            call without gradients: ``nn.MultiheadAttention``'s fused inference op runs the
+            projections, attention and output projection in one call) or
+            ``"context parallel"`` (this rank's shard of the sequence).
+        why: why this path, in one sentence.
+        is_causal: the causal flag in effect (the call's, else the constructor's).
+        padding: (B, S) bool, True where x holds a real token, when a 2-D mask describes
+            x's tokens; else None.
+        lengths: the real tokens of each row of ``padding``, where its values were read
+            (on the CPU, outside torch.compile); else None.
+    """
+
+    path: str
+    why: str
+    is_causal: bool
+    padding: Tensor | None
+    lengths: tuple[int, ...] | None = None
+
+
+def all_tokens(lengths: tuple[int, ...] | None, S: int) -> bool:
+    """Whether read real-token counts say every one of the S positions is a token (no padding)."""
+    return lengths is not None and all(n == S for n in lengths)
+
+
+def query_padding(x: Tensor, mask: Tensor | None, context: Tensor | None, cache: KVCache | None) -> Tensor | None:
+    """(B, S) bool marking x's real tokens, when a 2-D mask also describes the queries.
+
+    That is self-attention with a bool/integer (B, S) padding mask, or a cache step whose
+    2-D mask covers the new positions (or all of them).
+    """
+    if (context is not None or not isinstance(mask, Tensor) or mask.dim() != 2
+            or mask.is_floating_point() or mask.is_complex() or mask.device != x.device):
+        return None  # not a padding mask of x's tokens (normalize_mask reports any error)
+    S = x.shape[1]
+    if mask.dtype != torch.bool:
+        mask = mask != 0  # integer: nonzero = a token
+    if cache is None:
+        return mask if mask.shape == x.shape[:2] else None
+    return mask[:, -S:] if mask.shape[0] == x.shape[0] else None
+
+
+def make_plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+              is_causal: bool | None, need_weights: bool, cache: KVCache | None,
+              read: tuple | None = None) -> Plan:
+    """Check the call, then choose its path. ``read``: (x's padding, its real tokens per row)
+    where the memo's signature has read them from this mask already."""
+    checks.check_inputs(mha, x, context, cache)
+    checks.check_mask(mha, x, attention_mask, context, cache)
+    checks.check_no_grad(mha, x, cache)
+    causal = mha.is_causal if is_causal is None else bool(is_causal)
+    if mha.context_parallel is not None:
+        return Plan("context parallel", f"context_parallel={mha.context_parallel}: x is this rank's shard of "
+                    "the sequence, attention runs across the ranks", causal, None)
+    if read is not None:
+        padding, lengths = read
+    else:
+        padding = query_padding(x, attention_mask, context, cache)  # (B, S) or None
+        lengths = None
+        if padding is not None and policy.reads_values(padding):  # a free read on the CPU, once per call
+            lengths = tuple(padding.sum(1).tolist())  # (B,) real tokens per row
+    why = fused.why(mha, x, attention_mask is not None and not all_tokens(lengths, x.shape[1]), context, cache,
+                    need_weights, causal)
+    if why is not None:
+        return Plan("fused", why, causal, padding, lengths)
+    path, why = choose_packing(mha, x, padding, lengths, cache, need_weights, causal)
+    return Plan(path, why, causal, padding, lengths)
+
+
+def choose_packing(mha: MultiHeadAttention, x: Tensor, padding: Tensor | None, lengths: tuple[int, ...] | None,
+                   cache: KVCache | None, need_weights: bool, causal: bool) -> tuple[str, str]:
+    """("packed" or "dense", why): by request, or where "auto" prices packing below the
+    dense path (:func:`headwise.policy.estimate_packing`)."""
+    if padding is None:
+        return "dense", "no 2-D padding mask of x's own tokens (self-attention) to pack by"
+    if cache is not None:
+        return "dense", "decoding with a cache keeps the (B, S) layout"
+    if need_weights:
+        return "dense", "need_weights=True returns (B, H, S, Sk) weights over the padded layout"
+    if mha.window is not None or mha.alibi_slopes is not None:
+        return "dense", "window / ALiBi count positions, which change for tokens after a hole once packed"
+    if mha.packing is True:
+        return "packed", "packing=True packs the real tokens"
+    if mha.packing is False:
+        return "dense", "packing=False"
+    if mha.backend != "auto":
+        return "dense", f"backend={mha.backend!r} runs on the (B, S) batch (packing=True packs for it)"
+    if torch.compiler.is_compiling():
+        return "dense", "under torch.compile: packing needs data-dependent shapes (packing=True packs anyway)"
+    if lengths is None:
+        return "dense", (f"the padding share of a {padding.device.type} mask is not read: it would sync the host "
+                         "with the device on every call (packing=True packs anyway)")
+    training = torch.is_grad_enabled() and (x.requires_grad or mha.trains())
+    costs = policy.TRAINING_COSTS if training else policy.INFERENCE_COSTS
+    return price_packing(lengths, padding.shape[1], mha.embed_dim, mha.num_heads, mha.num_kv_heads, causal,
+                         training, costs, policy.PACK_MIN_PADDING, (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH))
+
+
+@functools.lru_cache(maxsize=1024)
+def price_packing(lengths: tuple[int, ...], S: int, E: int, H: int, Hkv: int, causal: bool, training: bool,
+                  costs: policy.Costs, limit: float, bucketing: tuple[float, int]) -> tuple[str, str]:
+    """"auto"'s packing choice for a (B, S) batch of these real lengths: ("packed" or "dense", why).
+
+    A pure function of its arguments (the unit costs, the threshold and the bucketing
+    policy ``bucketing`` that ``packing.bucket_shapes`` reads are among them), so a training
+    loop over recurring batch shapes pays a look-up, not the bucketing and pricing.
+    """
+    B = len(lengths)
+    share = 1.0 - sum(lengths) / max(B * S, 1)
+    if share < limit:
+        return "dense", f"{share:.0%} of the batch is padding (< PACK_MIN_PADDING {limit:.0%}): nothing to save"
+    buckets = packing.bucket_shapes(lengths, lengths)
+    estimate = policy.estimate_packing(B, S, E, H, Hkv, buckets, is_causal=causal, training=training, costs=costs)
+    kind = "forward + backward" if training else "forward"
+    if estimate.packs:
+        return "packed", f"{share:.0%} of the batch is padding; {kind} {estimate}"
+    return "dense", f"{share:.0%} of the batch is padding, but {kind} {estimate}"
