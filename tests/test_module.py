@@ -1050,6 +1050,7 @@ def test_traces_autocast_and_weights_are_not_remembered(monkeypatch):
 
 @pytest.mark.parametrize("change", [
     "gradients", "backend", "padding", "causal", "gqa", "rope", "bias", "hook", "size", "weights", "trace", "dropout",
+    "weight-copy", "quantised", "wrapped",
 ])
 def test_the_fused_path_is_only_for_plain_small_calls_without_gradients(change):
     """nn.MultiheadAttention's fused op cannot run a named kernel, a mask with padding, a
@@ -1062,9 +1063,19 @@ def test_the_fused_path_is_only_for_plain_small_calls_without_gradients(change):
     mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]]) if change == "padding" else None
     if change == "hook":
         mha.out_proj.register_forward_hook(lambda module, args, out: None)
+    if change == "weight-copy":  # 3 E^2 weights copied per call for a call of 1 x 1 x E: too dear
+        x = torch.randn(1, 1, E)
+        assert 3 * E * E > policy.FUSED_MAX_WEIGHT_COPY * x.numel()
+    if change == "quantised":  # a weight of a tensor subclass (torchao's, say): the op cannot read it
+        class Subclass(torch.Tensor):
+            pass
+
+        mha.k_proj.weight = nn.Parameter(mha.k_proj.weight.detach().as_subclass(Subclass))
+    if change == "wrapped":  # PEFT or a user's module in place of a projection: it must be called
+        mha.q_proj = nn.Sequential(mha.q_proj)
     call = {"is_causal": True} if change == "causal" else {"need_weights": True} if change == "weights" else {}
     with torch.no_grad():
-        assert MultiHeadAttention(E, H).eval().plan(x[:, :5]).path == "fused"  # without the change
+        assert MultiHeadAttention(E, H).eval().plan(torch.randn(2, 5, E)).path == "fused"  # without the change
     traced = headwise_trace() if change == "trace" else warnings.catch_warnings()
     with torch.set_grad_enabled(change == "gradients"), traced:
         plan = mha.plan(x, mask, **call)

@@ -1,7 +1,7 @@
 """Mutation testing of the core: how many planted bugs does the test suite catch?
 
 Runs mutmut (3.x) over the files that hold the contract — masks, the functional API, the
-module, the cache, rotary positions and the ``sdpa`` and ``chunked`` kernels — against a
+module (``module/``, its parts), the cache, rotary positions and the ``sdpa`` and ``chunked`` kernels — against a
 fast selection of the tests, in a scratch copy of the repository (mutmut writes a
 ``mutants/`` tree next to the code it mutates). Prints the kill rate per file and every
 surviving mutant that is not listed in ``tools/mutation_equivalents.txt`` (mutants that
@@ -41,11 +41,13 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ["masks.py", "functional.py", "module.py", "cache.py", "positions.py",
-         "kernels/sdpa.py", "kernels/chunked.py"]
+MODULE = ["module/layer.py", "module/plan.py", "module/dense.py", "module/packed.py", "module/cached.py",
+          "module/fused.py", "module/memo.py", "module/checks.py", "module/projections.py", "module/report.py"]
+FILES = ["masks.py", "functional.py", *MODULE, "cache.py", "positions.py", "kernels/sdpa.py", "kernels/chunked.py"]
 # The tests that exercise those files (explain mode's included: its stages are output too),
 # without the slow Triton interpreter, the Hugging Face models and the benchmark's subprocesses.
 TESTS = ["tests/test_masks.py", "tests/test_functional.py", "tests/test_module.py",
+         "tests/test_module_refusals.py", "tests/module/test_ecosystem.py", "tests/test_nan_contract.py",
          "tests/test_module_oracles.py", "tests/test_cache.py", "tests/test_positions.py",
          "tests/test_dispatch.py", "tests/test_packing.py", "tests/test_reference.py", "tests/test_tracing.py",
          "tests/test_explain.py",

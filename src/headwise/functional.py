@@ -319,10 +319,15 @@ class Prepared:
         """Whether the kernel is still the one registered under its name."""
         return find_kernel(self.kernel.name) is self.kernel
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *,
+                 excluded_finite: bool = False) -> Tensor:
+        """``excluded_finite``: the caller made what ``mask`` excludes for every query finite
+        (the module zeroes padded positions of x before projecting them), so the NaN
+        contract's :func:`~headwise.masks.hide_excluded` has nothing to hide."""
         if mask is not None:
             check_mask_values(mask)
-        q, k, v = hide_excluded(q, k, v, mask, is_causal=self.args["is_causal"])  # the NaN contract
+        if not excluded_finite:
+            q, k, v = hide_excluded(q, k, v, mask, is_causal=self.args["is_causal"])  # the NaN contract
         return self.kernel.fn(q, k, v, attention_mask=mask, **self.args)[0]  # (B, H, S, Dv)
 
 
@@ -425,13 +430,15 @@ def _arguments(is_causal: bool, dropout_p, scale, D: int, need_weights=False, wi
 
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
            backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
-           sink_tokens=0, key_lengths=None):
+           sink_tokens=0, key_lengths=None, excluded_finite=False):
     """:func:`attention` without opening a new call in an active trace (the module opens it).
 
     In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
     stages the kernel declares for this call (kernels hold no hooks of their own).
     ``key_lengths``: the real keys per row of a 2-D bool/integer ``attention_mask``, where
     the caller has read them already (the module has); None: read them here when needed.
+    ``excluded_finite``: the caller made what the mask excludes for every query finite (the
+    module zeroes padded positions of x): the NaN contract's hiding is skipped.
     """
     # The memo's signature holds no softcap, sinks or sink tokens: calls with any take the full path.
     if (window is None and alibi_slopes is None and not need_weights and softcap is None and sinks is None
@@ -446,7 +453,8 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
             if prepared is not None:  # prepared(q, k, v, mask_4d), one Python call fewer
                 if attention_mask is not None:
                     check_mask_values(attention_mask)
-                q, k, v = hide_excluded(q, k, v, mask_4d, is_causal=prepared.args["is_causal"])  # the NaN contract
+                if not excluded_finite:  # the NaN contract
+                    q, k, v = hide_excluded(q, k, v, mask_4d, is_causal=prepared.args["is_causal"])
                 return prepared.kernel.fn(q, k, v, attention_mask=mask_4d, **prepared.args)[0]  # (B, H, S, Dv)
     mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                               backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale)
@@ -468,8 +476,9 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     args = _arguments(dispatch.request.is_causal, dropout_p, scale, D, need_weights, window, alibi_slopes, softcap,
                       sinks, sink_tokens)
     # What the mask excludes for every query must not reach a result, even as NaN or inf.
-    q, k, v = hide_excluded(q, k, v, mask, is_causal=dispatch.request.is_causal, window=window,
-                            sink_tokens=sink_tokens)
+    if not excluded_finite:
+        q, k, v = hide_excluded(q, k, v, mask, is_causal=dispatch.request.is_causal, window=window,
+                                sink_tokens=sink_tokens)
     out, weights = dispatch.kernel.fn(q, k, v, attention_mask=mask, **args)
     if trace.ACTIVE and trace.recording():
         call = Call(q, k, v, attention_mask=mask, **args, scale_given=scale is not None)

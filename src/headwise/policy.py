@@ -296,8 +296,17 @@ RING_PASS_BYTES = 4 * 2**20
 # its kernels are slower as calls grow: benchmarks/overhead.py --fused --threads 1 --cpu-time on
 # the 2-core AMD EPYC (Zen 5), torch 2.13, fused / dense module path: 0.62x at 512 elements
 # (1 x 8 x 64), 0.83x at 4096, 0.90-0.93x at 8192, 0.97-0.98x at 32768, 0.99-1.00x at 65536,
-# 1.005x at 131072 and 262144.
+# 1.005x at 131072 and 262144 (measured when the module kept one fused qkv parameter; with the
+# per-call copy below, 0.60-0.92x up to 32768 and 0.91-0.93x at 65536 and 131072).
 FUSED_MAX_ELEMENTS = 32768
+
+# The fused op takes q, k and v as one (3E, E) weight; the module's projections are three
+# nn.Linear, so each fused call concatenates them (a cached copy could go stale: a write through
+# .data bumps no version counter). The copy pays while its 3 E^2 elements are at most this many
+# times x's B * S * E: benchmarks/overhead.py --fused --threads 1 --cpu-time on the 2-core AMD
+# EPYC (Zen 5), torch 2.13, with the copy: 0.39x at 1 x 8 x 64 (ratio 24), 0.88x at 1 x 32 x 256
+# (24), 0.92x at 1 x 128 x 256 (6), but 1.26x at 1 x 32 x 1024 (96).
+FUSED_MAX_WEIGHT_COPY = 32
 
 # Decisions are remembered per call signature (the functional memo, the module's), and each
 # remembered one read the values above. Assigning any name of this module (a retuned

@@ -291,6 +291,19 @@ def test_a_replaced_projection_is_called(grad):
     torch.testing.assert_close(got.detach().double(), expected, atol=1e-5, rtol=0)
 
 
+def test_an_out_proj_replaced_by_a_module_without_a_weight_still_runs():
+    # issue 24: the module's checks read a reference weight; a replaced out_proj need not have one
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    x = inputs()
+    with torch.no_grad():
+        before = mha(x)
+        mha.out_proj = nn.Sequential(mha.out_proj)
+        after = mha(x, torch.ones(B, S, dtype=torch.bool))
+        cache = mha.new_cache(B, S + 1)
+        mha(x, cache=cache)
+    torch.testing.assert_close(after, before, atol=1e-6, rtol=0)
+
+
 # ---------------------------------------------------------------- 4: the meta device
 
 def test_meta_device_construction_and_forward():

@@ -25,6 +25,8 @@ D head dim of q and k, Dv head dim of v.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -66,10 +68,13 @@ def keep_nan_rows(out: Tensor, q: Tensor) -> Tensor:
     Without a mask, torch's CPU flash kernel returns a zero row for such a query (its row
     maximum skips NaN, so the row looks as if it attended nothing), which would turn a
     live NaN into zeros; ``out + 0 * rowsum(q)`` is NaN exactly there. Its backward is
-    already NaN, so the sum is taken outside autograd.
+    already NaN, so the sum is taken outside autograd. Where q's values can be read, one
+    sum over q says whether any row needs it (the common case: none).
     """
     if not q.is_cpu:
         return out
+    if policy.reads_values(q) and math.isfinite(q.detach().sum()):  # one reduction, no pass over out:
+        return out  # finite unless a query holds NaN or inf (an overflow only takes the longer way)
     return torch.add(out, q.detach().sum(-1, keepdim=True), alpha=0)  # (B, H, S, Dv) + 0 * (B, H, S, 1)
 
 

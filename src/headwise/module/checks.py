@@ -109,7 +109,7 @@ def autocast_on(device: torch.device) -> bool:
 def check_tensor(mha: MultiHeadAttention, name: str, t: Tensor) -> None:
     """``t`` (x or context) must be floating, on the parameters' device, and of their dtype
     (under autocast, any floating dtype: autocast casts the projections' inputs)."""
-    w = mha.out_proj.weight
+    w = mha.reference_weight()
     if not t.is_floating_point():
         raise TypeError(f"{name} has dtype {t.dtype}; the module takes floating inputs (its parameters are "
                         f"{w.dtype}): pass {name}.to({w.dtype})")
@@ -153,7 +153,7 @@ def check_cache(mha: MultiHeadAttention, cache: Any, x: Any, context: Any) -> No
     if context is not None:
         raise ValueError("cache is for self-attention; cross-attention (context=...) takes no cache")
     _, Hkv, _, D = cache.k.shape
-    Dv, w = cache.v.shape[-1], mha.out_proj.weight
+    Dv, w = cache.v.shape[-1], mha.reference_weight()
     want = (mha.num_kv_heads, mha.head_dim, mha.v_head_dim, w.dtype, w.device)
     if (Hkv, D, Dv, cache.k.dtype, cache.k.device) != want:
         raise ValueError(f"the cache holds kv_heads={Hkv}, head_dim={D}, value_dim={Dv}, {cache.k.dtype} on "
@@ -183,7 +183,7 @@ def check_mask(mha: MultiHeadAttention, x: Tensor, mask: Any, context: Tensor | 
             if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[-1] in (S, len(cache) + S):
                 Sk = mask.shape[-1]  # the new positions' padding, or every position's (remembered)
     normalize_mask(mask, batch=B, heads=mha.num_heads, q_len=S, k_len=Sk, device=x.device,
-                   dtype=mha.out_proj.weight.dtype)
+                   dtype=mha.reference_weight().dtype)
 
 
 def check_no_grad(mha: MultiHeadAttention, x: Tensor, cache: KVCache | None) -> None:

@@ -32,8 +32,9 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
                          "need_weights=True; build the module without context_parallel for decoding")
     cp = mha.context_parallel
     padding = query_padding(x, attention_mask, context, None)  # (B, S_l) or None
+    finite = False
     if padding is not None:  # what a padded position holds reaches no result and no gradient
-        x = proj.zero_padding(x, padding)
+        x, finite = proj.hide_padding(x, padding)
     q, k, v = proj.project_heads(mha, x, context)  # (B, H, S_l, D), (B, Hkv, Sk_l, D)
     q, k = proj.normalize(mha, q, k)
     if mha.rope is not None:  # rotate by global positions (dynamic NTK: by the global length)
@@ -45,7 +46,7 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
                         alibi_slopes=mha.alibi_slopes, dropout_p=mha.dropout if mha.training else 0.0,
                         method=cp.method, layout=cp.layout, group=cp.group)  # (B, H, S_l, D)
     out = mha.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, S_l, D) -> (B, S_l, E)
-    return out if padding is None else proj.zero_padding_(out, padding)
+    return out if padding is None else proj.zero_padding_(out, padding, finite)
 
 
 def dispatch(mha: MultiHeadAttention, attention_mask: Tensor | None, plan: Plan) -> Dispatch:

@@ -38,12 +38,17 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
         attention_mask = padding = None  # every position is a token: the mask allows all, nothing to zero
         if trace.ACTIVE:
             trace.record("padding mask", x, "every position of the 2-D mask is a real token: attend without it")
+    finite = False  # x is finite everywhere (read where it is free)
     if padding is not None:  # what a padded position holds (NaN, inf) reaches no result and no gradient
-        x = proj.zero_padding(x, padding)
+        x, finite = proj.hide_padding(x, padding)
     if context is not None and isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
-        context = proj.zero_padding(context, proj.as_padding(attention_mask))  # the context's padded keys
+        keys = proj.as_padding(attention_mask).expand(context.shape[0], -1)  # (B, Sk): the context's padding
+        context, _ = proj.hide_padding(context, keys)
     q, k, v = proj.project_heads(mha, x, context)  # (B, H, S, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv)
     q, k = proj.rotate(mha, *proj.normalize(mha, q, k), 0)
+    # x's padded positions are finite (or were zeroed): with its own padding mask, what the mask
+    # excludes for every query (padded keys, the queries of an all-padding row) is finite
+    hidden = padding is not None and context is None and attention_mask is not None and attention_mask.dim() == 2
     dropout_p = mha.dropout if mha.training else 0.0
     key_lengths = plan.lengths if padding is not None else None  # the mask's, read once
     if key is not None and _preparable(mha):  # the attention call, checked and dispatched once for the memo
@@ -51,14 +56,15 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
         attention = functional.prepare(q, k, v, attention_mask, mask_4d, is_causal=plan.is_causal,
                                        dropout_p=dropout_p, backend=mha.backend, key_lengths=key_lengths)
         if attention is not None:
-            out = proj.output(mha, attention(q, k, v, mask_4d), padding)  # (B, S, E)
+            out = proj.output(mha, attention(q, k, v, mask_4d, excluded_finite=hidden), padding, finite)
             mha._repeats.remember(key, Repeat(plan.path, plan.why, plan.is_causal, attention, padding is not None))
             return out
     out = attend(q, k, v, attention_mask, is_causal=plan.is_causal, dropout_p=dropout_p, backend=mha.backend,
                  need_weights=need_weights, window=mha.window, alibi_slopes=mha.alibi_slopes,
-                 softcap=mha.softcap, sinks=mha.sinks, sink_tokens=mha.sink_tokens, key_lengths=key_lengths)
+                 softcap=mha.softcap, sinks=mha.sinks, sink_tokens=mha.sink_tokens, key_lengths=key_lengths,
+                 excluded_finite=hidden)
     out, weights = out if need_weights else (out, None)
-    out = proj.output(mha, out, padding)  # (B, S, E)
+    out = proj.output(mha, out, padding, finite)  # (B, S, E)
     mha._repeats.remember(key, Repeat(plan.path, plan.why, plan.is_causal, None, padding is not None))
     if weights is None:
         return out
@@ -77,10 +83,12 @@ def forward_repeat(mha: MultiHeadAttention, x: Tensor, padding: Tensor | None, a
     """A remembered signature on the dense path: no checks, no plan, the attention call
     :func:`headwise.functional.prepare` made for it. (B, S, E) -> (B, S, E).
     ``padding``: (B, S), False at padding; None where there is none (no mask, or all tokens)."""
+    finite = False
     if padding is not None:  # what a padded position holds reaches no result and no gradient
-        x = proj.zero_padding(x, padding)
+        x, finite = proj.hide_padding(x, padding)
     q, k, v = proj.project_heads(mha, x, None)  # (B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
     if mha.rope is not None or mha.q_norm is not None:
         q, k = proj.rotate(mha, *proj.normalize(mha, q, k), 0)
-    out = attention(q, k, v, None if padding is None else canonical_mask(padding))  # (B, H, S, Dv)
-    return proj.output(mha, out, padding)
+    mask = None if padding is None else canonical_mask(padding)  # (B, 1, 1, S)
+    out = attention(q, k, v, mask, excluded_finite=True)  # (B, H, S, Dv): padded x was zeroed, as above
+    return proj.output(mha, out, padding, finite)

@@ -75,12 +75,14 @@ def why(mha: MultiHeadAttention, x: Tensor, padded: bool, context: Tensor | None
     if (not x.is_cpu or x.dtype not in (torch.float32, torch.float64) or x.dtype != w.dtype
             or torch.is_autocast_enabled("cpu") or not hasattr(torch, "_native_multi_head_attention")):
         return None
-    n = x.numel()
-    if n > policy.FUSED_MAX_ELEMENTS:
+    n, E = x.numel(), mha.embed_dim
+    if n > policy.FUSED_MAX_ELEMENTS or 3 * E * E > policy.FUSED_MAX_WEIGHT_COPY * n:
         return None
     return (f"B x S x E = {n} <= FUSED_MAX_ELEMENTS {policy.FUSED_MAX_ELEMENTS} without gradients: "
             "nn.MultiheadAttention's fused inference op (torch._native_multi_head_attention) runs the "
-            "projections, attention and output projection in one call, without the Python between them")
+            "projections, attention and output projection in one call, without the Python between them "
+            f"(and the q, k, v weights it copies, 3 E^2 = {3 * E * E}, are at most FUSED_MAX_WEIGHT_COPY "
+            f"{policy.FUSED_MAX_WEIGHT_COPY} x B x S x E)")
 
 
 def forward(mha: MultiHeadAttention, x: Tensor) -> Tensor:

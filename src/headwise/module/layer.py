@@ -202,6 +202,13 @@ class MultiHeadAttention(nn.Module):
             if self.alibi_slopes is not None:
                 self.alibi_slopes.copy_(alibi_slopes(self.num_heads))
 
+    def reference_weight(self) -> Tensor:
+        """A weight of the module, whose dtype and device its inputs and caches must have:
+        ``out_proj.weight``, or the first parameter where ``out_proj`` was replaced by a module
+        without one."""
+        w = getattr(self.out_proj, "weight", None)
+        return w if isinstance(w, Tensor) else next(self.parameters())
+
     def trains(self) -> bool:
         """Whether gradients would reach the module's parameters (any of them requires grad)."""
         q = self.q_proj
@@ -280,7 +287,7 @@ class MultiHeadAttention(nn.Module):
         if evict and self.window is None:
             raise ValueError("evict=True drops what a sliding window can no longer see; this module has no window "
                              "(MultiHeadAttention(..., window=W)), so every cached position stays visible")
-        w = self.out_proj.weight
+        w = self.reference_weight()
         return KVCache(batch_size, max_seq_len, self.num_kv_heads, self.head_dim,
                        device=w.device, dtype=w.dtype, static=static, value_dim=self.v_head_dim,
                        window=self.window if evict else None, sink_tokens=self.sink_tokens if evict else 0)

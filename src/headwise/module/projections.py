@@ -10,10 +10,13 @@ D head dim, Dv value head dim, E embed dim, T packed tokens.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
 from headwise import policy
 from headwise import tracing as trace
@@ -22,13 +25,41 @@ if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
 
 
+def plain_linears(mha: MultiHeadAttention) -> bool:
+    """Whether ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` are ``nn.Linear`` that nothing
+    hooks (their own hooks or global ones) or wraps, outside a JIT trace: then
+    ``F.linear(x, m.weight, m.bias)`` is exactly ``m(x)``, without ``nn.Module``'s call
+    machinery (about 2.5 us a call on one Zen 5 thread). A replaced, wrapped (PEFT) or hooked
+    projection is called as a module."""
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+            or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks
+            or torch._C._get_tracing_state()):
+        return False
+    modules = mha._modules
+    for name in _LINEARS:
+        m = modules[name]
+        if (type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or m._backward_pre_hooks):
+            return False
+    return True
+
+
+_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def linear(m: nn.Module, x: Tensor, plain: bool) -> Tensor:
+    """``m(x)``; ``plain``: :func:`plain_linears` holds, so F.linear on its weights is the same call."""
+    return F.linear(x, m.weight, m.bias) if plain else m(x)
+
+
 def project(mha: MultiHeadAttention, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The three projections of (B, S, E) inputs (keys and values from ``context`` if given),
     or of packed (T, E) tokens: (.., E), (.., Hkv*D), (.., Hkv*Dv)."""
     src = x if context is None else context
-    q = mha.q_proj(x)  # (.., E) -> (.., H*D)
-    k = mha.k_proj(src)  # (.., E) -> (.., Hkv*D)
-    v = mha.v_proj(src)  # (.., E) -> (.., Hkv*Dv)
+    plain = plain_linears(mha)
+    q = linear(mha.q_proj, x, plain)  # (.., E) -> (.., H*D)
+    k = linear(mha.k_proj, src, plain)  # (.., E) -> (.., Hkv*D)
+    v = linear(mha.v_proj, src, plain)  # (.., E) -> (.., Hkv*Dv)
     if trace.ACTIVE:
         record_projections(q, k, v, x.dim() == 3, context is None)
     return q, k, v
@@ -82,20 +113,21 @@ def rotate(mha: MultiHeadAttention, q: Tensor, k: Tensor, start: int) -> tuple[T
     return q, k
 
 
-def output(mha: MultiHeadAttention, out: Tensor, padding: Tensor | None) -> Tensor:
+def output(mha: MultiHeadAttention, out: Tensor, padding: Tensor | None, finite: bool = False) -> Tensor:
     """Merge the heads of the attention output (B, H, S, Dv), project, and zero the padded
-    positions (``padding`` (B, S), False = padded; None: none): (B, S, E)."""
+    positions (``padding`` (B, S), False = padded; None: none; ``finite``: the input was
+    finite, see :func:`zero_padding_`): (B, S, E)."""
     out = out.transpose(1, 2).flatten(2)  # (B, H, S, Dv) -> (B, S, H, Dv) -> (B, S, H*Dv), one copy
     same = mha.v_head_dim == mha.head_dim
     if trace.ACTIVE:
         trace.record("merge heads", out, "transpose(1, 2).flatten(2) = rearrange 'b h s d -> b s (h d)' "
                      "= transpose(1, 2).contiguous().view(B, S, " + ("E)" if same else "H * Dv)"))
-    out = mha.out_proj(out)  # (B, S, H*Dv) -> (B, S, E)
+    out = linear(mha.out_proj, out, plain_linears(mha))  # (B, S, H*Dv) -> (B, S, E)
     if trace.ACTIVE:
         trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b"
                      if same else "out_proj: (B, S, H*Dv) x (E, H*Dv)^T + b")
     if padding is not None:  # padded query positions output zeros, as the packed path gives
-        out = zero_padding_(out, padding)
+        out = zero_padding_(out, padding, finite)
         if trace.ACTIVE:
             trace.record("zero padding", out, "padded positions (2-D mask False) output zeros")
     return out
@@ -121,9 +153,29 @@ def zero_padding(t: Tensor, padding: Tensor) -> Tensor:
     return flat.index_fill(0, rows, 0).view(t.shape)  # (B, S, E)
 
 
-def zero_padding_(out: Tensor, padding: Tensor) -> Tensor:
+def hide_padding(x: Tensor, padding: Tensor) -> tuple[Tensor, bool]:
+    """x (B, S, E) whose padded positions (``padding`` (B, S) False) may reach no result and no
+    gradient, and whether x is finite everywhere.
+
+    A finite padded position is harmless (its keys are masked, its outputs zeroed, its
+    gradients zero). Where x's values can be read, one sum over x tells (finite unless x
+    holds NaN or inf, or overflows): then x itself, and the output's padding can be zeroed
+    by a product (:func:`zero_padding_` with ``finite``). Otherwise, zeros at the padded
+    positions (a copy; x itself is never written).
+    """
+    if policy.reads_values(padding) and math.isfinite(x.detach().sum()):
+        return x, True
+    return zero_padding(x, padding), False
+
+
+def zero_padding_(out: Tensor, padding: Tensor, finite: bool = False) -> Tensor:
     """:func:`zero_padding` in place where ``out`` (a fresh, contiguous output) takes no
-    gradient, which saves allocating a (B, S, E) buffer."""
+    gradient, which saves allocating a (B, S, E) buffer. ``finite``: the call's input was
+    finite everywhere (:func:`hide_padding`), so ``out`` is finite at the padding and a
+    product with the 0/1 mask zeroes it (about 2x faster than ``index_fill`` of the rows)."""
+    if finite:
+        keep = padding.unsqueeze(-1)  # (B, S, 1): 1 at a token, 0 at padding
+        return out * keep if out.requires_grad or not out.is_contiguous() else out.mul_(keep)
     if out.requires_grad or not out.is_contiguous() or not policy.reads_values(padding):
         return zero_padding(out, padding)
     rows = (~padding).flatten().nonzero().squeeze(1)  # (P,) flat indices of the padded positions

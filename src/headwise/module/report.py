@@ -45,7 +45,7 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, 
         Sk = cache.max_seq_len if cache.static else kept + S
         float_mask = slopes is not None  # ALiBi joins the mask as a bias
         attention_mask = torch.zeros(B, mha.num_heads if float_mask else 1, S, Sk, device=x.device,
-                                     dtype=mha.out_proj.weight.dtype if float_mask else torch.bool)
+                                     dtype=mha.reference_weight().dtype if float_mask else torch.bool)
         if evicted and not float_mask:  # eviction keeps what the step's queries can see: (nearly) all True
             attention_mask = ~attention_mask
         causal, window, slopes, sink_tokens = False, None, None, 0
@@ -63,7 +63,7 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, 
 def _shaped(mha: MultiHeadAttention, x: Tensor, B: int, heads: int, length: int, dim: int | None = None) -> Tensor:
     """A (B, heads, length, D) stand-in (``dim``: that last size, None: D) for a projection's
     output: the dtype, device and grad flag it would have, no storage (one element, expanded)."""
-    dtype = mha.out_proj.weight.dtype
+    dtype = mha.reference_weight().dtype
     if checks.autocast_on(x.device):
         dtype = torch.get_autocast_dtype(x.device.type)
     grad = torch.is_grad_enabled() and (x.requires_grad or mha.trains())
