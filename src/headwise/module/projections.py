@@ -11,7 +11,7 @@ D head dim, Dv value head dim, E embed dim, T packed tokens.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +49,10 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 def linear(m: nn.Module, x: Tensor, plain: bool) -> Tensor:
     """``m(x)``; ``plain``: :func:`plain_linears` holds, so F.linear on its weights is the same call."""
-    return F.linear(x, m.weight, m.bias) if plain else m(x)
+    if plain:
+        m = cast(nn.Linear, m)
+        return F.linear(x, m.weight, m.bias)
+    return m(x)
 
 
 def project(mha: MultiHeadAttention, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
