@@ -259,3 +259,15 @@ def test_dispatch_reports_one_padding_share_for_one_mask():
     text = str(mha.dispatch(torch.rand(2, 6, E), mask))
     shares = {int(s) for s in __import__("re").findall(r"(\d+)% of the", text)}
     assert shares == {33}, text
+
+
+def test_a_module_moved_to_another_dtype_plans_its_next_call_afresh():
+    mha = headwise.MultiHeadAttention(E, H)
+    x, mask = torch.rand(2, 4, E), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    with torch.no_grad():
+        mha(x, mask)
+        assert mha._repeats  # remembered
+        mha.double()  # no attribute is assigned: the parameters change in place
+        assert not mha._repeats
+        with pytest.raises(TypeError, match="x has dtype torch.float32 but the module's parameters are torch.float64"):
+            mha(x, mask)

@@ -226,6 +226,12 @@ class MultiHeadAttention(nn.Module):
         super().__delattr__(name)
         self.__dict__.get("_repeats", {}).clear()
 
+    def _apply(self, fn, recurse: bool = True):
+        """``to()``, ``double()``, ``to_empty()``, ...: the parameters' dtype or device changes
+        without an attribute being assigned, so the memo (keyed on x's) starts over too."""
+        self._repeats.clear()
+        return super()._apply(fn, recurse)
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if not isinstance(self.__dict__.get("_repeats"), memos.Memo):  # pickled by an earlier version
@@ -339,7 +345,7 @@ class MultiHeadAttention(nn.Module):
             key = None  # remembered already
         else:
             plan = planning.make_plan(self, x, attention_mask, context, is_causal, need_weights, cache,
-                             None if key is None else (padding, lengths))
+                                      None if key is None else (padding, lengths))
         if plan.path == "fused" and fused.allowed(self):  # nothing hooks or wraps the projections since
             out = fused.forward(self, x)
         elif plan.path == "packed":
