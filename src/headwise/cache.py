@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from headwise import policy
+from headwise.masks import _refuse_complex
 
 __all__ = ["KVCache"]
 
@@ -225,9 +226,7 @@ class KVCache:
         """
         if not isinstance(mask, Tensor):
             return  # None, or not a tensor: normalize_mask names the type
-        if mask.is_complex():  # normalize_mask's words, so a cache step refuses it as a call without one
-            raise TypeError(f"attention_mask has dtype {mask.dtype}; use bool/integer (True = attend) or a "
-                            "real floating additive bias")
+        _refuse_complex(mask)  # normalize_mask's check, so a cache step refuses it as a call without one
         if self.static:
             if mask.dim() != 2 or tuple(mask.shape) != (self.batch_size, new):
                 raise ValueError(f"a static cache takes a (B, T) = ({self.batch_size}, {new}) padding mask of the new "
@@ -326,11 +325,15 @@ class KVCache:
         Raises:
             TypeError / ValueError: what :meth:`check_mask` refuses.
         """
+        self.check_mask(mask, new)
+        return self._mask_for(mask, new)
+
+    def _mask_for(self, mask: Tensor | None, new: int) -> Tensor | None:
+        """:meth:`mask_for` of a mask :meth:`check_mask` has passed."""
         start, total = self._length, self._length + new  # the dynamic cache's (update_static masks itself)
         seen = len(self) + new  # = total until eviction drops positions
         if mask is None:
             return self.key_mask[:, :total] if self.padded else None  # (B, L)
-        self.check_mask(mask, new)
         if mask.dim() != 2:
             return mask  # 3-D / 4-D masks already cover (S, Sk); normalize_mask checks them
         mask = mask.to(self.key_mask.device) != 0
@@ -361,7 +364,7 @@ class KVCache:
         self.check(B, T)
         self.check_mask(mask, T)  # before eviction and the write: a refused mask changes nothing
         self._evict()
-        given, mask = mask, self.mask_for(mask, T)
+        given, mask = mask, self._mask_for(mask, T)
         total = self._length + T
         if given is not None and mask is not None and mask.dim() == 2 and mask.shape[-1] == total:  # remember it
             self.key_mask[:, :total] = mask

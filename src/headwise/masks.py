@@ -95,11 +95,7 @@ def normalize_mask(
             "wrap it with torch.as_tensor(...)"
         )
     m = attention_mask
-    if m.is_complex():
-        raise TypeError(
-            f"attention_mask has dtype {m.dtype}; use bool/integer (True = attend) or a "
-            "real floating additive bias"
-        )
+    _refuse_complex(m)
     if m.device != device:
         raise ValueError(
             f"attention_mask is on {m.device} but the queries are on {device}; "
@@ -123,6 +119,15 @@ def normalize_mask(
             f"{_LAYOUTS[m.dim()]} = {want} (each dimension must match or be 1)"
         )
     return _canonical(m, dtype)
+
+
+def _refuse_complex(mask: Tensor) -> None:
+    """Raise TypeError for a complex mask: a mask is bool/integer (True = attend) or a real bias."""
+    if mask.is_complex():
+        raise TypeError(
+            f"attention_mask has dtype {mask.dtype}; use bool/integer (True = attend) or a "
+            "real floating additive bias"
+        )
 
 
 def _canonical(mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
