@@ -234,6 +234,14 @@ def test_positive_inf_in_a_float_mask_is_refused(backend):
         attention(q, k, v, mask, backend=backend)
 
 
+def test_positive_inf_beside_nan_in_a_float_mask_is_still_refused():
+    q, k, v = _inputs()
+    mask = torch.zeros(B, Sk, dtype=torch.float64)
+    mask[0, 0], mask[1, 2] = float("nan"), INF  # a NaN makes the mask's min and max NaN: +inf is looked for
+    with pytest.raises(ValueError, match=re.escape("attention_mask holds +inf at 1 position(s), the first at (1, 2)")):
+        attention(q, k, v, mask)
+
+
 def test_negative_inf_in_a_float_mask_still_excludes():
     q, k, v = _inputs()
     mask = torch.zeros(B, Sk, dtype=torch.float64)

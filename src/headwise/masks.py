@@ -343,17 +343,19 @@ def check_mask_values(mask: Tensor) -> None:
         ValueError: the mask holds ``+inf``.
     """
     global _WARNED_BINARY
-    if not mask.is_floating_point() or not policy.reads_values(mask):
+    if not mask.is_floating_point() or not policy.reads_values(mask) or mask.numel() == 0:
         return
-    positive = torch.isposinf(mask)
-    if bool(positive.any()):
+    low, high = torch.aminmax(mask)  # one pass; a NaN anywhere makes both NaN, then +inf is looked for
+    positive = torch.isposinf(mask) if not bool(high < math.inf) else None
+    if positive is not None and bool(positive.any()):
         first = tuple(positive.nonzero()[0].tolist())
         raise ValueError(
             f"attention_mask holds +inf at {int(positive.sum())} position(s), the first at {first}; use -inf "
             "to exclude a key, or a finite bias (a float mask is added to the scores, and +inf makes the "
             "softmax NaN)"
         )
-    if not _WARNED_BINARY and mask.numel() and bool(((mask == 0) | (mask == 1)).all()) and bool((mask == 1).any()):
+    if (not _WARNED_BINARY and bool(low >= 0) and bool(high == 1)  # the exact check only where it may hold
+            and bool(((mask == 0) | (mask == 1)).all())):
         _WARNED_BINARY = True
         warnings.warn(
             "attention_mask is floating and holds only 0s and 1s, so it is read as an additive bias (1 adds 1 "
