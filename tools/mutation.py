@@ -47,7 +47,7 @@ FILES = ["masks.py", "functional.py", *MODULE, "cache.py", "positions.py", "kern
 # The tests that exercise those files (explain mode's included: its stages are output too),
 # without the slow Triton interpreter, the Hugging Face models and the benchmark's subprocesses.
 TESTS = ["tests/test_masks.py", "tests/test_functional.py", "tests/test_module.py",
-         "tests/test_module_refusals.py", "tests/module/test_ecosystem.py", "tests/test_nan_contract.py",
+         "tests/test_module_refusals.py", "tests/test_nan_contract.py",
          "tests/test_module_oracles.py", "tests/test_cache.py", "tests/test_positions.py",
          "tests/test_dispatch.py", "tests/test_packing.py", "tests/test_reference.py", "tests/test_tracing.py",
          "tests/test_explain.py",
