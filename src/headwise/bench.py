@@ -539,52 +539,13 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
     if not limit_gib > 0:
         raise ValueError(f"limit_gib must be > 0, got {limit_gib}; e.g. --memory-limit 16")
     say = progress or (lambda message: None)
-    unstable: list[str] = []
-    results: list[Result] = []
-    for case in cases(quick):
-        impls = list(IMPLS) + (["headwise sdpa", "headwise chunked"] if case.group != "long" else [])
-        if case.group == "padded":
-            impls.append("headwise packed")
-        if case.group == "long":
-            impls = ["headwise auto", "SDPA module", "reference"]
-        done: dict[str, Result] = {}
-        for impl in impls:
-            need = predicted_peak_gib(impl, case)
-            if need > limit_gib:
-                done[impl] = Result(case, impl, note=f"out of memory: needs >= {need:.1f} GiB")
-            elif case.group == "long":  # one run of each, in the child: minutes per run at these lengths
-                say(f"{case.label()}: {impl}")
-                done[impl] = Result(case, impl, **measure_in_child(impl, case, limit_gib))
-        timed = [impl for impl in impls if impl not in done]  # side by side, in turns
-        if timed:
-            say(f"{case.label()}: timing {len(timed)} implementations in turns")
-            for result in time_cases(timed, case, repeats, max_repeats, tolerance):
-                for kind in ("forward", "train"):
-                    spread = result.extra.get(f"{kind}_spread", 0.0)
-                    if spread > tolerance:
-                        unstable.append(f"{case.label()} {result.impl} {kind}: median {spread_text(spread)} after "
-                                        f"{result.extra['rounds']} repeats")
-                if memory and not quick:
-                    say(f"{case.label()}: {result.impl}, peak memory")
-                    measured = measure_in_child(result.impl, case, limit_gib)
-                    result.forward_peak_mib = measured["forward_peak_mib"]
-                    result.train_peak_mib = measured["train_peak_mib"]
-                    result.note = measured["note"]
-                done[result.impl] = result
-        results += [done[impl] for impl in impls]
+    unstable: list[str] = []  # one line per median still unstable after max_repeats rounds
+    results = [result for case in cases(quick)
+               for result in _case_results(case, repeats, max_repeats, tolerance, memory and not quick, limit_gib,
+                                           say, unstable)]
     say("decode steps")
-    decode = []
-    for E, H, prompt in ((512, 8, 512),) if quick else ((512, 8, 512), (1024, 16, 2048)):
-        ours, theirs = decode_steps_us(E, H, prompt, steps=32 if quick else 64, repeats=repeats,
-                                       max_repeats=max_repeats, tolerance=tolerance)
-        ratios = [o / t for o, t in zip(ours, theirs, strict=True)]
-        spread = median_spread(ratios)
-        if spread > tolerance:
-            unstable.append(f"decode E={E} H={H} prompt={prompt}: ratio median {spread_text(spread)} after "
-                            f"{len(ratios)} repeats")
-        decode.append({"E": E, "H": H, "prompt": prompt, "ours_us": statistics.median(ours),
-                       "sdpa_us": statistics.median(theirs), "ratio": statistics.median(ratios),
-                       "rounds": len(ratios), "spread": spread})
+    decode = [_decode_row(E, H, prompt, 32 if quick else 64, repeats, max_repeats, tolerance, unstable)
+              for E, H, prompt in (((512, 8, 512),) if quick else ((512, 8, 512), (1024, 16, 2048)))]
     say("attention core")
     backends = [b for b in headwise.available_backends() if b != "varlen"]
     core = []
@@ -605,6 +566,58 @@ def run(quick: bool = False, repeats: int | None = None, memory: bool = True, li
         "tolerance": tolerance,
         "unstable": unstable,
     })
+
+
+def _case_results(case: Case, repeats: int, max_repeats: int, tolerance: float, memory: bool, limit_gib: float,
+                  say: Callable[[str], None], unstable: list[str]) -> list[Result]:
+    """One case's results, one per implementation: out of memory where predicted, one run in a
+    child for the long cases, the rest timed side by side in turns (and their peak memory in
+    children with ``memory``). Unstable medians are appended to ``unstable``."""
+    impls = list(IMPLS) + (["headwise sdpa", "headwise chunked"] if case.group != "long" else [])
+    if case.group == "padded":
+        impls.append("headwise packed")
+    if case.group == "long":
+        impls = ["headwise auto", "SDPA module", "reference"]
+    done: dict[str, Result] = {}
+    for impl in impls:
+        need = predicted_peak_gib(impl, case)
+        if need > limit_gib:
+            done[impl] = Result(case, impl, note=f"out of memory: needs >= {need:.1f} GiB")
+        elif case.group == "long":  # one run of each, in the child: minutes per run at these lengths
+            say(f"{case.label()}: {impl}")
+            done[impl] = Result(case, impl, **measure_in_child(impl, case, limit_gib))
+    timed = [impl for impl in impls if impl not in done]  # side by side, in turns
+    if timed:
+        say(f"{case.label()}: timing {len(timed)} implementations in turns")
+        for result in time_cases(timed, case, repeats, max_repeats, tolerance):
+            for kind in ("forward", "train"):
+                spread = result.extra.get(f"{kind}_spread", 0.0)
+                if spread > tolerance:
+                    unstable.append(f"{case.label()} {result.impl} {kind}: median {spread_text(spread)} after "
+                                    f"{result.extra['rounds']} repeats")
+            if memory:
+                say(f"{case.label()}: {result.impl}, peak memory")
+                measured = measure_in_child(result.impl, case, limit_gib)
+                result.forward_peak_mib = measured["forward_peak_mib"]
+                result.train_peak_mib = measured["train_peak_mib"]
+                result.note = measured["note"]
+            done[result.impl] = result
+    return [done[impl] for impl in impls]
+
+
+def _decode_row(E: int, H: int, prompt: int, steps: int, repeats: int, max_repeats: int, tolerance: float,
+                unstable: list[str]) -> dict:
+    """The decode table's row for one shape; an unstable ratio median is appended to ``unstable``."""
+    ours, theirs = decode_steps_us(E, H, prompt, steps=steps, repeats=repeats, max_repeats=max_repeats,
+                                   tolerance=tolerance)
+    ratios = [o / t for o, t in zip(ours, theirs, strict=True)]
+    spread = median_spread(ratios)
+    if spread > tolerance:
+        unstable.append(f"decode E={E} H={H} prompt={prompt}: ratio median {spread_text(spread)} after "
+                        f"{len(ratios)} repeats")
+    return {"E": E, "H": H, "prompt": prompt, "ours_us": statistics.median(ours),
+            "sdpa_us": statistics.median(theirs), "ratio": statistics.median(ratios),
+            "rounds": len(ratios), "spread": spread}
 
 
 def _finite(obj):
