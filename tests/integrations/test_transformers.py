@@ -57,11 +57,13 @@ def registered():
 
 def test_register_adds_attention_and_mask_functions():
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from headwise.integrations.transformers_masks import headwise_mask
 
     assert register() == "headwise"  # again: harmless
     assert "headwise" in AttentionInterface._global_mapping
-    assert AttentionMaskInterface._global_mapping["headwise"] is sdpa_mask
+    assert AttentionMaskInterface._global_mapping["headwise"] is headwise_mask
 
 
 def test_register_unknown_backend():

@@ -16,20 +16,26 @@ follows) maps onto :func:`headwise.attention`:
 
 * ``query`` (B, H, S, D), ``key``/``value`` (B, Hkv, Sk, D): passed as they are;
   grouped-query attention (Hkv < H) runs natively, without repeating k/v heads.
-* The mask: the registered mask function is transformers' own ``sdpa_mask``, so a model
-  hands over ``None`` or a (B, 1, S, Sk) bool mask, True = attend: headwise's contract
-  exactly. A floating 4-D mask (a custom one, or a model that builds its own) is
-  additive in both libraries, but transformers blocks with ``torch.finfo(dtype).min``
-  where headwise blocks with ``-inf``: every value at or below ``finfo.min / 2`` is read
-  as a block (no real bias comes within 1e38 of it, and a bias added to ``finfo.min``
-  stays below the threshold). So a row with nothing to attend outputs zeros, as
-  everywhere in headwise, instead of eager attention's uniform average over blocked
-  keys; rows with something to attend are unchanged (``exp(finfo.min - max)`` is 0).
-* Causality: as in ``sdpa_attention_forward``, the ``is_causal`` flag (from the call,
-  else ``module.is_causal``) applies only when no mask is given and S > 1; transformers
-  builds a mask whenever causality needs more than that. When S < Sk in that case (an
-  empty static cache being prefilled), keys past S are unfilled slots and are dropped,
-  as SDPA does.
+* The mask: the registered mask function is headwise's
+  (:func:`~headwise.integrations.transformers_masks.headwise_mask`), so a model hands over
+  ``None`` or a :class:`~headwise.integrations.transformers_masks.TransformersMask`: the
+  mask's rules, not a dense mask. It becomes ``is_causal`` / ``window`` where the causal
+  rule is aligned bottom-right, a (B, 1, 1, Sk) bool ``attention_mask`` of real keys, and a
+  ``mask_mod`` for the rest (documents of a packed row, chunks, a static cache's offset).
+  A dense (B, 1, S, Sk) bool mask (models with their own ``vmap`` overlays, models that build
+  their own) is taken as it is, True = attend: headwise's contract exactly. A floating 4-D
+  mask (a custom one, or a model that builds its own) is additive in both libraries, but
+  transformers blocks with ``torch.finfo(dtype).min`` where headwise blocks with ``-inf``:
+  every value at or below ``finfo.min / 2`` is read as a block (no real bias comes within
+  1e38 of it, and a bias added to ``finfo.min`` stays below the threshold). So a row with
+  nothing to attend outputs zeros, as everywhere in headwise, instead of eager attention's
+  uniform average over blocked keys; rows with something to attend are unchanged
+  (``exp(finfo.min - max)`` is 0).
+* Causality with a dense mask or none: as in ``sdpa_attention_forward``, the ``is_causal``
+  flag (from the call, else ``module.is_causal``) applies only when no mask is given and
+  S > 1; transformers builds a mask whenever causality needs more than that. When S < Sk
+  in that case (an empty static cache being prefilled), keys past S are unfilled slots and
+  are dropped, as SDPA does.
 * ``dropout`` (transformers passes 0.0 in eval mode) becomes ``dropout_p``.
 * ``output_attentions``: the call's flag, else ``module.config.output_attentions``; the
   returned (B, H, S, Sk) weights are the probabilities *before* dropout (eager returns
@@ -43,7 +49,8 @@ follows) maps onto :func:`headwise.attention`:
   one more softmax column per head that adds nothing to the output, as gpt-oss's eager
   attention concatenates and drops it. A row with nothing else to attend gives zeros.
 * ``sliding_window`` is read from the mask (transformers builds sliding-window masks for
-  the layers that have one) and ``scaling`` is the ``scale=``.
+  the layers that have one, and chunked ones for Llama 4's chunked layers) and ``scaling``
+  is the ``scale=``.
 * Returns ``(attn_output (B, S, H, D), attn_weights or None)``.
 """
 
@@ -56,6 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from headwise.functional import attention
+from headwise.integrations.transformers_masks import TransformersMask, headwise_mask
 from headwise.kernels.registry import get_kernel
 
 __all__ = ["register", "headwise_attention_forward", "hf_mask_to_headwise", "MIN_TRANSFORMERS"]
@@ -125,6 +133,16 @@ def _fold_position_bias(position_bias: Tensor, mask: Tensor | None) -> Tensor:
     return position_bias + mask.to(position_bias.dtype)
 
 
+def _dense_rules(module: nn.Module, attention_mask: Tensor | None, is_causal: bool | None, S: int,
+                 Sk: int) -> dict:
+    """headwise's mask arguments for a dense mask (or None) from transformers, as
+    ``sdpa_attention_forward`` reads them; ``crop``: keys past S are an empty static cache's slots."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = bool(causal) and attention_mask is None and S > 1  # a mask already holds causality
+    return {"attention_mask": hf_mask_to_headwise(attention_mask), "is_causal": causal, "window": None,
+            "mask_mod": None, "crop": causal and Sk > S}
+
+
 def headwise_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -146,8 +164,8 @@ def headwise_attention_forward(
         query: (B, H, S, D).
         key: (B, Hkv, Sk, D).
         value: (B, Hkv, Sk, D).
-        attention_mask: None, (B|1, 1|H, S, Sk) bool (True = attend) or floating
-            (additive; ``finfo.min`` blocks).
+        attention_mask: None, a ``TransformersMask`` (from the registered mask function),
+            or (B|1, 1|H, S, Sk) bool (True = attend) or floating (additive; ``finfo.min`` blocks).
         dropout: dropout probability on the attention weights.
         scaling: multiplier of ``q k^T``.
         is_causal: causal flag, honoured when no mask is given and S > 1.
@@ -168,20 +186,18 @@ def headwise_attention_forward(
     output_attentions = kwargs.get("output_attentions")
     if output_attentions is None:
         output_attentions = getattr(getattr(module, "config", None), "output_attentions", False)
-
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    causal = bool(causal) and attention_mask is None and S > 1  # a mask already holds causality
-    if causal and Sk > S:  # an empty static cache being prefilled: slots past S are unfilled
-        key, value = key[:, :, :S], value[:, :, :S]  # (B, Hkv, S, D)
-        if position_bias is not None:
-            position_bias = position_bias[..., :S]  # (B|1, H, S, S)
-
-    mask = hf_mask_to_headwise(attention_mask)
+    if isinstance(attention_mask, TransformersMask):  # headwise's own mask builder: rules, no dense mask
+        rules = attention_mask.attention_kwargs(query.shape[0], S, Sk)
+    else:
+        rules = _dense_rules(module, attention_mask, is_causal, S, Sk)
+        if rules.pop("crop"):  # an empty static cache being prefilled: slots past S are unfilled
+            key, value = key[:, :, :S], value[:, :, :S]  # (B, Hkv, S, D)
+            position_bias = None if position_bias is None else position_bias[..., :S]  # (B|1, H, S, S)
     if position_bias is not None:
-        mask = _fold_position_bias(hf_mask_to_headwise(position_bias), mask)
+        rules["attention_mask"] = _fold_position_bias(hf_mask_to_headwise(position_bias), rules["attention_mask"])
     result = attention(
-        query, key, value, mask,
-        is_causal=causal,
+        query, key, value, rules.pop("attention_mask"),
+        **rules,
         dropout_p=float(dropout),
         scale=scaling,
         backend=backend,
@@ -197,9 +213,11 @@ def register(name: str = "headwise", *, backend: str = "auto") -> str:
     """Make ``attn_implementation=name`` run attention through headwise.
 
     Registers an attention function in transformers' ``AttentionInterface`` and
-    transformers' ``sdpa_mask`` (bool masks, True = attend) under the same name in its
-    ``AttentionMaskInterface``; without a mask function transformers would build no
-    padding or causal mask at all. Calling it again is harmless.
+    :func:`~headwise.integrations.transformers_masks.headwise_mask` under the same name in its
+    ``AttentionMaskInterface``: models then hand the attention function the mask's rules (a
+    :class:`~headwise.integrations.transformers_masks.TransformersMask`), not a dense
+    (B, 1, S, Sk) mask; without a mask function transformers would build no padding or causal
+    mask at all. Calling it again is harmless.
 
     Args:
         name: the ``attn_implementation`` name to register.
@@ -226,7 +244,7 @@ def register(name: str = "headwise", *, backend: str = "auto") -> str:
         get_kernel(backend)  # ValueError listing the known backends
     _transformers()
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     def forward(module, query, key, value, attention_mask, *args, **kwargs):
         return headwise_attention_forward(module, query, key, value, attention_mask, *args,
@@ -234,6 +252,6 @@ def register(name: str = "headwise", *, backend: str = "auto") -> str:
 
     forward.__name__ = forward.__qualname__ = f"headwise_attention_forward_{backend}"
     AttentionInterface.register(name, forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, headwise_mask)
     logger.debug("registered attn_implementation=%r (headwise backend %r)", name, backend)
     return name
