@@ -28,6 +28,16 @@ threshold they read lives in :mod:`headwise.policy` with the benchmark that sets
 
 Logit soft-capping is refused by ``sdpa`` and ``varlen`` (SDPA cannot cap), so "auto"
 runs the next kernel of the ranking that can.
+
+With rules as functions (``mask_mod`` / ``score_mod``), before rules 2-6:
+
+7. A document mask over contiguous documents (with or without causal or a window):
+   ``varlen``, which attends each document on its own, as ``packed_attention`` does.
+8. A general ``score_mod`` (not a bias): ``chunked``, which runs it a block of rows at a
+   time under autograd (O(S) memory; SDPA and varlen cannot apply a function).
+9. A mask rule that knows its tiles, with at least ``RULES_CHUNKED_MIN_EMPTY`` of them
+   empty and ``RULES_CHUNKED_MIN_SCORES`` scores per head: ``chunked``, which skips them;
+   otherwise ``sdpa`` with the rules materialised as one mask (a bias score_mod added).
 """
 
 from __future__ import annotations
@@ -119,6 +129,8 @@ def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.
             "SDPA's flash kernel takes no mask, window, ALiBi, bottom-right causal with S != Sk or sinks and "
             "falls back to slower kernels (and cannot soft-cap); triton keeps them fused and skips padded key tiles"
         )
+    if r.mask_mod or r.score_mod:
+        return _rules_ranking(r, budget)
     min_padding, inference, training = varlen
     if r.key_lengths is not None and r.key_padding is not None and r.key_padding >= min_padding and r.batch > 1:
         estimate = policy.estimate_varlen(
@@ -151,6 +163,31 @@ def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.
             "chunked keeps O(S) memory"
         )
     return _DEFAULT_ORDER, "PyTorch's fused kernel is the fastest dense path" + priced
+
+
+def _rules_ranking(r: Request, budget: int) -> tuple[tuple[str, ...], str]:
+    """Preference order for a call with a mask_mod or score_mod (rules 7-9 of the module docstring)."""
+    if r.documents is not None:
+        counts = [len(row) for row in r.documents]
+        longest = max(max(row) for row in r.documents)
+        return _VARLEN_ORDER, (f"a document mask over contiguous documents ({sum(counts)} in {len(counts)} "
+                               f"row{'s' if len(counts) > 1 else ''}, the longest {longest} tokens): varlen attends "
+                               "each document on its own, as packed_attention does")
+    if r.score_mod == "general":
+        return _LOW_MEMORY_ORDER, ("a general score_mod: chunked runs it a block of rows at a time under autograd "
+                                   "(O(S) memory); SDPA takes only an additive mask")
+    scores = r.q_len * r.k_len
+    if r.empty_tiles is not None and r.empty_tiles >= policy.RULES_CHUNKED_MIN_EMPTY and (
+            scores >= policy.RULES_CHUNKED_MIN_SCORES):
+        return _LOW_MEMORY_ORDER, (f"{r.empty_tiles:.0%} of the mask rule's tiles are empty (>= "
+                                   f"RULES_CHUNKED_MIN_EMPTY {policy.RULES_CHUNKED_MIN_EMPTY:.0%}, S x Sk = {scores}): "
+                                   "chunked skips them")
+    size = _scores_bytes(r)
+    if size > budget:
+        return _LOW_MEMORY_ORDER, (f"the rules materialised would hold {size / 2**20:.0f} MiB (budget "
+                                   f"{budget / 2**20:.0f} MiB); chunked evaluates them tile by tile")
+    known = "" if r.empty_tiles is None else f" ({r.empty_tiles:.0%} of its tiles empty)"
+    return _DEFAULT_ORDER, f"SDPA with the rules materialised as one mask{known}"
 
 
 def select(request: Request, backend: str = "auto") -> Dispatch:

@@ -20,8 +20,19 @@ from headwise.dispatch import Dispatch, select
 from headwise.dispatch import logger as dispatch_logger
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros
-from headwise.kernels.registry import Call, Kernel, Request, find_kernel, takes
+from headwise.kernels.registry import Call, Kernel, Request, call_kernel, find_kernel, takes
+from headwise.mask_mods import Document, MaskMod, ScoreMod, and_masks
 from headwise.masks import _canonical, check_mask_values, hide_excluded, normalize_mask
+from headwise.rules import (
+    Rules,
+    TileMap,
+    check_functions,
+    document_lengths,
+    from_block_mask,
+    is_block_mask,
+    knows_tiles,
+    score_mod_needs_grad,
+)
 
 __all__ = ["attention", "available_backends", "choose_backend"]
 
@@ -168,9 +179,12 @@ def _key_padding(lengths: tuple[int, ...] | None, k_len: int) -> float | None:
 
 def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
              need_weights: bool, window: int | None, alibi: bool, softcap: bool = False,
-             sinks: bool = False, value_dim: int | None = None, sink_tokens: int = 0) -> Request:
+             sinks: bool = False, value_dim: int | None = None, sink_tokens: int = 0,
+             rules: Rules | None = None) -> Request:
     B, H, S, D = q.shape
     lengths = _key_lengths(mask)
+    extra = {} if rules is None or (rules.mask_mod is None and rules.score_mod is None) else _rule_fields(
+        rules, B, H, S, k.shape[2], q.device)
     return Request(
         device=q.device,
         dtype=q.dtype,
@@ -194,20 +208,50 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         sinks=sinks,
         value_dim=None if value_dim == D else value_dim,  # None: Dv == D, the usual request
         sink_tokens=sink_tokens,
+        **extra,
     )
 
 
+def _rule_fields(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.device) -> dict:
+    """What "auto" and the kernels' refusals read of a mask_mod / score_mod: whether each is
+    given, whether the score rule is a bias and needs gradients, the share of empty tiles
+    (where the mask rule knows its tiles without evaluating every pair) and the documents."""
+    fields: dict = {"mask_mod": rules.mask_mod is not None}
+    if rules.score_mod is not None:
+        fields["score_mod"] = "additive" if getattr(rules.score_mod, "additive", False) else "general"
+        fields["score_mod_grad"] = score_mod_needs_grad(rules.score_mod, device)
+    structure = rules.structure(S, Sk)
+    if rules.mask_mod is not None and knows_tiles(structure):
+        block = (policy.CHUNKED_BLOCK_Q, policy.CHUNKED_BLOCK_K)
+        states = rules.tile_states(B, H, S, Sk, block, device)  # (B|1, H|1, nq, nk)
+        fields["empty_tiles"] = round(20 * float((states == 0).float().mean())) / 20
+        fields["documents"] = document_lengths(rules, B, S, Sk)
+    return fields
+
+
 def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
-             window=None, alibi_slopes=None, softcap=None, sinks=None, sink_tokens=0, scale=None):
+             window=None, alibi_slopes=None, softcap=None, sinks=None, sink_tokens=0, scale=None,
+             mask_mod=None, score_mod=None):
+    """Check the call, normalise its mask and choose its kernel: ``(mask, rules, dispatch)``."""
     _check_inputs(q, k, v, dropout_p, backend, scale)
     _check_structure(q, window, alibi_slopes, softcap, sinks, sink_tokens)
+    check_functions(mask_mod, score_mod)
     B, H, S, _ = q.shape
+    if is_block_mask(attention_mask):  # FlexAttention's BlockMask: its mask_mod
+        block_rule = from_block_mask(attention_mask, S, k.shape[2])
+        mask_mod = block_rule if mask_mod is None else and_masks(block_rule, mask_mod)
+        attention_mask = None
+    if isinstance(mask_mod, Document):
+        mask_mod.check(S, k.shape[2], B)
     mask = normalize_mask(attention_mask, batch=B, heads=H, q_len=S, k_len=k.shape[2],
                           device=q.device, dtype=q.dtype)
+    rules = Rules(is_causal=_effective_causal(is_causal, window, S), window=window, sink_tokens=sink_tokens,
+                  alibi_slopes=alibi_slopes, softcap=None if softcap is None else float(softcap), sinks=sinks,
+                  mask_mod=mask_mod, score_mod=score_mod)
     request = _request(q, k, mask, is_causal, dropout_p, need_weights, window,
                        alibi_slopes is not None, softcap is not None, sinks is not None, v.shape[-1],
-                       sink_tokens)
-    return mask, select(request, backend)
+                       sink_tokens, rules)
+    return mask, rules, select(request, backend)
 
 
 def attention(
@@ -226,6 +270,8 @@ def attention(
     softcap: float | None = None,  # None: no logit soft-capping
     sinks: Tensor | None = None,  # None: no attention sinks
     sink_tokens: int = 0,  # 0: none; n: the first n keys stay visible under the window
+    mask_mod: MaskMod | None = None,  # None: no mask rule beyond the keywords
+    score_mod: ScoreMod | None = None,  # None: no score rule beyond the keywords
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention with headwise's mask contract.
 
@@ -233,8 +279,9 @@ def attention(
     returns zeros (and zero gradients), never NaN.
 
     The order of operations: ``s = q k^T * scale``; ``s = softcap * tanh(s / softcap)``;
-    ALiBi's bias and the mask; softmax over ``[s, sink_h]`` with the sink column dropped;
-    dropout; ``@ v``.
+    ALiBi's bias; ``s = score_mod(s, b, h, i, j)``; the mask (the attention mask, the
+    causal / window rule and ``mask_mod``, ANDed); softmax over ``[s, sink_h]`` with the
+    sink column dropped; dropout; ``@ v``.
 
     Args:
         q: queries (B, H, S, D).
@@ -263,6 +310,17 @@ def attention(
         sink_tokens: StreamingLLM's attention sinks, with a window only: the first
             ``sink_tokens`` keys stay visible too, so query ``i`` attends key ``j`` iff
             ``i + Sk - S - window < j <= i + Sk - S`` or ``j < sink_tokens and j <= i + Sk - S``.
+        mask_mod: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True =
+            may attend), ANDed with everything above. The indices are int64 tensors that
+            broadcast, ``b`` (B, 1, 1, 1), ``h`` (1, H, 1, 1) (the query head), ``q_idx``
+            (1, 1, S, 1), ``kv_idx`` (1, 1, 1, Sk), raw positions also when S != Sk. The
+            helpers of :mod:`headwise.masks` (``causal``, ``sliding_window``, ``document``,
+            ``prefix_lm``, ``and_masks``, ``or_masks``) know their tiles, so blockwise kernels
+            skip empty ones; a :class:`headwise.rules.TileMap` is reused as built. A
+            FlexAttention ``BlockMask`` may be given as ``attention_mask`` instead.
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the
+            scaled score, after softcap and ALiBi and before the mask. Tensors it reads get
+            their gradients (``headwise.masks.relative_position_bias`` is T5's learned bias).
 
     Returns:
         The output (B, H, S, Dv), or ``(output, weights)`` when ``need_weights`` (with
@@ -287,7 +345,7 @@ def attention(
         trace.begin_call()
     return attend(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
                   backend=backend, need_weights=need_weights, window=window, alibi_slopes=alibi_slopes,
-                  softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
+                  softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, mask_mod=mask_mod, score_mod=score_mod)
 
 
 # A repeated call (same signature: shapes, dtypes, devices, flags) reuses the kernel and
@@ -313,6 +371,7 @@ class Prepared:
     """
 
     kernel: Kernel
+    rules: Rules
     args: dict
 
     def current(self) -> bool:
@@ -327,8 +386,8 @@ class Prepared:
         if mask is not None:
             check_mask_values(mask)
         if not excluded_finite:
-            q, k, v = hide_excluded(q, k, v, mask, is_causal=self.args["is_causal"])  # the NaN contract
-        return self.kernel.fn(q, k, v, attention_mask=mask, **self.args)[0]  # (B, H, S, Dv)
+            q, k, v = hide_excluded(q, k, v, mask, is_causal=self.rules.is_causal)  # the NaN contract
+        return call_kernel(self.kernel.fn, q, k, v, mask, self.rules, self.args)[0]  # (B, H, S, Dv)
 
 
 def logs_choices() -> bool:
@@ -392,8 +451,8 @@ def prepare(q, k, v, attention_mask=None, mask_4d=None, *, is_causal=False, drop
         return prepared
     if k.shape[-2] == 0:  # no keys: the full path checks the call and gives the contract's zeros
         return None
-    _, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, False, backend, scale=scale)
-    args = _arguments(dispatch.request.is_causal, dropout_p, scale, q.shape[-1])
+    _, rules, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, False, backend, scale=scale)
+    args = _arguments(dropout_p, scale, q.shape[-1])
     # Read key counts, none zero and no causal rule: every query row has a key, so a kernel
     # that guards rows with none may skip the guard. Only where "auto" read them: they are
     # in the signature, so every later call of it has them too.
@@ -402,35 +461,19 @@ def prepare(q, k, v, attention_mask=None, mask_4d=None, *, is_causal=False, drop
         args["known_live"] = True
     if len(_REPEATS) >= _REPEATS_LIMIT:
         _REPEATS.clear()
-    _REPEATS[key] = prepared = Prepared(dispatch.kernel, args)
+    _REPEATS[key] = prepared = Prepared(dispatch.kernel, rules, args)
     return prepared
 
 
-def _arguments(is_causal: bool, dropout_p, scale, D: int, need_weights=False, window=None, alibi_slopes=None,
-               softcap=None, sinks=None, sink_tokens=0) -> dict:
-    """The kernel's keyword arguments but the mask (``is_causal``: the request's, where it can block a key)."""
-    args = dict(
-        is_causal=is_causal,
-        dropout_p=float(dropout_p),
-        scale=1.0 / math.sqrt(D) if scale is None else float(scale),
-        need_weights=need_weights,
-        window=window,
-        alibi_slopes=alibi_slopes,
-    )
-    # The options newer than the first kernel signature go only where set: a kernel written
-    # for that signature keeps serving every call without them (Kernel.why_not refuses the rest).
-    if softcap is not None:
-        args["softcap"] = float(softcap)
-    if sinks is not None:
-        args["sinks"] = sinks
-    if sink_tokens:
-        args["sink_tokens"] = sink_tokens
-    return args
+def _arguments(dropout_p, scale, D: int, need_weights=False) -> dict:
+    """The kernel's keyword arguments but the mask and the rules."""
+    return dict(dropout_p=float(dropout_p), scale=1.0 / math.sqrt(D) if scale is None else float(scale),
+                need_weights=need_weights)
 
 
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
            backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
-           sink_tokens=0, key_lengths=None, excluded_finite=False):
+           sink_tokens=0, key_lengths=None, excluded_finite=False, mask_mod=None, score_mod=None):
     """:func:`attention` without opening a new call in an active trace (the module opens it).
 
     In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
@@ -440,9 +483,9 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     ``excluded_finite``: the caller made what the mask excludes for every query finite (the
     module zeroes padded positions of x): the NaN contract's hiding is skipped.
     """
-    # The memo's signature holds no softcap, sinks or sink tokens: calls with any take the full path.
+    # The memo's signature holds no softcap, sinks, sink tokens or rule functions: calls with any take the full path.
     if (window is None and alibi_slopes is None and not need_weights and softcap is None and sinks is None
-            and not sink_tokens):
+            and not sink_tokens and mask_mod is None and score_mod is None):
         try:
             mask_4d = None if attention_mask is None else _canonical(attention_mask, q.dtype)
         except (AttributeError, TypeError):  # not tensors: the full path names the error
@@ -454,11 +497,13 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
                 if attention_mask is not None:
                     check_mask_values(attention_mask)
                 if not excluded_finite:  # the NaN contract
-                    q, k, v = hide_excluded(q, k, v, mask_4d, is_causal=prepared.args["is_causal"])
-                return prepared.kernel.fn(q, k, v, attention_mask=mask_4d, **prepared.args)[0]  # (B, H, S, Dv)
-    mask, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
-                              backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale)
-    if attention_mask is not None:
+                    q, k, v = hide_excluded(q, k, v, mask_4d, is_causal=prepared.rules.is_causal)
+                return call_kernel(prepared.kernel.fn, q, k, v, mask_4d, prepared.rules,
+                                   prepared.args)[0]  # (B, H, S, Dv)
+    mask, rules, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
+                                     backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale,
+                                     mask_mod, score_mod)
+    if attention_mask is not None and mask is not None:
         check_mask_values(attention_mask)
     B, H, S, D = q.shape
     if trace.ACTIVE and trace.recording():
@@ -467,23 +512,35 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
                          f"{str(attention_mask.dtype).removeprefix('torch.')} -> {tuple(mask.shape)}: "
                          "broadcasts over (B, H, S, Sk), no copy")
         trace.record("kernel", q, f"backend {dispatch.backend!r}: {dispatch.reason}")
+        if rules.mask_mod is not None or rules.score_mod is not None:
+            trace.record("rules", q, _rules_note(rules, B, H, S, k.shape[2], q.device))
     if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
         also = [] if sinks is None else [sinks]
         out = attached_zeros(q, k, v, *also, size=v.shape[-1])  # (B, H, S, Dv), in q's graph: zero gradients
         if trace.ACTIVE:
             trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
         return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
-    args = _arguments(dispatch.request.is_causal, dropout_p, scale, D, need_weights, window, alibi_slopes, softcap,
-                      sinks, sink_tokens)
+    args = _arguments(dropout_p, scale, D, need_weights)
     # What the mask excludes for every query must not reach a result, even as NaN or inf.
     if not excluded_finite:
-        q, k, v = hide_excluded(q, k, v, mask, is_causal=dispatch.request.is_causal, window=window,
-                                sink_tokens=sink_tokens)
-    out, weights = dispatch.kernel.fn(q, k, v, attention_mask=mask, **args)
+        q, k, v = hide_excluded(q, k, v, mask, is_causal=rules.is_causal, window=window, sink_tokens=sink_tokens,
+                                mask_mod=rules.structure(S, k.shape[2]) if mask_mod is not None else None)
+    out, weights = call_kernel(dispatch.kernel.fn, q, k, v, mask, rules, args)
     if trace.ACTIVE and trace.recording():
-        call = Call(q, k, v, attention_mask=mask, **args, scale_given=scale is not None)
+        call = Call(q, k, v, attention_mask=mask, rules=rules, **args, scale_given=scale is not None)
         _record_kernel_stages(dispatch.kernel, call, out)
     return (out, weights) if need_weights else out
+
+
+def _rules_note(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.device) -> str:
+    """Explain mode's words for the call's rule functions, with the tile map where the rule knows it."""
+    note = rules.describe()
+    structure = rules.structure(S, Sk)
+    if rules.mask_mod is not None and knows_tiles(structure):
+        block = (policy.CHUNKED_BLOCK_Q, policy.CHUNKED_BLOCK_K)
+        states = rules.tile_states(B, H, S, Sk, block, device)
+        note += "; " + TileMap(structure, (B, H, S, Sk), block, states).describe()
+    return note
 
 
 def _record_kernel_stages(kernel: Kernel, call: Call, out: Tensor) -> None:
@@ -511,6 +568,8 @@ def choose_backend(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     sink_tokens: int = 0,
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
 ) -> Dispatch:
     """Which backend :func:`attention` would run for these arguments, and why.
 
@@ -524,7 +583,7 @@ def choose_backend(
     'sdpa'
     """
     return _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
-                    window, alibi_slopes, softcap, sinks, sink_tokens)[1]
+                    window, alibi_slopes, softcap, sinks, sink_tokens, mask_mod=mask_mod, score_mod=score_mod)[2]
 
 
 def available_backends() -> list[str]:

@@ -16,6 +16,11 @@ Rules (the README repeats them):
   under the window: query ``i`` attends key ``j`` iff ``i + Sk - S - W < j <= i + Sk - S``
   or ``j < n and j <= i + Sk - S``.
 * a query row that may attend nothing outputs zeros and gets zero gradients.
+* rules as functions (FlexAttention's): ``mask_mod(b, h, q_idx, kv_idx)`` ANDs with all of
+  the above; ``score_mod`` acts on the scaled score. Their helpers (``causal``,
+  ``sliding_window``, ``document``, ``prefix_lm``, ``and_masks``, ``or_masks``,
+  ``relative_position_bias``) and :func:`tile_map` live in :mod:`headwise.mask_mods` and
+  :mod:`headwise.rules` and are importable from here.
 
 Every kernel receives the mask already normalised by :func:`normalize_mask`: ``None``
 or a 4-D tensor of shape ``(B|1, H|1, S|1, Sk)`` that is either bool (True = attend)
@@ -26,11 +31,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from headwise import policy
+from headwise.mask_mods import and_masks, causal, document, or_masks, prefix_lm, relative_position_bias, sliding_window
+from headwise.rules import TileMap, tile_map
 
 __all__ = [
     "normalize_mask",
@@ -45,6 +53,15 @@ __all__ = [
     "check_mask_values",
     "from_torch_masks",
     "key_padding_mask",
+    "and_masks",
+    "or_masks",
+    "causal",
+    "sliding_window",
+    "document",
+    "prefix_lm",
+    "relative_position_bias",
+    "tile_map",
+    "TileMap",
 ]
 
 _LAYOUTS = {
@@ -272,7 +289,8 @@ def row_is_dead(mask: Tensor) -> Tensor:
 
 
 def hide_excluded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool,
-                  window: int | None = None, sink_tokens: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                  window: int | None = None, sink_tokens: int = 0,
+                  mask_mod: Any = None) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v with zeros where the mask (and the causal / window rule) excludes them for
     every query: the NaN and inf contract's first rule.
 
@@ -292,6 +310,9 @@ def hide_excluded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_ca
         is_causal: the bottom-right causal rule applies.
         window: causal sliding window (None: unlimited).
         sink_tokens: keys kept visible under the window.
+        mask_mod: the call's mask rules as one mask_mod (the causal / window rule included),
+            or None. It is evaluated on the whole grid only when q, k or v holds NaN or inf
+            (one sum each says so where values can be read): finite inputs need no hiding.
 
     Returns:
         ``(q, k, v)``, zeroed at dead query rows and at keys and values no query may attend.
@@ -302,6 +323,15 @@ def hide_excluded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_ca
     0.0
     """
     S, Sk = q.shape[-2], k.shape[-2]
+    if mask_mod is not None:
+        if all(policy.reads_values(t) and math.isfinite(t.detach().sum()) for t in (q, k, v)):
+            return q, k, v  # nothing to hide: every value is finite
+        from headwise.rules import evaluate_mask  # rules build on the mask helpers
+
+        rule = evaluate_mask(mask_mod, q.shape[0], q.shape[1], (0, S), (0, Sk), q.device)  # (B|1, H|1, S, Sk)
+        mask = rule if mask is None else (mask & rule if mask.dtype == torch.bool
+                                          else mask.masked_fill(~rule, float("-inf")))
+        is_causal, window, sink_tokens = False, None, 0  # the rule holds them
     if mask is None and window is None and (not is_causal or S <= Sk):
         return q, k, v  # causal with S <= Sk: every query sees key 0, and the last query sees every key
     allowed = combined_mask(mask, is_causal, S, Sk, q.device, window, sink_tokens)  # (B|1, H|1, S|1, Sk)

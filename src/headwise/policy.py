@@ -255,6 +255,15 @@ SCORES_BUDGET_BYTES = 256 * 2**20
 # 370/1261; B=1 S=4096 causal forward 1733 vs 669.
 SINKS_CHUNKED_MIN_SCORES = 768 * 768
 
+# ---- rules as functions (dispatch.py, kernels/chunked.py) --------------------------------
+# A mask_mod whose tiles are known (a helper of headwise.mask_mods or a tile map) with at
+# least this share of empty 128 x 128 tiles, from RULES_CHUNKED_MIN_SCORES scores per head
+# (S x Sk): "auto" runs chunked, which skips the empty tiles, over SDPA with the rule
+# materialised as a (B|1, H|1, S, Sk) mask, which computes every tile.
+# benchmarks/rules.py prints both for document-causal masks.
+RULES_CHUNKED_MIN_EMPTY = 0.5
+RULES_CHUNKED_MIN_SCORES = 1024 * 1024
+
 # ---- length buckets (packing.py, kernels/varlen.py) -------------------------------------
 # A length bucket takes sequences down to (1 - BUCKET_SLACK) of its longest one, so at most
 # this share of a bucket is padding. Chosen, not swept: benchmarks/pack_threshold.py

@@ -12,6 +12,7 @@ import torch
 import headwise
 from headwise import policy
 from headwise.kernels import chunked
+from headwise.rules import Rules
 
 
 def _keep_mask(seed, B, Hkv, G, S, Sk, block_q, block_k, p):
@@ -110,9 +111,10 @@ def test_sink_tiles_are_never_skipped_and_the_rest_still_are(monkeypatch, window
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
     allowed = causal_mask(S, S, window=window, sink_tokens=sinks)
     live = {(i0, j0) for i0 in range(0, S, bq) for j0 in range(0, S, bk) if allowed[i0:i0 + bq, j0:j0 + bk].any()}
-    plan = chunked._Plan(q, k, None, True, window, None, bq, bk, sink_tokens=sinks)
+    plan = chunked._Plan(q, k, None, Rules(is_causal=True, window=window, sink_tokens=sinks), bq, bk)
     assert {(i0, j0) for _, (i0, _), (j0, _), _ in plan.tiles()} == live
     assert len(live) < len(plan.q_blocks) * len(plan.k_blocks)  # some tiles are skipped still
-    note = chunked.chunked_stages(Call(q, k, v, None, True, 0.0, 0.5, False, window, sink_tokens=sinks))[0].note
+    note = chunked.chunked_stages(Call(q, k, v, None, Rules(is_causal=True, window=window, sink_tokens=sinks), 0.0, 0.5,
+                                       False))[0].note
     assert f"{len(live)} of {len(plan.q_blocks) * len(plan.k_blocks)} tiles" in note
     assert f"the tiles of the {sinks} sink keys are kept for every query" in note

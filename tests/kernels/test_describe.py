@@ -230,7 +230,7 @@ def test_chunked_names_its_real_tiles(monkeypatch):
     assert stage.name == "chunked" and stage.dtype == torch.float16
     assert stage.note == (
         "scaling, scores, mask, softmax, weighted sum tile by tile with a running max and sum: 6 of 9 tiles of up "
-        "to 2 queries x 2 keys (tiles the causal rule blocks entirely are skipped); H = 4 query heads read "
+        "to 2 queries x 2 keys (tiles the rules block entirely are skipped); H = 4 query heads read "
         f"Hkv = 2 kv heads, no copy; accumulated in float32; scores ({B}, {H}, {S}, {S}) not materialised, "
         f"one (B, Hkv, G, bq, bk) = ({B}, 2, 2, 2, 2) tile at a time")
 

@@ -8,6 +8,7 @@ import torch
 import headwise
 from headwise import kernels
 from headwise.kernels import registry
+from headwise.rules import Rules
 
 
 def test_builtin_lists_every_kernel_under_its_own_name_in_registry_order():
@@ -39,9 +40,9 @@ def test_a_kernel_written_for_the_first_signature_serves_plain_calls_and_refuses
     @kernels.register("first_signature", summary="the textbook kernel behind the first signature")
     def first(q, k, v, *, attention_mask, is_causal, dropout_p, scale, need_weights, window, alibi_slopes):
         seen.append(1)
-        return registry.get_kernel("matmul").fn(q, k, v, attention_mask=attention_mask, is_causal=is_causal,
-                                                dropout_p=dropout_p, scale=scale, need_weights=need_weights,
-                                                window=window, alibi_slopes=alibi_slopes)
+        rules = Rules(is_causal=is_causal, window=window, alibi_slopes=alibi_slopes)
+        return registry.get_kernel("matmul").fn(q, k, v, attention_mask=attention_mask, rules=rules,
+                                                dropout_p=dropout_p, scale=scale, need_weights=need_weights)
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 4, 8, dtype=torch.float64, generator=gen) for _ in range(3))
@@ -54,3 +55,7 @@ def test_a_kernel_written_for_the_first_signature_serves_plain_calls_and_refuses
             headwise.attention(q, k, v, backend="first_signature", **kwargs)
         assert headwise.choose_backend(q, k, v, **kwargs).passed_over["first_signature"].startswith(
             f"its function takes no {names} keyword")
+    for kwargs in ({"mask_mod": headwise.masks.causal}, {"score_mod": lambda s, b, h, i, j: s * 2}):
+        with pytest.raises(ValueError, match="backend 'first_signature' its function takes no rules= keyword .* "
+                                             "cannot run a mask_mod or score_mod"):
+            headwise.attention(q, k, v, backend="first_signature", **kwargs)

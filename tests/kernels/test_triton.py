@@ -25,6 +25,7 @@ import headwise
 from conftest import reference_attention
 from headwise.kernels import get_kernel, triton_flash
 from headwise.kernels.registry import Request
+from headwise.rules import Rules
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -454,7 +455,7 @@ def test_unavailable_without_triton_or_a_gpu(monkeypatch):
 
 def test_direct_calls_reject_what_dispatch_refuses():
     q = torch.zeros(1, 2, 3, 16)
-    common = dict(is_causal=False, scale=0.25, need_weights=False)
+    common = dict(rules=Rules(), scale=0.25, need_weights=False)
     with pytest.raises(ValueError, match=r"key padding masks \(B\|1, 1, 1, Sk\) only, got shape \(1, 1, 3, 3\)"):
         triton_flash.triton_attention(q, q, q, attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool),
                                       dropout_p=0.0, **common)
@@ -463,7 +464,11 @@ def test_direct_calls_reject_what_dispatch_refuses():
     with pytest.raises(ValueError, match=r"v's head dim to be q's \(got Dv = 8, D = 16\) and takes no sink tokens"):
         triton_flash.triton_attention(q, q, q[..., :8], attention_mask=None, dropout_p=0.0, **common)
     with pytest.raises(ValueError, match=r"takes no sink tokens \(got 2\)"):
-        triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, window=2, sink_tokens=2, **common)
+        triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, scale=0.25, need_weights=False,
+                                      rules=Rules(is_causal=True, window=2, sink_tokens=2))
+    with pytest.raises(ValueError, match=r"takes no mask_mod or score_mod \(mask_mod causal\)"):
+        triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, scale=0.25, need_weights=False,
+                                      rules=Rules(mask_mod=headwise.masks.causal))
 
 
 @pytest.mark.parametrize("overrides", [dict(value_dim=96), dict(window=16, sink_tokens=4)], ids=["Dv", "sinks"])

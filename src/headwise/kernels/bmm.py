@@ -15,6 +15,7 @@ from torch import Tensor
 from headwise.kernels import describe
 from headwise.kernels.common import mask_softmax_dropout
 from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.rules import Rules
 
 
 def bmm_attention(
@@ -23,15 +24,10 @@ def bmm_attention(
     v: Tensor,
     *,
     attention_mask: Tensor | None,
-    is_causal: bool,
+    rules: Rules,
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
-    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
-    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
-    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
-    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -45,8 +41,7 @@ def bmm_attention(
     v3 = v.reshape(B * H, Sk, Dv)  # (B, H, Sk, Dv) -> (B*H, Sk, Dv)
     scores = torch.bmm(q3, k3.transpose(1, 2))  # (B*H, S, D) x (B*H, D, Sk) -> (B*H, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B*H, S, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
-                                            softcap, sinks, sink_tokens)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, rules, dropout_p)
     out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, Dv) -> (B*H, S, Dv)
     out = out.reshape(B, H, S, Dv)  # (B*H, S, Dv) -> (B, H, S, Dv)
     return out, weights if need_weights else None

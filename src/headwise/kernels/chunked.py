@@ -31,6 +31,8 @@ Sk key length, D head dim of q and k, Dv head dim of v, bq / bk the rows / colum
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -38,7 +40,10 @@ from torch.autograd.function import once_differentiable
 from headwise import policy
 from headwise.deprecation import moved
 from headwise.kernels import describe
+from headwise.kernels.chunked_rows import rows_attention
 from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.mask_mods import EMPTY, FULL, Bounds
+from headwise.rules import Rules, evaluate_mask, mask_tile_states
 
 __getattr__ = moved(__name__, {old: (policy, f"headwise.policy.CHUNKED_{old}") for old in ("BLOCK_Q", "BLOCK_K")})
 
@@ -78,26 +83,31 @@ def _causal_tile(i0: int, i1: int, j0: int, j1: int, offset: int, window: int | 
 class _Plan:
     """Shapes, tiling and the mask of one call, shared by forward and backward."""
 
-    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool,
-                 window: int | None, slopes: Tensor | None, block_q: int, block_k: int,
-                 softcap: float | None = None, sinks: Tensor | None = None, sink_tokens: int = 0):
+    def __init__(self, q: Tensor, k: Tensor, mask: Tensor | None, rules: Rules, block_q: int, block_k: int):
         B, H, S, D = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
         self.B, self.H, self.Hkv, self.G, self.S, self.Sk, self.D = B, H, Hkv, H // Hkv, S, Sk, D
         self.device = q.device
         self.offset = Sk - S  # bottom-right causal alignment
-        self.is_causal = is_causal or window is not None
-        self.window = window
-        self.sink_tokens = sink_tokens
+        self.is_causal = rules.is_causal or rules.window is not None
+        self.window = rules.window
+        self.sink_tokens = rules.sink_tokens
         self.slopes5 = None  # (1, Hkv, G, 1, 1) ALiBi slopes
-        if slopes is not None:
-            self.slopes5 = slopes.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
-        self.softcap = softcap
+        if rules.alibi_slopes is not None:
+            self.slopes5 = rules.alibi_slopes.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
+        self.softcap = rules.softcap
         self.sinks5 = None  # (1, Hkv, G, 1, 1) sink logits
-        if sinks is not None:
-            self.sinks5 = sinks.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
+        if rules.sinks is not None:
+            self.sinks5 = rules.sinks.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
         self.q_blocks = [(i, min(i + block_q, S)) for i in range(0, S, block_q)]
         self.k_blocks = [(j, min(j + block_k, Sk)) for j in range(0, Sk, block_k)]
+        # A mask_mod: its tiles' states over every (b, h), (nq, nk) each: the rule ANDed with causal.
+        self.rule = rules.structure(S, Sk) if rules.mask_mod is not None else None
+        self.some = self.every = None
+        if self.rule is not None:
+            states = mask_tile_states(self.rule, Bounds(S, Sk, block_q, block_k, q.device), B, H)
+            self.some = (states.amax(dim=(0, 1)) != EMPTY).tolist()  # (nq, nk): some pair may attend
+            self.every = (states.amin(dim=(0, 1)) == FULL).tolist()  # (nq, nk): every pair may
         self.mask5 = None
         if mask is not None:
             b, h, s, _ = mask.shape
@@ -107,16 +117,29 @@ class _Plan:
                 self.mask5 = ~self.mask5  # stored inverted: True = blocked, ready for masked_fill_
 
     def tiles(self):
-        """Yield (tile index, (i0, i1), (j0, j1), causal tile) for tiles not fully blocked."""
+        """Yield (tile index, (i0, i1), (j0, j1), rule tile) for tiles not fully blocked; the
+        rule tile is None where the rules allow the whole tile, else bool, True = may attend."""
         n_k = len(self.k_blocks)
         for qi, (i0, i1) in enumerate(self.q_blocks):
             for kj, (j0, j1) in enumerate(self.k_blocks):
                 causal = None
-                if self.is_causal:
+                if self.rule is not None:
+                    if not self.some[qi][kj]:
+                        continue
+                    if not self.every[qi][kj]:
+                        causal = self._rule_tile(i0, i1, j0, j1)
+                elif self.is_causal:
                     causal = _causal_tile(i0, i1, j0, j1, self.offset, self.window, self.device, self.sink_tokens)
                     if causal is False:
                         continue
                 yield qi * n_k + kj, (i0, i1), (j0, j1), causal
+
+    def _rule_tile(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
+        """The mask rule on one partial tile: bool (B|1, Hkv|1, G|1, bq, bk), True = may attend."""
+        allowed = evaluate_mask(self.rule, self.B, self.H, (i0, i1), (j0, j1), self.device)  # (B|1, H|1, bq|1, bk|1)
+        b, h = allowed.shape[:2]
+        allowed = allowed.expand(b, h, i1 - i0, j1 - j0)
+        return allowed.reshape(b, self.Hkv, self.G, i1 - i0, j1 - j0) if h == self.H else allowed[:, :, None]
 
     def mask_tile(self, i0: int, i1: int, j0: int, j1: int) -> Tensor | None:
         m = self.mask5
@@ -261,21 +284,20 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, window, slopes, dropout_p, scale, seed, block_q, block_k,
-                softcap, sinks, sink_tokens):
-        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k, softcap, sinks, sink_tokens)
+    def forward(ctx, q, k, v, mask, rules, dropout_p, scale, seed, block_q, block_k, sinks):
+        plan = _Plan(q, k, mask, replace(rules, sinks=sinks), block_q, block_k)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
         out, lse = _forward(plan, qg, k, v, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, mask, slopes, sinks)
-        ctx.args = (is_causal, window, dropout_p, scale, seed, block_q, block_k, softcap, sink_tokens)
+        ctx.save_for_backward(q, k, v, out, lse, mask, sinks)
+        ctx.args = (rules, dropout_p, scale, seed, block_q, block_k)
         return out.reshape(plan.B, plan.H, plan.S, v.shape[-1])  # (B, Hkv, G, S, Dv) -> (B, H, S, Dv)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, mask, slopes, sinks = ctx.saved_tensors
-        is_causal, window, dropout_p, scale, seed, block_q, block_k, softcap, sink_tokens = ctx.args
-        plan = _Plan(q, k, mask, is_causal, window, slopes, block_q, block_k, softcap, sinks, sink_tokens)
+        q, k, v, out, lse, mask, sinks = ctx.saved_tensors
+        rules, dropout_p, scale, seed, block_q, block_k = ctx.args
+        plan = _Plan(q, k, mask, replace(rules, sinks=sinks), block_q, block_k)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, Hkv, G, S, D)
         dout = dout.reshape(out.shape)  # (B, H, S, Dv) -> (B, Hkv, G, S, Dv)
         mask_grad = mask is not None and ctx.needs_input_grad[3]
@@ -283,7 +305,7 @@ class _ChunkedAttention(torch.autograd.Function):
                                                 mask_grad)
         dmask = dmask5.reshape(mask.shape) if dmask5 is not None else None
         dsinks = dsinks5.reshape(sinks.shape).to(sinks.dtype) if dsinks5 is not None else None  # (H,)
-        return dq.reshape(q.shape), dk, dv, dmask, *([None] * 9), dsinks, None  # None for sink_tokens
+        return dq.reshape(q.shape), dk, dv, dmask, *([None] * 6), dsinks
 
 
 def chunked_attention(
@@ -292,20 +314,16 @@ def chunked_attention(
     v: Tensor,
     *,
     attention_mask: Tensor | None,
-    is_causal: bool,
+    rules: Rules,
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
-    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
-    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
-    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
     block_q: int | None = None,  # None: policy.CHUNKED_BLOCK_Q
     block_k: int | None = None,  # None: policy.CHUNKED_BLOCK_K
-    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
-    seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
+    block_q, block_k = block_q or policy.CHUNKED_BLOCK_Q, block_k or policy.CHUNKED_BLOCK_K
     dtype = q.dtype
+    sinks = rules.sinks
     if dtype in (torch.float16, torch.bfloat16):
         # Accumulate in fp32: the running sums lose too much in half precision.
         q, k, v = q.float(), k.float(), v.float()
@@ -313,10 +331,12 @@ def chunked_attention(
             attention_mask = attention_mask.float()
         if sinks is not None:
             sinks = sinks.float()
-    out = _ChunkedAttention.apply(
-        q, k, v, attention_mask, is_causal, window, alibi_slopes, dropout_p, scale, seed,
-        block_q or policy.CHUNKED_BLOCK_Q, block_k or policy.CHUNKED_BLOCK_K, softcap, sinks, sink_tokens,
-    )
+    if rules.score_mod is not None:  # any function of the scores: autograd through it, a row block at a time
+        out = rows_attention(q, k, v, attention_mask, replace(rules, sinks=sinks), dropout_p, scale, block_q, block_k)
+        return out.to(dtype), None
+    seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
+    out = _ChunkedAttention.apply(q, k, v, attention_mask, replace(rules, sinks=None), dropout_p, scale, seed,
+                                  block_q, block_k, sinks)
     return out.to(dtype), None
 
 
@@ -325,14 +345,15 @@ def chunked_stages(call: Call) -> list[KernelStage]:
     :func:`headwise.functional.attend` calls it): one fused stage with the real tiling."""
     B, H, Hkv, S, Sk, _ = call.sizes
     bq, bk = policy.CHUNKED_BLOCK_Q, policy.CHUNKED_BLOCK_K  # the tile, as chunked_attention takes it
-    plan = _Plan(call.q, call.k, call.attention_mask, call.is_causal, call.window, call.alibi_slopes,
-                 bq, bk, sink_tokens=call.sink_tokens)
+    plan = _Plan(call.q, call.k, call.attention_mask, call.rules, bq, bk)
     computed = sum(1 for _ in plan.tiles())
     total = len(plan.q_blocks) * len(plan.k_blocks)
     how = (f"tile by tile with a running max and sum: {computed} of {total} tiles of up to "
            f"{bq} queries x {bk} keys")
     if computed < total:
-        how += " (tiles the causal rule blocks entirely are skipped)"
+        how += " (tiles the rules block entirely are skipped)"
+    if call.rules.describe():
+        how += f"; {call.rules.describe()}"
     if call.sink_tokens:
         how += f"; the tiles of the {call.sink_tokens} sink keys are kept for every query"
     how += describe.shared_kv(call)

@@ -16,57 +16,65 @@ from torch import Tensor
 
 from headwise import policy
 from headwise.deprecation import moved
-from headwise.masks import alibi_bias, combined_mask, masked_scores, safe_softmax
+from headwise.masks import masked_scores, safe_softmax
+from headwise.rules import Rules
 
 
-def mask_softmax_dropout(
-    scores: Tensor,
-    attention_mask: Tensor | None,
-    is_causal: bool,
-    dropout_p: float,
-    window: int | None = None,
-    alibi_slopes: Tensor | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
-    sink_tokens: int = 0,
-) -> tuple[Tensor, Tensor]:
-    """Cap, mask the scaled scores, softmax them, and apply dropout: the middle of attention.
+def mask_softmax_dropout(scores: Tensor, attention_mask: Tensor | None, rules: Rules,
+                         dropout_p: float) -> tuple[Tensor, Tensor]:
+    """Apply the score rules, mask the scaled scores, softmax them, and apply dropout: the
+    middle of attention, with every rule evaluated on the whole (S, Sk) grid.
 
     Args:
         scores: scaled scores (B, H, S, Sk).
         attention_mask: normalised mask (B|1, H|1, S|1, Sk) or None.
-        is_causal: AND the bottom-right causal rule into the mask.
+        rules: the call's rules (softcap, ALiBi and score_mod in that order, then the
+            mask with the causal / window rule and mask_mod ANDed in; sinks join the softmax).
         dropout_p: dropout probability on the weights (0 disables it).
-        window: causal sliding window length (None: unlimited).
-        alibi_slopes: (H,) ALiBi slopes (None: no positional bias).
-        softcap: soft-capping ``softcap * tanh(scores / softcap)``, before ALiBi and the
-            mask (None: none).
-        sinks: (H,) sink logits: one more column in each row's softmax, dropped after it
-            (None: none).
-        sink_tokens: keys kept visible under the window (StreamingLLM; 0: none).
 
     Returns:
         ``(weights, dropped)``, both (B, H, S, Sk): the probabilities (zero rows where
         nothing may be attended; with sinks each row sums to less than 1) and the same
         after dropout.
     """
-    S, Sk = scores.shape[-2:]
-    mask = combined_mask(attention_mask, is_causal, S, Sk, scores.device, window,
-                         sink_tokens)  # (B|1, H|1, S|1, Sk)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap  # (B, H, S, Sk), in (-softcap, softcap)
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes.to(scores.dtype), S, Sk)  # + (1, H, S, Sk)
-    scores = masked_scores(scores, mask)  # (B, H, S, Sk)
-    if sinks is None:
+    B, H, S, Sk = scores.shape
+    everything = (0, S), (0, Sk)
+    scores = rules.scored(scores, S, Sk, *everything)  # (B, H, S, Sk): softcap, ALiBi, score_mod
+    allowed = rules.allowed(B, H, S, Sk, *everything, scores.device)  # (B|1, H|1, S, Sk) or None
+    scores = masked_scores(masked_scores(scores, attention_mask), allowed)  # (B, H, S, Sk)
+    if rules.sinks is None:
         weights = safe_softmax(scores)  # (B, H, S, Sk)
     else:
-        B, H = scores.shape[:2]
-        column = sinks.to(scores.dtype).reshape(1, H, 1, 1).expand(B, H, S, 1)  # (H,) -> (B, H, S, 1)
+        column = rules.sinks.to(scores.dtype).reshape(1, H, 1, 1).expand(B, H, S, 1)  # (H,) -> (B, H, S, 1)
         scores = torch.cat([scores, column], dim=-1)  # (B, H, S, Sk + 1): the sink is key Sk
         weights = safe_softmax(scores)[..., :Sk]  # (B, H, S, Sk + 1) -> (B, H, S, Sk), the sink dropped
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights  # (B, H, S, Sk)
     return weights, dropped
+
+
+def fold_rules(attention_mask: Tensor | None, rules: Rules, B: int, H: int, S: int, Sk: int,
+               device: torch.device, dtype: torch.dtype) -> Tensor | None:
+    """The one mask a kernel that takes a mask gets (B|1, H|1, S|1, Sk): the caller's, with the
+    mask rules (causal, window, sink tokens, mask_mod) ANDed in and the additive score rules
+    (ALiBi, a score_mod with ``bias``) added; a float mask where there is a bias. The caller
+    has checked ``rules.additive`` (soft-capping and a general score_mod cannot be folded)."""
+    allowed = rules.allowed(B, H, S, Sk, (0, S), (0, Sk), device)  # (B|1, H|1, S, Sk) bool or None
+    mask = attention_mask
+    if allowed is not None:
+        if mask is None:
+            mask = allowed
+        elif mask.dtype == torch.bool:
+            mask = mask & allowed
+        else:
+            mask = mask.masked_fill(~allowed, float("-inf"))
+    bias = rules.bias(B, H, S, Sk, device, dtype)  # (B|1, H|1, S, Sk) float or None
+    if bias is None:
+        return mask
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return mask + bias
 
 
 def attached_zeros(like: Tensor, *also: Tensor, size: int | None = None) -> Tensor:

@@ -12,6 +12,7 @@ from torch import Tensor
 from headwise.kernels import describe
 from headwise.kernels.common import mask_softmax_dropout
 from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.rules import Rules
 
 
 def einops_attention(
@@ -20,23 +21,17 @@ def einops_attention(
     v: Tensor,
     *,
     attention_mask: Tensor | None,
-    is_causal: bool,
+    rules: Rules,
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
-    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
-    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
-    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
-    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     hkv = k.shape[1]
     qg = einops.rearrange(q, "b (hkv g) s d -> b hkv g s d", hkv=hkv)
     scores = einops.einsum(qg, k, "b hkv g s d, b hkv k d -> b hkv g s k")
     scores = einops.rearrange(scores, "b hkv g s k -> b (hkv g) s k")  # (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
-                                            softcap, sinks, sink_tokens)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, rules, dropout_p)
     dropped = einops.rearrange(dropped, "b (hkv g) s k -> b hkv g s k", hkv=hkv)
     out = einops.einsum(dropped, v, "b hkv g s k, b hkv k d -> b hkv g s d")  # v's d may differ from q's
     out = einops.rearrange(out, "b hkv g s d -> b (hkv g) s d")  # (B, H, S, Dv)

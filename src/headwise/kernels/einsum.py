@@ -12,6 +12,7 @@ from torch import Tensor
 from headwise.kernels import describe
 from headwise.kernels.common import mask_softmax_dropout
 from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.rules import Rules
 
 
 def einsum_attention(
@@ -20,15 +21,10 @@ def einsum_attention(
     v: Tensor,
     *,
     attention_mask: Tensor | None,
-    is_causal: bool,
+    rules: Rules,
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
-    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
-    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
-    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
-    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -36,8 +32,7 @@ def einsum_attention(
     qg = q.reshape(B, Hkv, H // Hkv, S, D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
     scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k)  # -> (B, Hkv, G, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B, Hkv, G, S, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
-                                            softcap, sinks, sink_tokens)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, rules, dropout_p)
     dropped = dropped.reshape(B, Hkv, H // Hkv, S, Sk)  # (B, H, S, Sk) -> (B, Hkv, G, S, Sk)
     out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v).reshape(B, H, S, v.shape[-1])  # -> (B, H, S, Dv)
     return out, weights if need_weights else None

@@ -15,6 +15,7 @@ from torch import Tensor
 from headwise.kernels import describe
 from headwise.kernels.common import mask_softmax_dropout
 from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.rules import Rules
 
 
 def matmul_attention(
@@ -23,15 +24,10 @@ def matmul_attention(
     v: Tensor,
     *,
     attention_mask: Tensor | None,
-    is_causal: bool,
+    rules: Rules,
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
-    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
-    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
-    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
-    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:
@@ -41,8 +37,7 @@ def matmul_attention(
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, Dv) -> (B, H, Sk, Dv)
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     scores = torch.matmul(q, k.transpose(-2, -1))  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, is_causal, dropout_p, window, alibi_slopes,
-                                            softcap, sinks, sink_tokens)
+    weights, dropped = mask_softmax_dropout(scores, attention_mask, rules, dropout_p)
     out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, Dv) -> (B, H, S, Dv)
     return out, weights if need_weights else None
 

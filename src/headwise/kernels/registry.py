@@ -5,40 +5,42 @@ D head dim of q and k, Dv head dim of v (Dv == D unless the caller gives v its o
 
 A kernel is a function with one keyword-only signature::
 
-    kernel(q, k, v, *, attention_mask, is_causal, dropout_p, scale, need_weights,
-           window, alibi_slopes, softcap, sinks, sink_tokens) -> (out, weights)
+    kernel(q, k, v, *, attention_mask, rules, dropout_p, scale, need_weights) -> (out, weights)
 
 * ``q`` (B, H, S, D), ``k`` (B, Hkv, Sk, D) and ``v`` (B, Hkv, Sk, Dv) with ``H % Hkv == 0``
   (``Dv != D``, as multi-head latent attention has, is ``Request.value_dim``);
 * ``attention_mask`` is ``None`` or already normalised by
   :func:`headwise.masks.normalize_mask` (4-D, bool True = attend, or float additive);
-* ``window`` (None or int >= 1): query ``i`` attends keys ``j`` with
-  ``i + Sk - S - window < j <= i + Sk - S``; a window implies the causal bound;
-* ``alibi_slopes`` (None or (H,)): add ``-slope_h * |i + Sk - S - j|`` to the scores;
-* ``softcap`` (None or float > 0): logit soft-capping, ``s = softcap * tanh(s / softcap)``
-  on the scaled scores, before ALiBi and the mask (Gemma 2);
-* ``sinks`` (None or (H,) floating): one logit per head, an extra column of the softmax's
-  denominator that takes probability mass and adds nothing to the output (gpt-oss);
-* ``sink_tokens`` (int >= 0, only with a window): StreamingLLM's sinks, keys ``j < sink_tokens``
-  stay visible under the window where ``j <= i + Sk - S``;
-* the order of operations is ``s = q k^T * scale``; softcap; ALiBi and the mask; softmax
-  over ``[s, sink_h]`` with the sink column dropped; dropout; ``@ v``;
+* ``rules`` is one :class:`headwise.rules.Rules`: the causal rule (``rules.is_causal``, True
+  also with a window), ``window`` (query ``i`` attends keys ``j`` with
+  ``i + Sk - S - window < j <= i + Sk - S``), ``sink_tokens`` (StreamingLLM: keys
+  ``j < sink_tokens`` stay visible under the window where ``j <= i + Sk - S``),
+  ``alibi_slopes`` ((H,): add ``-slope_h * |i + Sk - S - j|``), ``softcap`` (Gemma 2's
+  ``s = softcap * tanh(s / softcap)``), ``sinks`` ((H,) logits: one more softmax column per
+  row that adds nothing to the output, gpt-oss), and the user's ``mask_mod`` /
+  ``score_mod`` (FlexAttention's functions, see :mod:`headwise.mask_mods`);
+* the order of operations is ``s = q k^T * scale``; softcap; ALiBi; score_mod; the mask
+  (the caller's, the causal / window rule and mask_mod, ANDed); softmax over
+  ``[s, sink_h]`` with the sink column dropped; dropout; ``@ v``;
 * ``out`` is (B, H, S, Dv); ``weights`` is the (B, H, S, Sk) softmax before dropout when
   ``need_weights`` is True (only kernels that declare ``supports_weights``), else None
   (with sinks its rows sum to less than 1: the sink holds the rest).
+
+A kernel refuses in its ``refuses`` what it cannot run (``Request.softcap``,
+``Request.mask_mod``, ``Request.score_mod``, ...), so "auto" routes around it.
+
+A kernel written before rules, with the keywords ``is_causal, window, alibi_slopes,
+softcap, sinks, sink_tokens`` in place of ``rules``, still serves: it is called with those
+keywords (:meth:`headwise.rules.Rules.keywords`; ``softcap``, ``sinks`` and ``sink_tokens``
+only when set, as the first signature had none of them), and :meth:`Kernel.why_not`
+refuses a call with a ``mask_mod`` or ``score_mod`` for it, or with a keyword its function
+does not take.
 
 One more keyword is a hint, not an option: ``known_live=True`` tells a kernel that the
 caller has read the mask's key counts and every query row may attend at least one key, so
 a guard for rows that may attend nothing (the contract's zero rows) can be skipped. It is
 passed only as True, only to a function that names it (``takes(fn, "known_live",
 by_name=True)``), and never changes the result; ``sdpa`` takes it.
-
-A kernel that does not take ``softcap`` or ``sinks`` still accepts the keywords and refuses
-them in its ``refuses`` (``Request.softcap`` / ``Request.sinks``), so "auto" routes around it.
-``softcap``, ``sinks`` and ``sink_tokens`` came after the first signature: they are passed
-only when set, so a kernel registered with the first signature keeps serving every call
-without them, and :meth:`Kernel.why_not` refuses a call with one that its function does
-not take (``auto`` routes around it, a named backend says why).
 
 Kernels never own parameters and never validate caller input: :func:`headwise.attention`
 has done that. The built-in kernels are listed in one place, ``headwise.kernels.BUILTIN``;
@@ -61,6 +63,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from headwise.rules import Rules
 
 KernelFn = Callable[..., tuple[Tensor, Tensor | None]]
 
@@ -91,6 +95,11 @@ class Request:
     sinks: bool = False  # per-head sink logits given
     value_dim: int | None = None  # Dv, v's head dim when it differs from head_dim; None: head_dim
     sink_tokens: int = 0  # keys kept visible under the window (StreamingLLM)
+    mask_mod: bool = False  # a mask_mod rule given
+    score_mod: str | None = None  # None: none; "additive": a bias (it has .bias); "general": any function
+    score_mod_grad: bool = False  # a tensor the score_mod reads requires grad (a learned bias table)
+    empty_tiles: float | None = None  # share of empty 128 x 128 tiles (to 0.05) where the mask rule knows them
+    documents: tuple[tuple[int, ...], ...] | None = None  # per row, its documents' lengths: a document rule
 
     @property
     def is_gqa(self) -> bool:
@@ -112,39 +121,53 @@ class Call:
     """One kernel call, as :func:`headwise.functional.attend` made it: what ``stages`` describe.
 
     The fields are the kernel's own arguments (same names, same values), plus
-    ``scale_given``.
+    ``scale_given``; the rules' parts read as properties (``call.is_causal``, ``call.window``, ...).
 
     Attributes:
         q: queries (B, H, S, D).
         k: keys (B, Hkv, Sk, D).
         v: values (B, Hkv, Sk, Dv).
         attention_mask: the normalised mask (B|1, H|1, S|1, Sk), bool or additive float, or None.
-        is_causal: the causal rule is applied (True also when a window is set).
+        rules: the call's :class:`headwise.rules.Rules`.
         dropout_p: dropout probability on the weights.
         scale: the multiplier of ``q k^T`` actually used.
         need_weights: the probabilities are returned too.
-        window: causal sliding window length (None: unlimited).
-        alibi_slopes: (H,) ALiBi slopes (None: no positional bias).
         scale_given: True when the caller passed ``scale=``; False when it is ``1 / sqrt(D)``.
-        softcap: logit soft-capping ``softcap * tanh(s / softcap)`` (None: none).
-        sinks: (H,) sink logits (None: no sinks).
-        sink_tokens: keys kept visible under the window (StreamingLLM; 0: none).
     """
 
     q: Tensor
     k: Tensor
     v: Tensor
     attention_mask: Tensor | None
-    is_causal: bool
+    rules: Rules
     dropout_p: float
     scale: float
     need_weights: bool
-    window: int | None = None  # None: unlimited
-    alibi_slopes: Tensor | None = None  # None: no ALiBi
     scale_given: bool = False
-    softcap: float | None = None  # None: no soft-capping
-    sinks: Tensor | None = None  # None: no sink logits
-    sink_tokens: int = 0  # 0: no sink tokens
+
+    @property
+    def is_causal(self) -> bool:
+        return self.rules.is_causal or self.rules.window is not None
+
+    @property
+    def window(self) -> int | None:
+        return self.rules.window
+
+    @property
+    def alibi_slopes(self) -> Tensor | None:
+        return self.rules.alibi_slopes
+
+    @property
+    def softcap(self) -> float | None:
+        return self.rules.softcap
+
+    @property
+    def sinks(self) -> Tensor | None:
+        return self.rules.sinks
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.rules.sink_tokens
 
     @property
     def sizes(self) -> tuple[int, int, int, int, int, int]:
@@ -215,12 +238,17 @@ class Kernel:
             return reason
         if request.need_weights and not self.supports_weights:
             return "cannot return attention weights (need_weights=True)"
-        asked = [name for name, given in (("softcap", request.softcap), ("sinks", request.sinks),
-                                          ("sink_tokens", request.sink_tokens)) if given]
-        missing = [name for name in asked if not takes(self.fn, name)]
-        if missing:
-            return (f"its function takes no {', '.join(f'{m}=' for m in missing)} keyword (a kernel written for "
-                    "the signature before it); add it to the function and refuse what it cannot do in refuses()")
+        if not takes_rules(self.fn):  # a kernel written for the keywords before rules
+            if request.mask_mod or request.score_mod:
+                return ("its function takes no rules= keyword (a kernel written for the signature before rules), "
+                        "so it cannot run a mask_mod or score_mod; take rules= and read them")
+            asked = [name for name, given in (("softcap", request.softcap), ("sinks", request.sinks),
+                                              ("sink_tokens", request.sink_tokens)) if given]
+            missing = [name for name in asked if not takes(self.fn, name)]
+            if missing:
+                return (f"its function takes no {', '.join(f'{m}=' for m in missing)} keyword (a kernel written "
+                        "for the signature before it); add it to the function and refuse what it cannot do in "
+                        "refuses()")
         return self.refuses(request)
 
 
@@ -235,6 +263,24 @@ def takes(fn: KernelFn, keyword: str, *, by_name: bool = False) -> bool:
     if keyword in parameters:
         return True
     return not by_name and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def takes_rules(fn: KernelFn) -> bool:
+    """Whether ``fn`` takes ``rules=``: a kernel of the current signature (or a wrapper that hands
+    ``**kwargs`` on to one)."""
+    return takes(fn, "rules")
+
+
+def call_kernel(fn: KernelFn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: Rules, args: dict):
+    """``fn(q, k, v, attention_mask=mask, rules=rules, **args)``, or with the keywords before rules
+    for a kernel written for them (``softcap``, ``sinks``, ``sink_tokens`` only where set)."""
+    if takes_rules(fn):
+        return fn(q, k, v, attention_mask=mask, rules=rules, **args)
+    old = rules.keywords()
+    for name, unset in (("softcap", None), ("sinks", None), ("sink_tokens", 0)):
+        if old[name] == unset:
+            del old[name]
+    return fn(q, k, v, attention_mask=mask, **old, **args)
 
 
 _KERNELS: dict[str, Kernel] = {}

@@ -33,8 +33,10 @@ from torch import Tensor
 
 from headwise import policy
 from headwise.kernels import describe
+from headwise.kernels.common import fold_rules
 from headwise.kernels.registry import Call, Kernel, KernelStage, Request
-from headwise.masks import alibi_bias, combined_mask, row_is_dead
+from headwise.masks import row_is_dead
+from headwise.rules import Rules
 
 # enable_gqa arrived in torch 2.5; before it, kv heads are repeated (a copy).
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -89,12 +91,11 @@ def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict]:
     return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), {}
 
 
-def _own_arguments(attention_mask: Tensor | None, is_causal: bool, window: int | None,
-                   alibi_slopes: Tensor | None, S: int, Sk: int, sinks: Tensor | None = None) -> bool:
-    """True when SDPA's own arguments express the call: no mask, no window, no ALiBi, no
-    sinks, and causal only where S == Sk (SDPA's causal is top-left aligned, ours bottom-right)."""
-    return (attention_mask is None and window is None and alibi_slopes is None and sinks is None
-            and (not is_causal or S == Sk))
+def _own_arguments(attention_mask: Tensor | None, rules: Rules, S: int, Sk: int) -> bool:
+    """True when SDPA's own arguments express the call: no mask, no rule but plain causal,
+    and causal only where S == Sk (SDPA's causal is top-left aligned, ours bottom-right)."""
+    return (attention_mask is None and rules.window is None and rules.alibi_slopes is None and rules.sinks is None
+            and rules.mask_mod is None and rules.score_mod is None and (not rules.is_causal or S == Sk))
 
 
 def with_sink(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
@@ -127,20 +128,11 @@ def with_sink(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     return k, v, mask
 
 
-def _folded_mask(q: Tensor, k: Tensor, attention_mask: Tensor | None, is_causal: bool, window: int | None,
-                 alibi_slopes: Tensor | None, sink_tokens: int = 0) -> Tensor | None:
-    """The one mask SDPA gets (B|1, H|1, S|1, Sk): the caller's, with causal, window (and its sink
-    tokens) and ALiBi folded in."""
-    S, Sk = q.shape[-2], k.shape[-2]
-    mask = combined_mask(attention_mask, is_causal, S, Sk, q.device, window, sink_tokens)  # (B|1, H|1, S|1, Sk)
-    if alibi_slopes is None:
-        return mask
-    bias = alibi_bias(alibi_slopes.to(q.dtype), S, Sk)  # (1, H, S, Sk)
-    if mask is None:
-        return bias
-    if mask.dtype == torch.bool:
-        return bias.masked_fill(~mask, float("-inf"))
-    return mask + bias
+def _folded_mask(q: Tensor, k: Tensor, attention_mask: Tensor | None, rules: Rules) -> Tensor | None:
+    """The one mask SDPA gets (B|1, H|1, S|1, Sk): the caller's, with the mask rules (causal,
+    window, sink tokens, mask_mod) and the additive score rules (ALiBi, a bias score_mod) folded in."""
+    B, H, S, _ = q.shape
+    return fold_rules(attention_mask, rules, B, H, S, k.shape[-2], q.device, q.dtype)
 
 
 def sdpa_attention(
@@ -149,43 +141,42 @@ def sdpa_attention(
     v: Tensor,
     *,
     attention_mask: Tensor | None,
-    is_causal: bool,
+    rules: Rules,
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
-    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
-    softcap: float | None = None,  # must be None: SDPA cannot cap its scores (refused by dispatch)
-    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
-    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
     known_live: bool = False,  # the caller read the mask: every query row may attend a key
 ) -> tuple[Tensor, Tensor | None]:
-    if softcap is not None:
-        raise ValueError(f"the sdpa kernel cannot soft-cap the scores (softcap={softcap}): "
-                         "F.scaled_dot_product_attention applies no tanh; use backend 'chunked' or 'matmul'")
-    if _own_arguments(attention_mask, is_causal, window, alibi_slopes, q.shape[-2], k.shape[-2], sinks):
+    if not rules.additive:
+        raise ValueError(f"the sdpa kernel cannot apply softcap={rules.softcap} or a general score_mod "
+                         f"({rules.describe() or 'none'}): F.scaled_dot_product_attention takes only an additive "
+                         "mask; use backend 'chunked' or 'matmul'")
+    if _own_arguments(attention_mask, rules, q.shape[-2], k.shape[-2]):
         k, v, extra = _grouped(q, k, v)
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
+            q, k, v, dropout_p=dropout_p, is_causal=rules.is_causal, scale=scale, **extra
         )  # (B, H, S, Dv)
         return keep_nan_rows(out, q), None
-    if known_live and not is_causal and window is None and alibi_slopes is None and sinks is None:
+    if known_live and _own_arguments(None, rules, 1, 1) and not rules.is_causal:
         # the mask alone, every row with a key: SDPA as is, without the dead-row guard's reduction
         # over the mask (~4 us a call on the CPU); with a rule folded in, the guard runs
         k, v, extra = _grouped(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, scale=scale,
                                               **extra), None  # (B, H, S, Dv)
-    mask = _folded_mask(q, k, attention_mask, is_causal, window, alibi_slopes, sink_tokens)  # (B|1, H|1, S|1, Sk)
-    if sinks is not None:
-        k, v, mask = with_sink(q, k, v, mask, sinks)  # one more key: (.., Sk + 1, ..)
+    mask = _folded_mask(q, k, attention_mask, rules)  # (B|1, H|1, S|1, Sk)
+    if rules.sinks is not None:
+        k, v, mask = with_sink(q, k, v, mask, rules.sinks)  # one more key: (.., Sk + 1, ..)
     return sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale), None  # (B, H, S, Dv)
 
 
 def _refuses(r: Request) -> str | None:
+    # no advice here: a named backend's refusal ends with the backends that can serve it
     if r.softcap:
-        # no advice here: a named backend's refusal ends with the backends that can serve it
         return ("cannot soft-cap the scores (softcap): F.scaled_dot_product_attention applies no function "
                 "between q k^T and the softmax")
+    if r.score_mod == "general":
+        return ("cannot run a general score_mod: F.scaled_dot_product_attention takes only an additive mask "
+                "(a score_mod with a bias(b, h, q_idx, kv_idx) method, as relative_position_bias, is folded into it)")
     return None
 
 
@@ -229,17 +220,18 @@ def sdpa_stages(call: Call) -> list[KernelStage]:
     if Hkv != H:
         grouped = (describe.shared_kv(call) + " (enable_gqa)" if SDPA_HAS_GQA
                    else f"; k, v repeated to H = {H} heads first (a copy; torch < 2.5 has no enable_gqa)")
-    if _own_arguments(call.attention_mask, call.is_causal, call.window, call.alibi_slopes, S, Sk, call.sinks):
+    if _own_arguments(call.attention_mask, call.rules, S, Sk):
         mask = None
         how = "in F.scaled_dot_product_attention" + ("(is_causal=True)" if call.is_causal else "") + grouped
     else:
-        mask = _folded_mask(q, k, call.attention_mask, call.is_causal, call.window, call.alibi_slopes,
-                            call.sink_tokens)
+        mask = _folded_mask(q, k, call.attention_mask, call.rules)
         folded = ["the caller's mask"] if call.attention_mask is not None else []
         if call.is_causal:
             folded.append(describe.causal_rule(call))
         if call.alibi_slopes is not None:
             folded.append("ALiBi")
+        if call.rules.describe():
+            folded.append(call.rules.describe())
         if call.sinks is not None:
             k, v, mask = with_sink(q, k, v, mask, call.sinks)
             folded.append(f"the sink logits as the column of one appended zero key and value, Sk + 1 = {Sk + 1}")

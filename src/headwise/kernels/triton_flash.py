@@ -65,6 +65,7 @@ from torch import Tensor
 from headwise.kernels import describe
 from headwise.kernels.common import attached_zeros
 from headwise.kernels.registry import Call, Kernel, KernelStage, Request
+from headwise.rules import Rules
 
 if TYPE_CHECKING:  # the device code's ``tl``; at run time it lives in _compiled()'s namespace
     import triton.language as tl
@@ -590,6 +591,9 @@ def _refuses(r: Request) -> str | None:
     if r.sink_tokens:
         return (f"skips key tiles by the window alone and has no sink tokens (sink_tokens={r.sink_tokens}); "
                 "use backend 'sdpa' or 'chunked'")
+    if r.mask_mod or r.score_mod:
+        return ("compiles its rules into the kernel ahead of the call and takes no mask_mod or score_mod; "
+                "use backend 'chunked' or 'sdpa'")
     return None
 
 
@@ -910,15 +914,10 @@ def triton_attention(
     v: Tensor,
     *,
     attention_mask: Tensor | None,
-    is_causal: bool,
+    rules: Rules,
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
-    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
-    softcap: float | None = None,  # None: no soft-capping; else softcap * tanh(scores / softcap)
-    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
-    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
     """Fused attention on a GPU (or Triton's interpreter); see the module docstring.
 
@@ -926,15 +925,11 @@ def triton_attention(
         q: (B, H, S, D) fp16, bf16 or fp32, D <= 128.
         k, v: (B, Hkv, Sk, D), H % Hkv == 0.
         attention_mask: None or a key padding mask (B|1, 1, 1, Sk), bool or additive float.
-        is_causal: bottom-right causal rule.
+        rules: the call's rules: the bottom-right causal rule, a window, ALiBi slopes, softcap
+            and sinks; no sink tokens, mask_mod or score_mod.
         dropout_p: must be 0.
         scale: multiplier of q k^T.
         need_weights: must be False (the registry never asks this kernel for weights).
-        window: causal sliding window (None: unlimited).
-        alibi_slopes: (H,) ALiBi slopes (None: none).
-        softcap: logit soft-capping (None: none).
-        sinks: (H,) sink logits (None: none).
-        sink_tokens: must be 0.
 
     Returns:
         ``(out, None)`` with out (B, H, S, D) in q's dtype.
@@ -951,6 +946,11 @@ def triton_attention(
         )
     if dropout_p > 0:
         raise ValueError(f"the triton kernel has no dropout (dropout_p={dropout_p}); use backend 'sdpa' or 'chunked'")
+    if rules.mask_mod is not None or rules.score_mod is not None:
+        raise ValueError(f"the triton kernel takes no mask_mod or score_mod ({rules.describe()}); "
+                         "use backend 'chunked' or 'sdpa'")
+    is_causal, window, alibi_slopes = rules.is_causal or rules.window is not None, rules.window, rules.alibi_slopes
+    softcap, sinks, sink_tokens = rules.softcap, rules.sinks, rules.sink_tokens
     if v.shape[-1] != q.shape[-1] or sink_tokens:
         raise ValueError(f"the triton kernel needs v's head dim to be q's (got Dv = {v.shape[-1]}, D = {q.shape[-1]}) "
                          f"and takes no sink tokens (got {sink_tokens}); use backend 'sdpa' or 'chunked'")

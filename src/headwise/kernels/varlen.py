@@ -20,14 +20,17 @@ D head dim, n rows in a bucket, L a bucket's key count.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from headwise import policy
 from headwise.kernels import describe
-from headwise.kernels.common import attached_zeros, length_buckets
+from headwise.kernels.common import attached_zeros, fold_rules, length_buckets
 from headwise.kernels.registry import Call, Kernel, KernelStage, Request
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages, with_sink
+from headwise.rules import Rules, document_lengths, document_rule
 
 
 def _real_keys(m: Tensor, B: int, Sk: int) -> tuple[Tensor, Tensor, list[int]]:
@@ -75,23 +78,27 @@ def varlen_attention(
     v: Tensor,
     *,
     attention_mask: Tensor | None,
-    is_causal: bool,
+    rules: Rules,
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    window: int | None = None,  # None: unlimited; else a causal sliding window of this many keys
-    alibi_slopes: Tensor | None = None,  # None: no ALiBi; else (H,) slopes
-    softcap: float | None = None,  # must be None: refused, SDPA cannot cap its scores
-    sinks: Tensor | None = None,  # None: no sinks; else (H,) sink logits
-    sink_tokens: int = 0,  # 0: none; else the first keys stay visible under the window
 ) -> tuple[Tensor, Tensor | None]:
+    if not rules.additive:
+        raise ValueError(f"the varlen kernel cannot apply softcap={rules.softcap} or a general score_mod "
+                         f"({rules.describe() or 'none'}); use backend 'chunked' or 'matmul'")
+    documents = document_lengths(rules, q.shape[0], q.shape[-2], k.shape[-2])
+    if documents is not None and attention_mask is None:
+        return _by_document(q, k, v, rules, documents, dropout_p, scale), None  # (B, H, S, Dv)
+    if rules.mask_mod is not None or rules.score_mod is not None:  # the user's rules, as the mask's columns
+        B, H, S, _ = q.shape
+        attention_mask = fold_rules(attention_mask, replace(rules, is_causal=False, window=None, alibi_slopes=None),
+                                    B, H, S, k.shape[2], q.device, q.dtype)  # (B|1, H|1, S, Sk)
+        rules = replace(rules, mask_mod=None, score_mod=None)
+    is_causal, window, sink_tokens = rules.is_causal or rules.window is not None, rules.window, rules.sink_tokens
+    alibi_slopes, sinks = rules.alibi_slopes, rules.sinks
     if attention_mask is None:  # no padding to drop: the dense kernel is the same computation
-        return sdpa_attention(q, k, v, attention_mask=None, is_causal=is_causal, dropout_p=dropout_p,
-                              scale=scale, need_weights=False, window=window, alibi_slopes=alibi_slopes,
-                              softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
-    if softcap is not None:
-        raise ValueError(f"the varlen kernel cannot soft-cap the scores (softcap={softcap}); "
-                         "use backend 'chunked' or 'matmul'")
+        return sdpa_attention(q, k, v, attention_mask=None, rules=rules, dropout_p=dropout_p, scale=scale,
+                              need_weights=False)
     B, H, S, D = q.shape
     Sk = k.shape[2]
     m = attention_mask  # (B|1, H|1, S|1, Sk)
@@ -161,7 +168,27 @@ def _refuses(r: Request) -> str | None:
     if r.softcap:
         return ("cannot soft-cap the scores (softcap): its buckets run F.scaled_dot_product_attention, which "
                 "applies no function between q k^T and the softmax")  # a refusal ends with the able backends
+    if r.score_mod == "general":
+        return ("cannot run a general score_mod: its buckets run F.scaled_dot_product_attention, which takes only "
+                "an additive mask")
     return None
+
+
+def _by_document(q: Tensor, k: Tensor, v: Tensor, rules: Rules, documents: tuple[tuple[int, ...], ...],
+                 dropout_p: float, scale: float) -> Tensor:
+    """Attention under a document rule: each row's documents as packed sequences (their own
+    positions, the causal rule and window inside each), through :func:`headwise.packing.attend_packed`."""
+    from headwise.packing import attend_packed  # packing calls back into headwise.attention
+
+    causal, window = document_rule(rules)
+    rows = []
+    for b, lengths in enumerate(documents):
+        qb, kb, vb = (t[b].transpose(0, 1) for t in (q, k, v))  # (S, H, D), (Sk, Hkv, D), (Sk, Hkv, Dv)
+        out = attend_packed(qb, kb, vb, lengths, lengths, is_causal=causal,
+                            window=window, alibi_slopes=rules.alibi_slopes, dropout_p=dropout_p, scale=scale,
+                            backend="sdpa", sinks=rules.sinks)  # (S, H, Dv)
+        rows.append(out.transpose(0, 1))  # (H, S, Dv)
+    return torch.stack(rows)  # (B, H, S, Dv)
 
 
 def varlen_stages(call: Call) -> list[KernelStage]:

@@ -1,0 +1,100 @@
+"""The ``chunked`` kernel's path for a ``score_mod``: a block of query rows at a time, under autograd.
+
+A ``score_mod`` is any function of the scores, and it may read tensors that need
+gradients (a learned bias table), which a hand-written backward cannot see. So each block
+of ``bq`` query rows runs the plain formula on its keys, from the first to the last tile
+the mask rules leave non-empty, under ``torch.utils.checkpoint`` (non-reentrant) when
+gradients are needed: forward keeps only the inputs, backward recomputes the block and lets
+autograd carry the gradient through the user's function to whatever it read. Memory is one
+block's (B, H, bq, L) scores at a time: linear in S, never the (S, Sk) matrix. Dropout
+draws the same mask in the recomputation (checkpoint restores the RNG state).
+
+Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S query length,
+Sk key length, D head dim, Dv value head dim, bq rows of a block, L its key columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from headwise.mask_mods import EMPTY, Bounds
+from headwise.masks import masked_scores, safe_softmax
+from headwise.rules import Rules, evaluate_mask, mask_tile_states
+
+
+def _key_spans(rules: Rules, B: int, H: int, S: int, Sk: int, bq: int, bk: int,
+               device: torch.device) -> list[tuple[int, int] | None]:
+    """Per block of rows, the key columns [c0, c1) from its first to its last non-empty tile
+    (None: every tile empty); all keys where there is no mask rule."""
+    rule = rules.structure(S, Sk)
+    n_rows = (S + bq - 1) // bq
+    if rule is None:
+        return [(0, Sk)] * n_rows
+    states = mask_tile_states(rule, Bounds(S, Sk, bq, bk, device), B, H)  # (B|1, H|1, nq, nk)
+    some = (states.amax(dim=(0, 1)) != EMPTY)  # (nq, nk)
+    spans: list[tuple[int, int] | None] = []
+    for row in some.tolist():
+        cols = [j for j, live in enumerate(row) if live]
+        spans.append((cols[0] * bk, min(Sk, (cols[-1] + 1) * bk)) if cols else None)
+    return spans
+
+
+def _block(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor | None, *, rules: Rules,
+           rows: tuple[int, int], cols: tuple[int, int], S: int, Sk: int, scale: float,
+           dropout_p: float) -> Tensor:
+    """The textbook formula on one block: q (B, H, bq, D), k (B, H, L, D), v (B, H, L, Dv) -> (B, H, bq, Dv)."""
+    B, H = q.shape[:2]
+    s = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, H, bq, D) x (B, H, D, L) -> (B, H, bq, L)
+    s = rules.scored(s, S, Sk, rows, cols)  # softcap, ALiBi, score_mod on the block
+    structure = rules.structure(S, Sk)
+    if structure is not None:
+        s = masked_scores(s, evaluate_mask(structure, B, H, rows, cols, q.device))  # (B|1, H|1, bq, L)
+    s = masked_scores(s, mask)  # the caller's mask's block (B|1, H|1, bq|1, L)
+    if sinks is None:
+        p = safe_softmax(s)  # (B, H, bq, L)
+    else:
+        column = sinks.to(s.dtype).reshape(1, H, 1, 1).expand(B, H, s.shape[2], 1)  # (B, H, bq, 1)
+        p = safe_softmax(torch.cat([s, column], dim=-1))[..., :-1]  # (B, H, bq, L + 1) -> (B, H, bq, L)
+    if dropout_p > 0:
+        p = F.dropout(p, p=dropout_p)
+    return torch.matmul(p, v)  # (B, H, bq, L) x (B, H, L, Dv) -> (B, H, bq, Dv)
+
+
+def rows_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: Rules, dropout_p: float,
+                   scale: float, bq: int, bk: int) -> Tensor:
+    """Attention with any rules, a block of ``bq`` query rows at a time: (B, H, S, Dv).
+
+    Args:
+        q: queries (B, H, S, D); k: keys (B, Hkv, Sk, D); v: values (B, Hkv, Sk, Dv).
+        mask: the normalised mask (B|1, H|1, S|1, Sk) or None.
+        rules: the call's rules (a score_mod among them).
+        dropout_p, scale: as the kernel takes them.
+        bq, bk: the rows of a block, and the tile width whose empty tiles are left out.
+    """
+    B, H, S, _ = q.shape
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    if Hkv != H:  # the score_mod reads query heads: k, v per query head (a copy, O(S) memory)
+        k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+        v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, Dv) -> (B, H, Sk, Dv)
+    outs = []
+    for n, span in enumerate(_key_spans(rules, B, H, S, Sk, bq, bk, q.device)):
+        i0, i1 = n * bq, min(S, n * bq + bq)
+        if span is None:  # nothing to attend: zeros, in q's graph
+            outs.append(torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q[:, :, i0:i1, :1], 0.0)
+                        .expand(B, H, i1 - i0, Dv))
+            continue
+        c0, c1 = span
+        m = None
+        if mask is not None:
+            m = mask[:, :, slice(i0, i1) if mask.shape[2] != 1 else slice(None), c0:c1]  # (B|1, H|1, bq|1, L)
+        args = (q[:, :, i0:i1], k[:, :, c0:c1], v[:, :, c0:c1], m, rules.sinks)
+        kwargs = dict(rules=rules, rows=(i0, i1), cols=(c0, c1), S=S, Sk=Sk, scale=scale, dropout_p=dropout_p)
+        # A score_mod may read tensors that need gradients even when q, k, v do not: checkpoint whenever autograd is on.
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(_block, *args, use_reentrant=False, **kwargs))  # (B, H, bq, Dv)
+        else:
+            outs.append(_block(*args, **kwargs))
+    return torch.cat(outs, dim=2)  # (B, H, S, Dv)

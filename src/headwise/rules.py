@@ -1,0 +1,400 @@
+"""One rule object per attention call: which (query, key) pairs may attend, and how scores change.
+
+A kernel reads one :class:`Rules` instead of a keyword per variant. Its parts are the
+public keywords (``is_causal``, ``window``, ``sink_tokens``, ``alibi_slopes``, ``softcap``,
+``sinks``) and the two functions of FlexAttention, ``mask_mod`` and ``score_mod`` (see
+:mod:`headwise.mask_mods`). The keywords are rules of the same kind: ``is_causal``,
+``window`` and ``sink_tokens`` are one :class:`~headwise.mask_mods.AlignedCausal` mask rule,
+``softcap`` and ``alibi_slopes`` are score rules; ``sinks`` alone acts on the softmax.
+
+The order of operations, every kernel alike::
+
+    s = q k^T * scale
+    s = softcap * tanh(s / softcap)          # softcap
+    s = s - slope_h * |i + Sk - S - j|       # alibi_slopes
+    s = score_mod(s, b, h, i, j)             # score_mod, on the capped, biased score
+    s = s + attention_mask (float) ; s = -inf where the bool mask, the causal / window
+        rule or mask_mod(b, h, i, j) forbids   # mask_mod ANDs with all of them
+    p = softmax([s, sink_h])[:-1] ; dropout ; out = p @ v
+
+:func:`tile_map` marks each (bq, bk) tile of the score grid empty, full or partial, so a
+blockwise kernel skips empty tiles and runs full ones without a mask.
+
+Legend: B batch, H query heads, S query length, Sk key length, bq / bk the rows / columns
+of one tile, nq / nk the tiles along S / Sk, P partial tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headwise.mask_mods import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    Alibi,
+    AlignedCausal,
+    Bounds,
+    Combined,
+    Document,
+    MaskMod,
+    MaskRule,
+    ScoreMod,
+    Shifted,
+    SoftCap,
+    as_4d,
+)
+
+# Pairs evaluated at once when a plain mask_mod is read on the whole grid: bounds the memory
+# of building a tile map to a few tens of MiB whatever S and Sk are.
+_EVAL_PAIRS = 1 << 24
+
+
+def grid(B: int, H: int, rows: tuple[int, int], cols: tuple[int, int],
+         device: torch.device | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The index arguments of a mask_mod / score_mod call on rows [i0, i1) x cols [j0, j1):
+    ``b`` (B, 1, 1, 1), ``h`` (1, H, 1, 1), ``q_idx`` (1, 1, bq, 1), ``kv_idx`` (1, 1, 1, bk), int64."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    q = torch.arange(rows[0], rows[1], device=device).view(1, 1, -1, 1)
+    kv = torch.arange(cols[0], cols[1], device=device).view(1, 1, 1, -1)
+    return b, h, q, kv
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
+def evaluate_mask(mod: MaskMod, B: int, H: int, rows: tuple[int, int], cols: tuple[int, int],
+                  device: torch.device | None) -> Tensor:
+    """``mod`` on rows [i0, i1) x cols [j0, j1): bool (B|1, H|1, bq|1, bk|1), True = may attend.
+
+    Raises:
+        TypeError: the function returned something other than a bool tensor.
+        ValueError: its result does not broadcast to (B, H, bq, bk).
+    """
+    b, h, q, kv = grid(B, H, rows, cols, device)
+    allowed = mod(b, h, q, kv)
+    if not isinstance(allowed, Tensor):
+        allowed = torch.as_tensor(allowed, device=device)
+    if allowed.dtype != torch.bool:
+        raise TypeError(f"mask_mod {_name(mod)} must return a bool tensor (True = may attend), got "
+                        f"{allowed.dtype}; compare instead of computing, e.g. kv_idx <= q_idx")
+    allowed = as_4d(allowed)
+    want = (B, H, rows[1] - rows[0], cols[1] - cols[0])
+    if allowed.dim() != 4 or any(n not in (1, w) for n, w in zip(allowed.shape, want, strict=True)):
+        raise ValueError(f"mask_mod {_name(mod)} returned shape {tuple(allowed.shape)}, which does not broadcast "
+                         f"to (B, H, S, Sk) = {want}; index with the b, h, q_idx, kv_idx tensors it is given")
+    return allowed
+
+
+def evaluate_score(mod: ScoreMod, scores: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
+    """``mod`` on a block of scores (B, H, bq, bk) at rows [i0, i1) x cols [j0, j1), in the scores' dtype."""
+    B, H = scores.shape[:2]
+    b, h, q, kv = grid(B, H, rows, cols, scores.device)
+    out = mod(scores, b, h, q, kv)
+    try:
+        fits = isinstance(out, Tensor) and torch.broadcast_shapes(out.shape, scores.shape) == scores.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"score_mod {_name(mod)} must return the scores' shape {tuple(scores.shape)}, got {got}")
+    return out.to(scores.dtype)
+
+
+def evaluated_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tensor:
+    """Tile states of a plain mask_mod, evaluating every pair a block of rows at a time:
+    int8 (B|1, H|1, nq, nk)."""
+    S, Sk, bq, bk = bounds.S, bounds.Sk, bounds.bq, bounds.bk
+    step = max(1, _EVAL_PAIRS // max(1, B * H * Sk * bq)) * bq  # rows per evaluation, whole tiles
+    parts = []
+    for i0 in range(0, S, step):
+        i1 = min(i0 + step, S)
+        allowed = evaluate_mask(mod, B, H, (i0, i1), (0, Sk), bounds.device)  # (B|1, H|1, rows|1, Sk|1)
+        b, h = allowed.shape[:2]
+        allowed = allowed.expand(b, h, i1 - i0, Sk)
+        rows_pad, cols_pad = (-(i1 - i0)) % bq, (-Sk) % bk
+        # Padding repeats the last row and column: it changes neither "any" nor "all".
+        padded = torch.nn.functional.pad(allowed.to(torch.uint8), (0, cols_pad, 0, rows_pad), mode="replicate") \
+            if rows_pad or cols_pad else allowed.to(torch.uint8)
+        tiles = padded.reshape(b, h, -1, bq, padded.shape[-1] // bk, bk)  # (b, h, nq', bq, nk, bk)
+        some = tiles.amax(dim=(3, 5)).bool()  # (b, h, nq', nk)
+        every = tiles.amin(dim=(3, 5)).bool()
+        parts.append(torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8))
+    return torch.cat(parts, dim=2)
+
+
+def mask_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tensor:
+    """int8 (B|1, H|1, nq, nk) tile states of any mask_mod: a rule's own, else evaluated."""
+    own = getattr(mod, "tile_states", None)
+    if callable(own):
+        return own(bounds, B, H)
+    return evaluated_tile_states(mod, bounds, B, H)
+
+
+@dataclass(frozen=True, eq=False)
+class TileMap:
+    """Which (bq, bk) tiles of a mask_mod's (S, Sk) grid are empty, full or partial.
+
+    Calling it is calling its ``mask_mod``, so it is accepted wherever a mask_mod is, and a
+    kernel whose call has the map's shape and tiles reads ``states`` instead of building them.
+
+    Attributes:
+        mask_mod: the rule.
+        shape: (B, H, S, Sk) it was built for.
+        block: (bq, bk).
+        states: int8 (B|1, H|1, nq, nk): 0 empty, 1 partial, 2 full.
+    """
+
+    mask_mod: MaskMod
+    shape: tuple[int, int, int, int]
+    block: tuple[int, int]
+    states: Tensor
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.mask_mod(b, h, q_idx, kv_idx)
+
+    def tile_states(self, bounds: Bounds, B: int, H: int) -> Tensor:
+        if (B, H, bounds.S, bounds.Sk) == self.shape and (bounds.bq, bounds.bk) == self.block:
+            return self.states.to(bounds.device) if bounds.device is not None else self.states
+        return mask_tile_states(self.mask_mod, bounds, B, H)
+
+    def shares(self) -> dict[str, float]:
+        """The share of empty, partial and full tiles (over B x H x nq x nk)."""
+        n = self.states.numel()
+        return {name: int((self.states == value).sum()) / n
+                for name, value in (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
+
+    def partial_masks(self) -> tuple[Tensor, Tensor]:
+        """The partial tiles and their pairs: ``index`` (P, 4) of (b, h, tile row, tile column)
+        in ``states``, and ``bits`` (P, bq, bk) bool, True = may attend (pairs past S or Sk False)."""
+        B, H, S, Sk = self.shape
+        bq, bk = self.block
+        index = (self.states == PARTIAL).nonzero()  # (P, 4)
+        bits = torch.zeros(index.shape[0], bq, bk, dtype=torch.bool, device=self.states.device)
+        for n, (b, h, qi, kj) in enumerate(index.tolist()):
+            rows, cols = (qi * bq, min(qi * bq + bq, S)), (kj * bk, min(kj * bk + bk, Sk))
+            allowed = evaluate_mask(self.mask_mod, B, H, rows, cols, self.states.device)
+            tile = allowed[min(b, allowed.shape[0] - 1), min(h, allowed.shape[1] - 1)]
+            bits[n, :rows[1] - rows[0], :cols[1] - cols[0]] = tile
+        return index, bits
+
+    def describe(self) -> str:
+        """One line: the rule, its tiles and their shares."""
+        s = self.shares()
+        nq, nk = self.states.shape[-2:]
+        return (f"{_name(self.mask_mod)}: {nq} x {nk} tiles of {self.block[0]} x {self.block[1]}, "
+                f"{s['empty']:.0%} empty, {s['full']:.0%} full, {s['partial']:.0%} partial")
+
+
+def tile_map(mask_mod: MaskMod, B: int, H: int, S: int, Sk: int, block: tuple[int, int] = (128, 128),
+             device: torch.device | str | None = None) -> TileMap:
+    """Mark each (bq, bk) tile of ``mask_mod``'s (S, Sk) grid empty, full or partial.
+
+    Built eagerly with vectorised tensor ops on ``device`` (no compile): the helpers of
+    :mod:`headwise.mask_mods` from their tiles' bounds, a plain function by evaluating
+    every pair a block of rows at a time. Pass the map as ``mask_mod=`` to reuse it across
+    calls of the same shape.
+
+    Args:
+        mask_mod: ``(b, h, q_idx, kv_idx) -> bool``.
+        B, H, S, Sk: the call's batch, query heads, queries and keys.
+        block: (bq, bk), the tile.
+        device: where to build it (None: the CPU).
+
+    Returns:
+        A :class:`TileMap`.
+
+    >>> from headwise.mask_mods import causal
+    >>> tile_map(causal, 1, 1, 4, 4, block=(2, 2)).states.tolist()
+    [[[[1, 0], [2, 1]]]]
+    """
+    for name, n in (("B", B), ("H", H), ("S", S), ("Sk", Sk)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"tile_map needs {name} >= 1 as an int, got {n!r}")
+    if len(block) != 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in block):
+        raise ValueError(f"tile_map's block must be two ints >= 1 (bq, bk), got {block!r}")
+    if isinstance(mask_mod, TileMap):
+        mask_mod = mask_mod.mask_mod
+    bounds = Bounds(S, Sk, block[0], block[1], torch.device(device) if device is not None else None)
+    states = mask_tile_states(mask_mod, bounds, B, H)
+    return TileMap(mask_mod, (B, H, S, Sk), (block[0], block[1]), states)
+
+
+@dataclass(frozen=True, eq=False)
+class Rules:
+    """What one call asks of the scores: the built-in keywords and the user's two functions.
+
+    Attributes:
+        is_causal: the bottom-right causal rule, ``j <= i + Sk - S`` (True also with a window).
+        window: a causal sliding window of this many keys (None: unlimited).
+        sink_tokens: keys kept visible under the window (StreamingLLM; 0: none).
+        alibi_slopes: (H,) ALiBi slopes (None: none).
+        softcap: logit soft-capping (None: none).
+        sinks: (H,) sink logits, one more softmax column per row (None: none).
+        mask_mod: ``(b, h, q_idx, kv_idx) -> bool``, ANDed with everything else (None: none).
+        score_mod: ``(score, b, h, q_idx, kv_idx) -> score``, after softcap and ALiBi (None: none).
+    """
+
+    is_causal: bool = False
+    window: int | None = None  # None: unlimited
+    sink_tokens: int = 0  # 0: no sink tokens
+    alibi_slopes: Tensor | None = None  # None: no ALiBi
+    softcap: float | None = None  # None: no soft-capping
+    sinks: Tensor | None = None  # None: no sink logits
+    mask_mod: MaskMod | None = None  # None: no mask rule beyond the keywords
+    score_mod: ScoreMod | None = None  # None: no score rule beyond the keywords
+
+    def structure(self, S: int, Sk: int) -> MaskMod | None:
+        """The mask rules as one mask_mod (the causal / window rule AND ``mask_mod``); None: none."""
+        parts: list = []
+        if self.is_causal or self.window is not None:
+            parts.append(AlignedCausal(Sk - S, self.window, self.sink_tokens))
+        if self.mask_mod is not None:
+            parts.append(self.mask_mod)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else Combined(tuple(parts), True)
+
+    def score_rules(self, S: int, Sk: int) -> list:
+        """The score rules in their order: softcap, ALiBi, score_mod."""
+        mods: list = []
+        if self.softcap is not None:
+            mods.append(SoftCap(self.softcap))
+        if self.alibi_slopes is not None:
+            mods.append(Alibi(self.alibi_slopes, Sk - S))
+        if self.score_mod is not None:
+            mods.append(self.score_mod)
+        return mods
+
+    @property
+    def additive(self) -> bool:
+        """Whether every score rule is a bias that a float mask can carry (no softcap, and a
+        score_mod only if it declares ``bias``)."""
+        return self.softcap is None and (self.score_mod is None or bool(getattr(self.score_mod, "additive", False)))
+
+    def allowed(self, B: int, H: int, S: int, Sk: int, rows: tuple[int, int], cols: tuple[int, int],
+                device: torch.device | None) -> Tensor | None:
+        """The mask rules on rows x cols: bool (B|1, H|1, bq|1, bk|1), True = may attend; None: no rule."""
+        rule = self.structure(S, Sk)
+        return None if rule is None else evaluate_mask(rule, B, H, rows, cols, device)
+
+    def scored(self, scores: Tensor, S: int, Sk: int, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
+        """The score rules applied to a block of scaled scores (B, H, bq, bk) at rows x cols."""
+        for mod in self.score_rules(S, Sk):
+            scores = evaluate_score(mod, scores, rows, cols)
+        return scores
+
+    def bias(self, B: int, H: int, S: int, Sk: int, device: torch.device | None, dtype: torch.dtype) -> Tensor | None:
+        """The additive score rules (ALiBi, an additive score_mod) as one float (B|1, H|1, S, Sk); None: none."""
+        total = None
+        for mod in self.score_rules(S, Sk):
+            b, h, q, kv = grid(B, H, (0, S), (0, Sk), device)
+            part = as_4d(mod.bias(b, h, q, kv)).to(dtype)
+            total = part if total is None else total + part
+        return total
+
+    def tile_states(self, B: int, H: int, S: int, Sk: int, block: tuple[int, int],
+                    device: torch.device | None) -> Tensor | None:
+        """int8 (B|1, H|1, nq, nk) states of the mask rules' tiles; None: no rule."""
+        rule = self.structure(S, Sk)
+        if rule is None:
+            return None
+        return mask_tile_states(rule, Bounds(S, Sk, block[0], block[1], device), B, H)
+
+    def keywords(self) -> dict:
+        """The keywords of a kernel written before rules (``mask_mod`` / ``score_mod`` not among them)."""
+        return dict(is_causal=self.is_causal or self.window is not None, window=self.window,
+                    alibi_slopes=self.alibi_slopes, softcap=self.softcap, sinks=self.sinks,
+                    sink_tokens=self.sink_tokens)
+
+    def describe(self) -> str:
+        """The rules in words, for explain mode and errors ("" when there are none)."""
+        words = []
+        if self.mask_mod is not None:
+            words.append(f"mask_mod {_name(self.mask_mod)}")
+        if self.score_mod is not None:
+            words.append(f"score_mod {_name(self.score_mod)}")
+        return ", ".join(words)
+
+
+def knows_tiles(mod: Any) -> bool:
+    """Whether a mask_mod's tiles come from its bounds (a helper, a tile map, and/or of those)
+    rather than from evaluating every pair."""
+    if isinstance(mod, TileMap):
+        return True
+    if isinstance(mod, Combined):
+        return all(knows_tiles(m) for m in mod.mods)
+    return isinstance(mod, MaskRule) and not isinstance(mod, Shifted)
+
+
+def document_lengths(rules: Rules, B: int, S: int, Sk: int) -> tuple[tuple[int, ...], ...] | None:
+    """Per batch row, the lengths of its documents, where the mask rules are one document mask
+    (with or without the causal rule or one window) over contiguous documents and S == Sk:
+    attention then splits into one independent attention per document. None otherwise."""
+    mod = rules.mask_mod.mask_mod if isinstance(rules.mask_mod, TileMap) else rules.mask_mod
+    if mod is None or S != Sk or rules.sink_tokens or rules.score_mod is not None:
+        return None
+    parts = mod.mods if isinstance(mod, Combined) and mod.both else (mod,)
+    docs = [p for p in parts if isinstance(p, Document)]
+    causal = [p for p in parts if isinstance(p, AlignedCausal) and p.offset == 0 and not p.sink_tokens]
+    if len(docs) != 1 or len(causal) > 1 or len(docs) + len(causal) != len(parts):
+        return None
+    if causal and rules.window is not None and causal[0].window is not None:
+        return None  # two windows: left to the dense path
+    lengths = docs[0].segments(S, Sk)
+    if lengths is None or len(lengths) not in (1, B):
+        return None
+    return tuple(tuple(row) for row in (lengths * B if len(lengths) == 1 else lengths))
+
+
+def document_rule(rules: Rules) -> tuple[bool, int | None]:
+    """For rules :func:`document_lengths` splits: whether each document is causal, and its window."""
+    mod = rules.mask_mod.mask_mod if isinstance(rules.mask_mod, TileMap) else rules.mask_mod
+    parts = mod.mods if isinstance(mod, Combined) else (mod,)
+    causal = next((p for p in parts if isinstance(p, AlignedCausal)), None)
+    window = rules.window if causal is None or causal.window is None else causal.window
+    return rules.is_causal or causal is not None or window is not None, window
+
+
+def score_mod_needs_grad(score_mod: Any, device: torch.device | None) -> bool:
+    """Whether ``score_mod`` reads a tensor that requires grad: one probe call on a (1, 1, 1, 1) score."""
+    if score_mod is None or not torch.is_grad_enabled():
+        return False
+    weight = getattr(score_mod, "weight", None)
+    if isinstance(weight, Tensor):
+        return weight.requires_grad
+    b, h, q, kv = grid(1, 1, (0, 1), (0, 1), device)
+    probe = score_mod(torch.zeros(1, 1, 1, 1, device=device), b, h, q, kv)
+    return isinstance(probe, Tensor) and probe.requires_grad
+
+
+def check_functions(mask_mod: Any, score_mod: Any) -> None:
+    """TypeError when ``mask_mod`` / ``score_mod`` is given but is not callable."""
+    for name, fn, sig in (("mask_mod", mask_mod, "(b, h, q_idx, kv_idx) -> bool tensor"),
+                          ("score_mod", score_mod, "(score, b, h, q_idx, kv_idx) -> score")):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function {sig} or None, got {type(fn).__name__}")
+
+
+def from_block_mask(block_mask: Any, S: int, Sk: int) -> MaskMod:
+    """The mask_mod of a FlexAttention ``BlockMask`` built for (S, Sk); ValueError for another shape."""
+    lengths = tuple(getattr(block_mask, "seq_lengths", (S, Sk)))
+    if lengths != (S, Sk):
+        raise ValueError(f"the BlockMask was built for (Q_LEN, KV_LEN) = {lengths}, but the call has (S, Sk) = "
+                         f"{(S, Sk)}; build it with create_block_mask(mask_mod, B, H, {S}, {Sk})")
+    return block_mask.mask_mod
+
+
+def is_block_mask(mask: Any) -> bool:
+    """Whether ``mask`` is a ``torch.nn.attention.flex_attention.BlockMask`` (where torch has one)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:  # pragma: no cover - torch without FlexAttention
+        return False
+    return isinstance(mask, BlockMask)
