@@ -436,3 +436,49 @@ def relative_position_bias(table: Any, *, max_distance: int = 128, bidirectional
         raise ValueError(f"relative_position_bias needs a float (num_buckets, H) table or nn.Embedding, got "
                          f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))}")
     return RelativePositionBias(table, max_distance, bidirectional)
+
+
+class ShiftedScore(ScoreRule):
+    """``score_mod`` with its queries at ``q_idx + offset`` (a cached decode step's, see :class:`Shifted`)."""
+
+    def __init__(self, mod: ScoreMod, offset: int):
+        self.mod, self.offset = mod, offset
+        self.additive = bool(getattr(mod, "additive", False))
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.mod(score, b, h, q_idx + self.offset, kv_idx)
+
+    def bias(self, b, h, q_idx, kv_idx):
+        return self.mod.bias(b, h, q_idx + self.offset, kv_idx)
+
+    @property
+    def weight(self):  # what score_mod_needs_grad reads, where the rule has a table
+        return getattr(self.mod, "weight", None)
+
+    def __repr__(self) -> str:
+        return f"{getattr(self.mod, '__name__', None) or self.mod!r} (queries from position {self.offset})"
+
+
+class Composed(ScoreRule):
+    """Two score_mods, one after the other (the module's and the call's)."""
+
+    def __init__(self, first: ScoreMod, second: ScoreMod):
+        self.first, self.second = first, second
+        self.additive = bool(getattr(first, "additive", False) and getattr(second, "additive", False))
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.second(self.first(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
+    def bias(self, b, h, q_idx, kv_idx):
+        return self.first.bias(b, h, q_idx, kv_idx) + self.second.bias(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"{getattr(self.first, '__name__', None) or self.first!r}, then " \
+               f"{getattr(self.second, '__name__', None) or self.second!r}"
+
+
+def combine_rules(module_rule: Any, call_rule: Any, *, score: bool) -> Any:
+    """The module's rule and the call's together: mask_mods ANDed, score_mods one after the other."""
+    if module_rule is None or call_rule is None:
+        return call_rule if module_rule is None else module_rule
+    return Composed(module_rule, call_rule) if score else and_masks(module_rule, call_rule)

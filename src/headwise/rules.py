@@ -367,7 +367,7 @@ def score_mod_needs_grad(score_mod: Any, device: torch.device | None) -> bool:
     if score_mod is None or not torch.is_grad_enabled():
         return False
     weight = getattr(score_mod, "weight", None)
-    if isinstance(weight, Tensor):
+    if isinstance(weight, Tensor) and not isinstance(score_mod, Combined):
         return weight.requires_grad
     b, h, q, kv = grid(1, 1, (0, 1), (0, 1), device)
     probe = score_mod(torch.zeros(1, 1, 1, 1, device=device), b, h, q, kv)

@@ -134,6 +134,16 @@ class _Plan:
                         continue
                 yield qi * n_k + kj, (i0, i1), (j0, j1), causal
 
+    def live_tiles(self) -> int:
+        """How many tiles :meth:`tiles` yields, without building their masks."""
+        if self.rule is not None:
+            return sum(sum(row) for row in self.some)
+        if not self.is_causal:
+            return len(self.q_blocks) * len(self.k_blocks)
+        rule = (self.offset, self.window, self.device, self.sink_tokens)
+        return sum(1 for i0, i1 in self.q_blocks for j0, j1 in self.k_blocks
+                   if _causal_tile(i0, i1, j0, j1, *rule) is not False)
+
     def _rule_tile(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
         """The mask rule on one partial tile: bool (B|1, Hkv|1, G|1, bq, bk), True = may attend."""
         allowed = evaluate_mask(self.rule, self.B, self.H, (i0, i1), (j0, j1), self.device)  # (B|1, H|1, bq|1, bk|1)
@@ -346,7 +356,7 @@ def chunked_stages(call: Call) -> list[KernelStage]:
     B, H, Hkv, S, Sk, _ = call.sizes
     bq, bk = policy.CHUNKED_BLOCK_Q, policy.CHUNKED_BLOCK_K  # the tile, as chunked_attention takes it
     plan = _Plan(call.q, call.k, call.attention_mask, call.rules, bq, bk)
-    computed = sum(1 for _ in plan.tiles())
+    computed = plan.live_tiles()
     total = len(plan.q_blocks) * len(plan.k_blocks)
     how = (f"tile by tile with a running max and sum: {computed} of {total} tiles of up to "
            f"{bq} queries x {bk} keys")

@@ -29,20 +29,21 @@ if TYPE_CHECKING:
 
 
 def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
-            cache: KVCache) -> Tensor | tuple[Tensor, Tensor]:
-    """One step, undone if it is refused after the cache changed."""
+            cache: KVCache, rules: tuple = (None, None)) -> Tensor | tuple[Tensor, Tensor]:
+    """One step, undone if it is refused after the cache changed; ``rules``: the call's
+    (mask_mod, score_mod), their queries already at their positions."""
     if torch.compiler.is_compiling():  # a compiled step raises no refusal at run time
-        return _step(mha, x, attention_mask, plan, need_weights, cache)
+        return _step(mha, x, attention_mask, plan, need_weights, cache, rules)
     saved = cache.savepoint(x.shape[1])
     try:
-        return _step(mha, x, attention_mask, plan, need_weights, cache)
+        return _step(mha, x, attention_mask, plan, need_weights, cache, rules)
     except BaseException:
         cache.rollback(saved)
         raise
 
 
 def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
-          cache: KVCache) -> Tensor | tuple[Tensor, Tensor]:
+          cache: KVCache, rules: tuple = (None, None)) -> Tensor | tuple[Tensor, Tensor]:
     if trace.ACTIVE:
         trace.begin_call()
         trace.record("input", x, "x: (B, S, E)")
@@ -70,7 +71,7 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
             _record(cache, x.shape[1], k)
     out = attend(q, k, v, attention_mask, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
                  backend=mha.backend, need_weights=need_weights, window=window, alibi_slopes=slopes,
-                 softcap=mha.softcap, sinks=mha.sinks, sink_tokens=sink_tokens)
+                 softcap=mha.softcap, sinks=mha.sinks, sink_tokens=sink_tokens, mask_mod=rules[0], score_mod=rules[1])
     out, weights = out if need_weights else (out, None)
     out = proj.output(mha, out, padding)  # (B, T, E)
     if weights is None:

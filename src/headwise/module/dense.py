@@ -27,9 +27,10 @@ if TYPE_CHECKING:
 
 
 def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None, plan: Plan,
-            need_weights: bool, key: tuple | None) -> Tensor | tuple[Tensor, Tensor]:
+            need_weights: bool, key: tuple | None, rules: tuple = (None, None)) -> Tensor | tuple[Tensor, Tensor]:
     """Self- or cross-attention without a cache; ``key``: the call's memo key (None: not
-    remembered), under which the plan and the prepared kernel call are stored once it ran."""
+    remembered), under which the plan and the prepared kernel call are stored once it ran;
+    ``rules``: the call's (mask_mod, score_mod)."""
     if trace.ACTIVE:
         trace.begin_call()
         trace.record("input", x, "x: (B, S, E)" + ("; context: (B, Sk, E)" if context is not None else ""))
@@ -62,7 +63,7 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
     out = attend(q, k, v, attention_mask, is_causal=plan.is_causal, dropout_p=dropout_p, backend=mha.backend,
                  need_weights=need_weights, window=mha.window, alibi_slopes=mha.alibi_slopes,
                  softcap=mha.softcap, sinks=mha.sinks, sink_tokens=mha.sink_tokens, key_lengths=key_lengths,
-                 excluded_finite=hidden)
+                 excluded_finite=hidden, mask_mod=rules[0], score_mod=rules[1])
     out, weights = out if need_weights else (out, None)
     out = proj.output(mha, out, padding, finite)  # (B, S, E)
     mha._repeats.remember(key, Repeat(plan.path, plan.why, plan.is_causal, None, padding is not None))

@@ -37,8 +37,9 @@ from headwise.cache import KVCache
 from headwise.deprecation import warn_once
 from headwise.dispatch import Dispatch
 from headwise.kernels.registry import get_kernel
+from headwise.mask_mods import MaskMod, ScoreMod
 from headwise.masks import alibi_slopes
-from headwise.module import cached, checks, context_parallel, dense, fused, packed, report, torch_mha
+from headwise.module import cached, checks, context_parallel, dense, fused, packed, report, ruled, torch_mha
 from headwise.module import memo as memos
 from headwise.module import plan as planning
 from headwise.module.plan import Plan
@@ -130,6 +131,8 @@ class MultiHeadAttention(nn.Module):
         sinks: bool = False,  # True: a learnable (H,) sink logit per head (gpt-oss)
         sink_tokens: int = 0,  # 0: none; n: keys 0..n-1 stay visible under the window (StreamingLLM)
         v_head_dim: int | None = None,  # None: head_dim; Dv: the values' (and out_proj's input's) size per head
+        mask_mod: MaskMod | None = None,  # None: no mask rule; else ANDed into every call's (see forward)
+        score_mod: ScoreMod | None = None,  # None: no score rule; else applied in every call, before the call's
         context_parallel=None,  # None: one process; a headwise.distributed.ContextParallel splits the sequence
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -158,6 +161,7 @@ class MultiHeadAttention(nn.Module):
         self.backend, self.packing = backend, packing
         self.softcap = None if softcap is None else float(softcap)
         self.context_parallel = context_parallel
+        self.mask_mod, self.score_mod = mask_mod, score_mod
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         D, Dv = self.head_dim, self.v_head_dim
         self.q_proj = nn.Linear(embed_dim, num_heads * D, bias=bias, **factory)  # (H*D, E)
@@ -307,6 +311,8 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool | None = None,  # None: the constructor's value
         need_weights: bool = False,
         cache: KVCache | None = None,  # None: no incremental decoding
+        mask_mod: MaskMod | None = None,  # None: the module's rule alone (if any)
+        score_mod: ScoreMod | None = None,  # None: the module's rule alone (if any)
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x`` to ``x`` (or to ``context``).
 
@@ -327,6 +333,12 @@ class MultiHeadAttention(nn.Module):
                 of the written ones and takes a (B, T) mask of the new positions. An evicting
                 cache (``new_cache(..., evict=True)``) attends over the positions it kept
                 through a mask of their true positions.
+            mask_mod: FlexAttention's ``(b, h, q_idx, kv_idx) -> bool`` for this call (document
+                boundaries change with every batch), ANDed with the constructor's mask_mod,
+                the mask and the causal rule; see :func:`headwise.attention`. With a cache,
+                ``q_idx`` is the query's position in the sequence.
+            score_mod: FlexAttention's ``(score, b, h, q_idx, kv_idx) -> score`` for this call,
+                applied after the constructor's.
 
         Returns:
             (B, S, E), or ``(output, weights)`` when ``need_weights``. Padded positions of
@@ -335,6 +347,9 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ValueError / TypeError: inputs or mask that do not fit; see the messages.
         """
+        if mask_mod is not None or score_mod is not None or self.mask_mod is not None or self.score_mod is not None:
+            mask_mod, score_mod = ruled.rules_of(self, mask_mod, score_mod)
+            return ruled.forward(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod, score_mod)
         signature = memos.signature(self, x, attention_mask, context, is_causal, need_weights, cache)
         key, padding, lengths = (None, None, None) if signature is None else signature
         repeat = None if key is None else self._repeats.get(key)

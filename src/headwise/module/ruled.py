@@ -1,0 +1,62 @@
+"""The module's calls with rules as functions: ``mask_mod`` / ``score_mod``.
+
+A rule is the module's (given to the constructor) and the call's together: mask_mods
+ANDed, score_mods one after the other. Such a call runs the dense path (the packed and
+fused paths reorder or bypass the scores the rules read), never the memo (the functions
+are the call's own). With a cache, the rules see the queries at their positions in the
+sequence (``q_idx`` counts from the first cached token, :class:`headwise.mask_mods.Shifted`),
+so one rule serves prefill and decode; an evicting cache, whose keys are no longer at
+their positions, and context parallelism refuse rules.
+
+Legend: B batch, S query length, E embed dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from headwise.cache import KVCache
+from headwise.mask_mods import Shifted, ShiftedScore, combine_rules
+from headwise.module import cached, dense
+from headwise.module import plan as planning
+
+if TYPE_CHECKING:
+    from headwise.module.layer import MultiHeadAttention
+
+
+def rules_of(mha: MultiHeadAttention, mask_mod: Any, score_mod: Any) -> tuple[Any, Any]:
+    """The call's (mask_mod, score_mod): the module's and the call's combined (None: none)."""
+    return (combine_rules(mha.mask_mod, mask_mod, score=False), combine_rules(mha.score_mod, score_mod, score=True))
+
+
+def _check(mha: MultiHeadAttention, cache: KVCache | None, mask_mod: Any, score_mod: Any) -> None:
+    for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function or None, got {type(fn).__name__}")
+    if mha.context_parallel is not None:
+        raise ValueError("mask_mod / score_mod with context_parallel: each rank holds a shard of the sequence, and "
+                         "the rules would see its local positions; give the rule as a dense mask or run in one process")
+    if cache is not None and cache.evicted:
+        raise ValueError(f"mask_mod / score_mod with an evicting cache that has dropped {cache.evicted} positions: its "
+                         "keys are no longer at their positions; use a cache without evict=True")
+
+
+def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+            is_causal: bool | None, need_weights: bool, cache: KVCache | None, mask_mod: Any,
+            score_mod: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """One call with rules: checked, planned on the dense path, and run."""
+    _check(mha, cache, mask_mod, score_mod)
+    plan = planning.make_plan(mha, x, attention_mask, context, is_causal, need_weights, cache)
+    if plan.path in ("fused", "packed"):
+        plan = replace(plan, path="dense", why="mask_mod / score_mod: the dense path, where the rules read every "
+                                               f"(query, key) position (was: {plan.path})")
+    if cache is None:
+        return dense.forward(mha, x, attention_mask, context, plan, need_weights, None, rules=(mask_mod, score_mod))
+    offset = int(cache.position) if cache.static else len(cache)  # the first new token's position
+    if offset:
+        mask_mod = None if mask_mod is None else Shifted(mask_mod, offset)
+        score_mod = None if score_mod is None else ShiftedScore(score_mod, offset)
+    return cached.forward(mha, x, attention_mask, plan, need_weights, cache, rules=(mask_mod, score_mod))

@@ -1,0 +1,295 @@
+"""Rules as functions (headwise.rules): mask_mod and score_mod on every backend, forward and
+backward, against a float64 formula that evaluates the user's functions on the full grid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import headwise
+from headwise import mask_mods as mm
+from headwise import masks, policy
+from headwise.rules import Rules, TileMap, evaluate_mask, grid, tile_map
+
+BACKENDS = ["matmul", "einsum", "bmm", "einops", "sdpa", "chunked", "varlen", "auto"]
+B, H, Hkv, D = 2, 4, 2, 8
+
+
+def oracle(q, k, v, mask_mod=None, score_mod=None, attention_mask=None, is_causal=False):
+    """softmax(score_mod(q k^T / sqrt(D)) masked by mask_mod, the mask and causal) v in float64, zero rows
+    where nothing may be attended: the formula, written out without headwise's kernels."""
+    q, k, v = (t.double() for t in (q, k, v))
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    S, Sk = q.shape[2], k.shape[2]
+    s = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5  # (B, H, S, Sk)
+    b, h, i, j = grid(q.shape[0], q.shape[1], (0, S), (0, Sk), q.device)
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j)
+    allowed = torch.ones(S, Sk, dtype=torch.bool)
+    if mask_mod is not None:
+        allowed = allowed & mask_mod(b, h, i, j)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask
+    if is_causal:
+        allowed = allowed & (j <= i + Sk - S)
+    s = s.masked_fill(~allowed, float("-inf"))
+    live = allowed.any(-1, keepdim=True)
+    p = torch.softmax(torch.where(live, s, 0.0), -1) * live
+    return p @ v
+
+
+def inputs(S=12, Sk=12, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=gen, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, Sk, D, generator=gen, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, Sk, D + 2, generator=gen, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+IDS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1]])
+TABLE = torch.randn(8, H, dtype=torch.float64)
+
+MASK_CASES = {
+    "document-causal": dict(mask_mod=mm.and_masks(mm.causal, mm.document(IDS))),
+    "document-is-causal": dict(mask_mod=mm.document(IDS[0]), is_causal=True),
+    "prefix-lm": dict(mask_mod=mm.prefix_lm(torch.tensor([3, 6]))),
+    "sliding-window": dict(mask_mod=mm.sliding_window(3)),
+    "per-head-lambda": dict(mask_mod=lambda b, h, q, kv: (kv - q).abs() <= h + 1),
+    "or-masks": dict(mask_mod=mm.or_masks(mm.sliding_window(2), mm.prefix_lm(2))),
+    "with-padding": dict(mask_mod=mm.causal, attention_mask=torch.tensor([[True] * 10 + [False] * 2] * 2)),
+    "empty-rows": dict(mask_mod=lambda b, h, q, kv: (q % 3 != 0) & (kv < q)),
+}
+SCORE_CASES = {
+    "t5-bias": dict(score_mod=mm.relative_position_bias(TABLE, max_distance=16)),
+    "general": dict(score_mod=lambda s, b, h, q, kv: s * torch.tanh(s) + 0.1 * h - 0.01 * (q - kv).abs()),
+    "general-with-mask": dict(score_mod=lambda s, b, h, q, kv: torch.tanh(s / 2) * 2,
+                              mask_mod=mm.and_masks(mm.causal, mm.document(IDS))),
+}
+
+
+def _check(backend, case, S=12, Sk=12, monkeypatch=None):
+    q, k, v = inputs(S, Sk)
+    kwargs = dict(case)
+    mask = kwargs.pop("attention_mask", None)
+    want = oracle(q, k, v, mask_mod=kwargs.get("mask_mod"), score_mod=kwargs.get("score_mod"),
+                  attention_mask=None if mask is None else mask[:, None, None, :], is_causal=kwargs.get("is_causal"))
+    out = headwise.attention(q, k, v, mask, backend=backend, **kwargs)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    expected = torch.autograd.grad(want, (q, k, v), g)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """4 x 4 tiles, so the 12 x 12 grids have empty, full and partial ones."""
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_Q", 4)
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_K", 4)
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=list(MASK_CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_mod_on_every_backend_equals_the_formula(backend, case, small_tiles):
+    _check(backend, MASK_CASES[case])
+
+
+@pytest.mark.parametrize("case", SCORE_CASES, ids=list(SCORE_CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_score_mod_on_every_backend_that_serves_it_equals_the_formula(backend, case, small_tiles):
+    general = case.startswith("general")
+    if general and backend in ("sdpa", "varlen"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' cannot run a general score_mod"):
+            headwise.attention(*inputs(), backend=backend, **SCORE_CASES[case])
+        return
+    _check(backend, SCORE_CASES[case])
+
+
+@pytest.mark.parametrize("backend", ["matmul", "chunked", "sdpa", "varlen", "auto"])
+def test_rules_with_cross_attention_lengths_use_raw_positions(backend, small_tiles):
+    _check(backend, dict(mask_mod=lambda b, h, q, kv: kv <= q + 2, score_mod=mm.relative_position_bias(TABLE)),
+           S=6, Sk=11)
+
+
+@pytest.mark.parametrize("backend", ["matmul", "chunked", "sdpa", "varlen"])
+def test_a_learned_bias_table_gets_exact_gradients(backend, small_tiles):
+    q, k, v = inputs()
+    table = TABLE.clone().requires_grad_(True)
+    rule = mm.relative_position_bias(table, max_distance=16)
+    out = headwise.attention(q, k, v, backend=backend, score_mod=rule, mask_mod=mm.causal)
+    (got,) = torch.autograd.grad(out.square().sum(), table)
+    want_table = TABLE.clone().requires_grad_(True)
+    want = oracle(q, k, v, mask_mod=mm.causal, score_mod=mm.relative_position_bias(want_table, max_distance=16))
+    (expected,) = torch.autograd.grad(want.square().sum(), want_table)
+    torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+    assert got.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", ["matmul", "sdpa", "chunked", "varlen", "einsum"])
+def test_a_row_the_rules_leave_empty_is_zeros_and_excluded_nan_reaches_nothing(backend, small_tiles):
+    q, k, v = inputs()
+    dead_key = 11  # attended by no query under the rule
+    rule = mm.and_masks(mm.causal, lambda b, h, qi, kv: (qi % 4 != 0) & (kv != dead_key))
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, dead_key] = float("nan")
+    v2[:, :, dead_key] = float("inf")
+    k2.requires_grad_(True)
+    v2.requires_grad_(True)
+    out = headwise.attention(q, k2, v2, backend=backend, mask_mod=rule)
+    assert torch.isfinite(out).all()
+    assert (out[:, :, ::4] == 0).all()  # rows 0, 4, 8 attend nothing
+    grads = torch.autograd.grad(out.sum(), (q, k2, v2))
+    assert all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(out, oracle(q, k, v, mask_mod=rule), atol=1e-10, rtol=1e-10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(parts=st.lists(st.sampled_from(["causal", "window", "document", "prefix", "lambda"]), min_size=1, max_size=3),
+       combine=st.sampled_from(["and", "or"]), backend=st.sampled_from(["chunked", "sdpa", "varlen", "matmul"]),
+       S=st.integers(1, 13), seed=st.integers(0, 9))
+def test_random_combinations_of_the_helpers_equal_the_formula(parts, combine, backend, S, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.sort(torch.randint(0, 3, (B, S), generator=gen), dim=1).values
+    made = {"causal": mm.causal, "window": mm.sliding_window(1 + seed % 4), "document": mm.document(ids),
+            "prefix": mm.prefix_lm(seed % 5), "lambda": lambda b, h, q, kv: (q + kv + h) % 3 != 0}
+    rule = (mm.and_masks if combine == "and" else mm.or_masks)(*[made[p] for p in parts])
+    q, k, v = inputs(S, S, seed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(policy, "CHUNKED_BLOCK_Q", 3)
+        patch.setattr(policy, "CHUNKED_BLOCK_K", 2)
+        out = headwise.attention(q, k, v, backend=backend, mask_mod=rule)
+    want = oracle(q, k, v, mask_mod=rule)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    g = torch.randn(out.shape, dtype=torch.float64, generator=gen)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_the_builtin_keywords_and_mask_mod_combine_with_and():
+    q, k, v = inputs()
+    out = headwise.attention(q, k, v, is_causal=True, window=4, mask_mod=mm.prefix_lm(0) | mm.document(IDS[0]),
+                             backend="chunked")
+    want = oracle(q, k, v, mask_mod=mm.and_masks(mm.sliding_window(4), mm.or_masks(mm.prefix_lm(0),
+                                                                                   mm.document(IDS[0]))))
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+
+
+def test_chunked_skips_the_empty_tiles_and_masks_only_the_partial_ones(monkeypatch, small_tiles):
+    import headwise.kernels.chunked as chunked
+
+    evaluated = []
+    real = chunked.evaluate_mask
+    monkeypatch.setattr(chunked, "evaluate_mask", lambda *a, **kw: evaluated.append(a[3:5]) or real(*a, **kw))
+    q, k, v = inputs()
+    ids = torch.tensor([0] * 4 + [1] * 8)
+    rule = mm.and_masks(mm.causal, mm.document(ids))
+    states = tile_map(rule, B, H, 12, 12, block=(4, 4)).states[0, 0]
+    assert states.tolist() == [[1, 0, 0], [0, 1, 0], [0, 2, 1]]  # empty 0, partial 1, full 2
+    with headwise.trace() as t:
+        headwise.attention(q, k, v, mask_mod=rule, backend="chunked")
+    assert sorted(evaluated) == [((0, 4), (0, 4)), ((4, 8), (4, 8)), ((8, 12), (8, 12))]  # the partial tiles only
+    note = " ".join(s.note for s in t.stages)
+    assert "4 of 9 tiles" in note and "mask_mod and_masks(causal, document" in note
+
+
+def test_a_tile_map_is_reused_as_built_and_says_its_shares(monkeypatch):
+    rule = mm.and_masks(mm.causal, mm.document(torch.tensor([0] * 4 + [1] * 8)))
+    tm = tile_map(rule, 1, 1, 12, 12, block=(4, 4))
+    assert isinstance(tm, TileMap) and tm.shares() == {"empty": 5 / 9, "partial": 3 / 9, "full": 1 / 9}
+    assert "3 x 3 tiles of 4 x 4, 56% empty, 11% full, 33% partial" in tm.describe()
+    index, bits = tm.partial_masks()
+    for (_, _, qi, kj), tile in zip(index.tolist(), bits, strict=True):
+        want = evaluate_mask(rule, 1, 1, (qi * 4, qi * 4 + 4), (kj * 4, kj * 4 + 4), None)[0, 0]
+        assert torch.equal(tile, want)
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_Q", 4)
+    monkeypatch.setattr(policy, "CHUNKED_BLOCK_K", 4)
+    import headwise.rules as rules
+
+    monkeypatch.setattr(rules.Document, "tile_states", lambda *a: pytest.fail("the map's states were rebuilt"))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 12, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    out = headwise.attention(q, k, v, mask_mod=tm, backend="chunked")
+    torch.testing.assert_close(out, oracle(q, k, v, mask_mod=rule), atol=1e-10, rtol=1e-10)
+
+
+def test_a_flex_block_mask_is_accepted_as_the_mask():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = inputs()
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (IDS[0][q_idx] == IDS[0][kv_idx])
+
+    block_mask = flex.create_block_mask(doc_causal, None, None, 12, 12, device="cpu", BLOCK_SIZE=4)
+    out = headwise.attention(q, k, v, block_mask)
+    torch.testing.assert_close(out, oracle(q, k, v, mask_mod=doc_causal), atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"BlockMask was built for \(Q_LEN, KV_LEN\) = \(12, 12\), but the call has"):
+        headwise.attention(*inputs(6, 6), block_mask)
+
+
+def test_auto_picks_by_the_rule_and_says_why(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 2048, 16) for _ in range(3))
+    ids = torch.arange(2048) // 256
+    d = headwise.choose_backend(q, k, v, mask_mod=mm.and_masks(mm.causal, mm.document(ids)))
+    assert d.backend == "varlen" and "8 in 1 row, the longest 256 tokens" in d.reason
+    d = headwise.choose_backend(q, k, v, score_mod=lambda s, b, h, i, j: s * 2)
+    assert d.backend == "chunked" and "a general score_mod" in d.reason
+    d = headwise.choose_backend(q, k, v, mask_mod=mm.sliding_window(64))
+    assert d.backend == "chunked" and "of the mask rule's tiles are empty" in d.reason
+    d = headwise.choose_backend(q[:, :, :64], k[:, :, :64], v[:, :, :64], mask_mod=mm.prefix_lm(3))
+    assert d.backend == "sdpa" and "SDPA with the rules materialised as one mask" in d.reason
+
+
+def test_rules_refuse_what_cannot_be_a_rule():
+    q, k, v = inputs()
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        headwise.attention(q, k, v, mask_mod=3)
+    with pytest.raises(TypeError, match=r"mask_mod <lambda> must return a bool tensor .* got torch.int64"):
+        headwise.attention(q, k, v, mask_mod=lambda b, h, qi, kv: kv - qi)
+    with pytest.raises(ValueError, match=r"mask_mod <lambda> returned shape \(1, 1, 5, 1\), which does not broadcast"):
+        headwise.attention(q, k, v, mask_mod=lambda b, h, qi, kv: torch.ones(1, 1, 5, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"score_mod <lambda> must return the scores' shape"):
+        headwise.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s.sum(-1), backend="matmul")
+    with pytest.raises(ValueError, match=r"document's doc_ids \(1, 4\) must cover"):
+        headwise.attention(q, k, v, mask_mod=mm.document(torch.zeros(4, dtype=torch.long)))
+    with pytest.raises(ValueError, match="backend 'triton'"):
+        headwise.attention(q, k, v, mask_mod=mm.causal, score_mod=lambda s, *a: s, backend="triton")
+
+
+def test_rules_describe_and_the_legacy_keywords():
+    rules = Rules(is_causal=True, window=3, mask_mod=mm.causal, score_mod=mm.relative_position_bias(TABLE))
+    assert rules.describe() == "mask_mod causal, score_mod relative_position_bias((8, 4) table)"
+    assert rules.keywords() == dict(is_causal=True, window=3, alibi_slopes=None, softcap=None, sinks=None,
+                                    sink_tokens=0)
+    assert not Rules(softcap=2.0).additive and Rules(score_mod=rules.score_mod).additive
+    assert masks.and_masks is mm.and_masks and masks.tile_map is tile_map
+
+
+def test_the_module_takes_rules_per_call_and_in_its_constructor():
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(16, 4, num_kv_heads=2, is_causal=True).double()
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    dense = (IDS[:, :, None] == IDS[:, None, :])[:, None]  # (B, 1, S, S)
+    torch.testing.assert_close(mha(x, mask_mod=mm.document(IDS)), mha(x, dense), atol=1e-12, rtol=1e-12)
+    windowed = headwise.MultiHeadAttention(16, 4, num_kv_heads=2, is_causal=True, mask_mod=mm.sliding_window(3))
+    windowed.double()
+    windowed.load_state_dict(mha.state_dict())
+    both = windowed(x, mask_mod=mm.document(IDS))  # the constructor's and the call's, ANDed
+    band = torch.ones(12, 12, dtype=torch.bool).tril() & ~torch.ones(12, 12, dtype=torch.bool).tril(-3)
+    torch.testing.assert_close(both, mha(x, dense & band), atol=1e-12, rtol=1e-12)
+    cache = windowed.new_cache(2, 12)
+    with torch.no_grad():  # decoding: the rules see each query at its position
+        steps = [windowed(x[:, :5], cache=cache)] + [windowed(x[:, i:i + 1], cache=cache) for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), windowed(x), atol=1e-12, rtol=1e-12)
+    table = TABLE.clone().requires_grad_(True)
+    mha(x, score_mod=mm.relative_position_bias(table)).sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+    sliding = headwise.MultiHeadAttention(16, 4, window=3, mask_mod=mm.causal).double()
+    evicting = sliding.new_cache(2, 12, evict=True)
+    refused = pytest.raises(ValueError, match="mask_mod / score_mod with an evicting cache that has dropped")
+    with torch.no_grad(), refused:
+        for i in range(6):
+            sliding(x[:, i:i + 1], cache=evicting)
