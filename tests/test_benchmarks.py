@@ -59,3 +59,16 @@ def test_overhead_times_the_fused_path_against_the_dense_one():
     rows = overhead.fused_rows(args, shapes=[(1, 4, 16, 2), (2, 8, 32, 4)])
     assert [row[:4] for row in rows] == [(1, 4, 16, 2), (2, 8, 32, 4)]
     assert all(fused > 0 and dense > 0 for *_, fused, dense in rows)
+
+
+def test_rules_benchmark_pairs_the_rule_with_the_materialised_mask_and_packed_attention():
+    rules = _load("rules")
+    ids, lengths = rules.documents(512, 16)
+    assert len(lengths) == 16 and sum(lengths) == 512 and min(lengths) >= 16 and ids.shape == (512,)
+    rows = rules.document_causal(256, 2, 16, repeats=1)
+    assert [name for name, _, _ in rows][1:] == ["chunked (tiles skipped)", "sdpa, materialised mask",
+                                                 "packed_attention"]
+    assert rows[0][0] == "auto (varlen)" and "x faster than the materialised mask" in rows[0][2]
+    assert all(seconds > 0 for _, seconds, _ in rows)
+    (name, seconds, note), = rules.tile_map_time(1024, repeats=1)
+    assert seconds > 0 and "8 x 8 tiles of 128 x 128" in note
