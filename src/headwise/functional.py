@@ -224,7 +224,8 @@ def _rule_fields(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.de
     if rules.mask_mod is not None and knows_tiles(structure):
         block = (policy.CHUNKED_BLOCK_Q, policy.CHUNKED_BLOCK_K)
         states = rules.tile_states(B, H, S, Sk, block, device)  # (B|1, H|1, nq, nk)
-        fields["empty_tiles"] = round(20 * float((states == 0).float().mean())) / 20
+        if states is not None:
+            fields["empty_tiles"] = round(20 * float(states.eq(0).float().mean())) / 20
         fields["documents"] = document_lengths(rules, B, S, Sk)
     return fields
 
@@ -539,7 +540,8 @@ def _rules_note(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.dev
     if rules.mask_mod is not None and knows_tiles(structure):
         block = (policy.CHUNKED_BLOCK_Q, policy.CHUNKED_BLOCK_K)
         states = rules.tile_states(B, H, S, Sk, block, device)
-        note += "; " + TileMap(structure, (B, H, S, Sk), block, states).describe()
+        if structure is not None and states is not None:
+            note += "; " + TileMap(structure, (B, H, S, Sk), block, states).describe()
     return note
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -406,7 +406,8 @@ class RelativePositionBias(ScoreRule):
 
     @property
     def weight(self) -> Tensor:
-        return self.table.weight if isinstance(self.table, torch.nn.Module) else self.table  # (buckets, H)
+        table = self.table
+        return cast(Tensor, table.weight if isinstance(table, torch.nn.Module) else table)  # (buckets, H)
 
     def bias(self, b, h, q_idx, kv_idx):
         w = self.weight
@@ -441,7 +442,7 @@ def relative_position_bias(table: Any, *, max_distance: int = 128, bidirectional
 class ShiftedScore(ScoreRule):
     """``score_mod`` with its queries at ``q_idx + offset`` (a cached decode step's, see :class:`Shifted`)."""
 
-    def __init__(self, mod: ScoreMod, offset: int):
+    def __init__(self, mod: Any, offset: int):  # a ScoreMod, perhaps with bias()
         self.mod, self.offset = mod, offset
         self.additive = bool(getattr(mod, "additive", False))
 
@@ -462,7 +463,7 @@ class ShiftedScore(ScoreRule):
 class Composed(ScoreRule):
     """Two score_mods, one after the other (the module's and the call's)."""
 
-    def __init__(self, first: ScoreMod, second: ScoreMod):
+    def __init__(self, first: Any, second: Any):  # ScoreMods, perhaps with bias()
         self.first, self.second = first, second
         self.additive = bool(getattr(first, "additive", False) and getattr(second, "additive", False))
 

@@ -32,6 +32,7 @@ Sk key length, D head dim of q and k, Dv head dim of v, bq / bk the rows / colum
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -42,7 +43,7 @@ from headwise.deprecation import moved
 from headwise.kernels import describe
 from headwise.kernels.chunked_rows import rows_attention
 from headwise.kernels.registry import Call, Kernel, KernelStage
-from headwise.mask_mods import EMPTY, FULL, Bounds
+from headwise.mask_mods import EMPTY, FULL, Bounds, MaskMod
 from headwise.rules import Rules, evaluate_mask, mask_tile_states
 
 __getattr__ = moved(__name__, {old: (policy, f"headwise.policy.CHUNKED_{old}") for old in ("BLOCK_Q", "BLOCK_K")})
@@ -103,7 +104,8 @@ class _Plan:
         self.k_blocks = [(j, min(j + block_k, Sk)) for j in range(0, Sk, block_k)]
         # A mask_mod: its tiles' states over every (b, h), (nq, nk) each: the rule ANDed with causal.
         self.rule = rules.structure(S, Sk) if rules.mask_mod is not None else None
-        self.some = self.every = None
+        self.some: list[list[bool]] = []
+        self.every: list[list[bool]] = []
         if self.rule is not None:
             states = mask_tile_states(self.rule, Bounds(S, Sk, block_q, block_k, q.device), B, H)
             self.some = (states.amax(dim=(0, 1)) != EMPTY).tolist()  # (nq, nk): some pair may attend
@@ -122,7 +124,7 @@ class _Plan:
         n_k = len(self.k_blocks)
         for qi, (i0, i1) in enumerate(self.q_blocks):
             for kj, (j0, j1) in enumerate(self.k_blocks):
-                causal = None
+                causal: Tensor | bool | None = None
                 if self.rule is not None:
                     if not self.some[qi][kj]:
                         continue
@@ -137,7 +139,7 @@ class _Plan:
     def live_tiles(self) -> int:
         """How many tiles :meth:`tiles` yields, without building their masks."""
         if self.rule is not None:
-            return sum(sum(row) for row in self.some)
+            return sum(live for row in self.some for live in row)
         if not self.is_causal:
             return len(self.q_blocks) * len(self.k_blocks)
         rule = (self.offset, self.window, self.device, self.sink_tokens)
@@ -146,7 +148,8 @@ class _Plan:
 
     def _rule_tile(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
         """The mask rule on one partial tile: bool (B|1, Hkv|1, G|1, bq, bk), True = may attend."""
-        allowed = evaluate_mask(self.rule, self.B, self.H, (i0, i1), (j0, j1), self.device)  # (B|1, H|1, bq|1, bk|1)
+        rule = cast(MaskMod, self.rule)  # set: only tiles() of a plan with a rule calls this
+        allowed = evaluate_mask(rule, self.B, self.H, (i0, i1), (j0, j1), self.device)  # (B|1, H|1, bq|1, bk|1)
         b, h = allowed.shape[:2]
         allowed = allowed.expand(b, h, i1 - i0, j1 - j0)
         return allowed.reshape(b, self.Hkv, self.G, i1 - i0, j1 - j0) if h == self.H else allowed[:, :, None]

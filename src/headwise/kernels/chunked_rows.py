@@ -15,6 +15,8 @@ Sk key length, D head dim, Dv value head dim, bq rows of a block, L its key colu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -91,7 +93,8 @@ def rows_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: 
         if mask is not None:
             m = mask[:, :, slice(i0, i1) if mask.shape[2] != 1 else slice(None), c0:c1]  # (B|1, H|1, bq|1, L)
         args = (q[:, :, i0:i1], k[:, :, c0:c1], v[:, :, c0:c1], m, rules.sinks)
-        kwargs = dict(rules=rules, rows=(i0, i1), cols=(c0, c1), S=S, Sk=Sk, scale=scale, dropout_p=dropout_p)
+        kwargs: dict[str, Any] = dict(rules=rules, rows=(i0, i1), cols=(c0, c1), S=S, Sk=Sk, scale=scale,
+                                      dropout_p=dropout_p)
         # A score_mod may read tensors that need gradients even when q, k, v do not: checkpoint whenever autograd is on.
         if torch.is_grad_enabled():
             outs.append(checkpoint(_block, *args, use_reentrant=False, **kwargs))  # (B, H, bq, Dv)
