@@ -363,11 +363,15 @@ def test_torch_compile_traces_around_the_kernel(interpreter):
 def test_custom_op_registration_passes_opcheck(interpreter):
     q, k, v, gen = make_inputs(1, 2, 1, 17, 18, 16, seed=10)
     bias = torch.zeros(1, 18, device=DEVICE).masked_fill(torch.arange(18, device=DEVICE) > 12, float("-inf"))
-    args = (q, k, v, bias.requires_grad_(), None, 0.25, True, None, None, None)
+    args = (q, k, v, bias.requires_grad_(), None, 0.25, True, None, None, None, [], [])
     torch.library.opcheck(triton_flash._flash_forward, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     sinks = torch.randn(2, generator=gen).to(DEVICE).requires_grad_()
-    torch.library.opcheck(triton_flash._flash_forward, (*args[:8], 1.5, sinks),  # softcap and sinks
+    torch.library.opcheck(triton_flash._flash_forward, (*args[:8], 1.5, sinks, [], []),  # softcap and sinks
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    block = triton_flash._rule_block(DEVICE == "cpu")
+    tiles = triton_flash._rule_tiles(headwise.mask_mods.prefix_lm(5), bias, 1, 2, 17, 18, block, q.device)
+    torch.library.opcheck(triton_flash._flash_forward, (*args[:6], False, None, None, None, tiles, list(block)),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -428,6 +432,13 @@ def _request(**overrides) -> Request:
     (dict(value_dim=96), r"one head-dim block \(BLOCK_D\), so v's head dim must be q's: got Dv = 96 != D = 64; "
                          r"use backend 'sdpa' or 'chunked'"),
     (dict(window=16, sink_tokens=4), r"has no sink tokens \(sink_tokens=4\); use backend 'sdpa' or 'chunked'"),
+    (dict(score_mod="general"), r"one precompiled kernel, inside which a Python score_mod cannot run; use backend "
+                                r"'chunked' \(any score_mod"),
+    (dict(score_mod="general", score_mod_grad=True), r"cannot run, nor its gradient; use backend 'chunked'"),
+    (dict(score_mod="additive"), r"no dense score bias, only a key padding mask \(one bias per key\), so an "
+                                 r"additive score_mod .* cannot reach its scores; use backend 'sdpa' \(the bias as a "
+                                 r"float mask\)"),
+    (dict(score_mod="additive", score_mod_grad=True), r"cannot reach its scores and its table's gradient; use"),
 ])
 def test_refusals_name_the_value_and_the_remedy(monkeypatch, overrides, reason):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # so the device is not what gets refused on a CPU
@@ -453,6 +464,10 @@ def test_unavailable_without_triton_or_a_gpu(monkeypatch):
     assert get_kernel("triton").available() is None
 
 
+def double(score, b, h, q_idx, kv_idx):
+    return 2 * score
+
+
 def test_direct_calls_reject_what_dispatch_refuses():
     q = torch.zeros(1, 2, 3, 16)
     common = dict(rules=Rules(), scale=0.25, need_weights=False)
@@ -466,9 +481,9 @@ def test_direct_calls_reject_what_dispatch_refuses():
     with pytest.raises(ValueError, match=r"takes no sink tokens \(got 2\)"):
         triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, scale=0.25, need_weights=False,
                                       rules=Rules(is_causal=True, window=2, sink_tokens=2))
-    with pytest.raises(ValueError, match=r"takes no mask_mod or score_mod \(mask_mod causal\)"):
+    with pytest.raises(ValueError, match=r"takes no score_mod \(score_mod double\): a Python function cannot run"):
         triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, scale=0.25, need_weights=False,
-                                      rules=Rules(mask_mod=headwise.masks.causal))
+                                      rules=Rules(score_mod=double))
 
 
 @pytest.mark.parametrize("overrides", [dict(value_dim=96), dict(window=16, sink_tokens=4)], ids=["Dv", "sinks"])
@@ -496,3 +511,261 @@ def test_live_key_tiles_lists_each_rows_real_tiles_in_order():
     assert tiles[2].tolist() == [0, 1, 2, 3, 4] and cum[2].tolist() == list(range(6))
     assert tiles.dtype == cum.dtype == torch.int32
     assert math.prod(tiles.shape) == 15
+
+
+# ---------------------------------------------------------------- mask_mod: the tile map
+
+
+def _per_head(b, h, q_idx, kv_idx):
+    """Head h sees 4 * h keys past the diagonal: a mask_mod that depends on h."""
+    return kv_idx <= q_idx + 4 * h
+
+
+def _lonely_rows(b, h, q_idx, kv_idx):
+    """Causal, except that queries 5 and 20 may attend nothing (rows of zeros)."""
+    return (kv_idx <= q_idx) & (q_idx != 5) & (q_idx != 20)
+
+
+def _rule_case(name: str, B: int, S: int, Sk: int):
+    """(mask_mod, is_causal) of one case; documents and prefixes cover max(S, Sk) positions."""
+    n = max(S, Sk)
+    mm = headwise.mask_mods
+    if name == "document-causal":
+        return mm.document(torch.arange(n) // 13), True  # 13-token documents straddle the 16 / 32 tiles
+    if name == "document-per-row":
+        ids = torch.stack([torch.arange(n) // 9, torch.arange(n) // 24])[:B]  # (B, n): each row its own documents
+        return mm.document(ids), False
+    if name == "prefix_lm":
+        return mm.prefix_lm(torch.tensor([5, 20])[:B]), False
+    if name == "sliding_window":
+        return mm.sliding_window(7), False
+    if name == "lambda":
+        return (lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() % 5 != 2), False
+    if name == "or_masks":
+        return mm.or_masks(mm.sliding_window(4), mm.prefix_lm(6)), False
+    if name == "per-head":
+        return _per_head, True
+    if name == "empty-rows":
+        return _lonely_rows, False
+    raise AssertionError(name)
+
+
+RULE_CASES = {  # name: (heads (H, Hkv), (S, Sk), key mask form)
+    "document-causal": ((2, 2), (37, 37), "none"),
+    "document-per-row": ((4, 2), (45, 21), "none"),
+    "prefix_lm": ((2, 1), (21, 45), "none"),
+    "sliding_window": ((4, 2), (37, 37), "none"),
+    "lambda": ((2, 2), (21, 45), "none"),
+    "or_masks": ((4, 1), (45, 45), "none"),
+    "per-head": ((4, 2), (37, 45), "none"),
+    "empty-rows": ((2, 2), (33, 33), "none"),
+    "document-causal-padded": ((4, 2), (37, 45), "hole"),
+    "prefix_lm-padded": ((2, 1), (21, 37), "left_pad"),
+}
+
+
+def rule_reference(q, k, v, mask, grad_out, **kw):
+    """Output and (dq, dk, dv) of the matmul backend in float64: it evaluates the mask_mod on
+    the whole (S, Sk) grid, the textbook way."""
+    qd, kd, vd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    out = headwise.attention(qd, kd, vd, None if mask is None else mask.cpu(), backend="matmul", **kw)
+    return out, torch.autograd.grad(out, (qd, kd, vd), grad_out.detach().cpu().double())
+
+
+@needs_triton
+@pytest.mark.parametrize("case", RULE_CASES)
+def test_mask_mod_matches_float64_reference(interpreter, case):
+    """Forward and backward through the tile map, each case against the float64 textbook
+    kernel: helpers that know their tiles, plain functions, or_masks, per-row documents, a
+    per-head rule, GQA / MQA, S != Sk, rows that attend nothing, and key padding beside."""
+    (H, Hkv), (S, Sk), form = RULE_CASES[case]
+    q, k, v, gen = make_inputs(2, H, Hkv, S, Sk, 16, seed=13)
+    mask = key_mask(form, 2, Sk, gen)
+    mod, is_causal = _rule_case(case.removesuffix("-padded"), 2, S, Sk)
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out, grads = run_triton(q, k, v, mask, grad_out, is_causal=is_causal, mask_mod=mod)
+    want, want_grads = rule_reference(q, k, v, mask, grad_out, is_causal=is_causal, mask_mod=mod)
+    assert_close(out, want)
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert_close(got, ref)
+    if case == "empty-rows":  # zeros, never NaN, forward and backward
+        assert (out.detach()[:, :, [5, 20]] == 0).all() and (grads[0][:, :, [5, 20]] == 0).all()
+
+
+@needs_triton
+def test_mask_mod_with_alibi_softcap_sinks_and_window(interpreter):
+    """The score rules the kernel runs itself compose with a mask_mod: the window folds into
+    the tile map, ALiBi, softcap and the sinks' column act on the scores as before."""
+    q, k, v, gen = make_inputs(2, 4, 2, 21, 37, 16, seed=14)
+    s = (2 * torch.randn(4, generator=gen)).to(DEVICE).requires_grad_()
+    kw = dict(window=9, softcap=2.0, sinks=s, alibi_slopes=headwise.masks.alibi_slopes(4).to(DEVICE),
+              mask_mod=headwise.mask_mods.document(torch.arange(37) // 11))
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out = headwise.attention(q, k, v, backend="triton", **kw)
+    got = torch.autograd.grad(out, (q, k, v, s), grad_out)
+    exact = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, s)]
+    want = headwise.attention(*exact[:3], backend="matmul", **{**kw, "sinks": exact[3],
+                                                                 "alibi_slopes": kw["alibi_slopes"].cpu().double()})
+    assert_close(out, want)
+    for a, b in zip(got, torch.autograd.grad(want, exact, grad_out.cpu().double()), strict=True):
+        assert_close(a, b)
+
+
+@needs_triton
+def test_a_users_tile_map_is_read_as_is(interpreter, monkeypatch):
+    """A TileMap of the call's shape at the kernel's map block serves as the mask_mod; its
+    states are used, never rebuilt, and the plain function behind it is evaluated on the rows
+    of map tiles that hold partial tiles only, for their bits."""
+    B, H, S, Sk = 2, 2, 37, 37
+    block = triton_flash._rule_block(DEVICE == "cpu")
+    evaluated = []
+
+    def stripes(b, h, q_idx, kv_idx):
+        evaluated.append((q_idx.shape[2], kv_idx.shape[3]))
+        return ((kv_idx // 8) % 2 == (q_idx // 8) % 2) | (q_idx >= 32)  # rows 32.. attend all: full tiles
+
+    rule = headwise.rules.tile_map(stripes, B, H, S, Sk, block=block)
+    q, k, v, gen = make_inputs(B, H, H, S, Sk, 16, seed=15)
+    grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
+    out, grads = run_triton(q, k, v, None, grad_out, mask_mod=rule)
+    want, want_grads = rule_reference(q, k, v, None, grad_out, mask_mod=stripes)
+    assert_close(out, want)
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert_close(got, ref)
+    evaluated.clear()
+    with monkeypatch.context() as m:
+        m.setattr(headwise.rules, "evaluated_tile_states", None)  # a rebuild of the states would fail
+        tiles = triton_flash._rule_tiles(rule, None, B, H, S, Sk, block, q.device)
+    if block[0] == 32:  # map row 0 holds partial tiles; row 1 (rows 32..36) is full, but its
+        # tile (1, 1) runs past Sk = 37, so it is partial and its 5 x 5 real pairs are read
+        assert evaluated == [(32, 37), (5, 5)]
+    assert tiles[1][..., 0].sum() > 0  # partial tiles listed
+
+
+def test_rule_tiles_hold_the_bits_of_partial_tiles_only():
+    """_rule_tiles' lists and bits against the dense mask: partial tiles first (with their
+    bits), full ones after, empty ones never listed; a full tile past Sk becomes partial;
+    a fully padded key tile is empty for its batch row; b and h broadcast where the rule does."""
+    B, H, S, Sk, block = 2, 3, 70, 75, (32, 32)
+    rule = headwise.mask_mods.document(torch.arange(80) // 30)  # (1, L): states (1, 1, nq, nk)
+    key_bias = torch.zeros(B, Sk)
+    key_bias[1, 32:64] = float("-inf")  # row 1's second key tile is all padding
+    row_lists, row_counts, col_lists, col_counts, words = triton_flash._rule_tiles(
+        rule, key_bias, B, H, S, Sk, block, torch.device("cpu"))
+    nq, nk = 3, 3
+    assert row_lists.shape == (2, B, 1, nq, nk) and col_lists.shape == (2, B, 1, nk, nq)
+    assert row_counts.shape == (B, 1, nq, 2) and words.dtype == torch.int32 and words.shape[1:] == (32, 1)
+    dense = rule(0, 0, torch.arange(S)[:, None], torch.arange(Sk)[None, :])  # (S, Sk)
+    bits = ((words[..., None] >> torch.arange(32)) & 1).bool().reshape(-1, 32, 32)  # (P, 32, 32)
+    for b in range(B):
+        for qi in range(nq):
+            n_part, n_full = row_counts[b, 0, qi].tolist()
+            listed = row_lists[0, b, 0, qi, :n_part + n_full].tolist()
+            rows = slice(qi * 32, min(qi * 32 + 32, S))
+            for pos, kj in enumerate(listed):
+                cols = slice(kj * 32, min(kj * 32 + 32, Sk))
+                tile = dense[rows, cols] & (key_bias[b, cols] == 0)
+                assert tile.any()
+                if pos < n_part:  # partial: its bits are the rule's pairs, False past S and Sk
+                    slot = row_lists[1, b, 0, qi, pos]
+                    got = bits[slot]
+                    assert torch.equal(got[:tile.shape[0], :tile.shape[1]], dense[rows, cols])
+                    assert not got[tile.shape[0]:].any() and not got[:, tile.shape[1]:].any()
+                else:  # full: every pair allowed, inside Sk
+                    assert dense[rows, cols].all() and cols.stop - cols.start == 32
+            for kj in set(range(nk)) - set(listed):
+                cols = slice(kj * 32, min(kj * 32 + 32, Sk))
+                assert not (dense[rows, cols] & (key_bias[b, cols] == 0)).any()
+    assert all(1 not in row_lists[0, 1, 0, qi, :row_counts[1, 0, qi].sum()].tolist() for qi in range(nq))
+    # The columns (dkdv) list the same tiles, transposed.
+    for b in range(B):
+        for kj in range(nk):
+            n_part, n_full = col_counts[b, 0, kj].tolist()
+            got = {(qi, pos < n_part) for pos, qi in enumerate(col_lists[0, b, 0, kj, :n_part + n_full].tolist())}
+            want = set()
+            for qi in range(nq):
+                n_p, n_f = row_counts[b, 0, qi].tolist()
+                for pos, c in enumerate(row_lists[0, b, 0, qi, :n_p + n_f].tolist()):
+                    if c == kj:
+                        want.add((qi, pos < n_p))
+            assert got == want
+
+
+def test_every_kernel_tile_divides_the_map_tile():
+    """One map serves forward, dq and dkdv only if each walks a map tile in whole tiles of its own."""
+    tables = [triton_flash.GPU_CONFIGS, triton_flash.GPU_FP32_CONFIGS]
+    configs = [c for t in tables for by_dim in t.values() for cs in by_dim.values() for c in cs]
+    for block, cs in ((triton_flash.RULE_BLOCK, configs),
+                      (triton_flash.INTERPRET_RULE_BLOCK, [triton_flash.INTERPRET_CONFIG])):
+        assert block[1] % 32 == 0  # whole int32 words of bits per row
+        for c in cs:
+            assert block[0] % c.block_m == 0 and block[1] % c.block_n == 0, (block, c)
+
+
+@needs_triton
+@pytest.mark.skipif(DEVICE != "cpu", reason="counts the interpreter's tile visits")
+def test_empty_tiles_are_never_visited(interpreter):
+    """Each kernel's per-tile step, counted: forward, dq and dkdv visit exactly the kernel
+    tiles inside the map's partial and full tiles, fewer than the dense grid's."""
+    B, H, S, Sk = 2, 2, 64, 64
+    rule = headwise.mask_mods.document(torch.tensor([0] * 30 + [1] * 34))  # 2 x 2 map tiles, (0, 1) empty
+    ns = triton_flash._compiled(True)._fwd_kernel.fn.__globals__  # where the kernels look their helpers up
+    steps = ("_online_softmax", "_dq_step", "_dkdv_step")  # one call per kernel tile computed
+    originals = {name: ns[name] for name in steps}
+    counts = dict.fromkeys(steps, 0)
+
+    def counter(name):
+        def counted(*args, **kw):
+            counts[name] += 1
+            return originals[name](*args, **kw)
+        return counted
+
+    try:
+        ns.update({name: counter(name) for name in steps})
+        q, k, v, gen = make_inputs(B, H, H, S, Sk, 16, seed=16)
+        out = headwise.attention(q, k, v, is_causal=True, mask_mod=rule, backend="triton")
+        torch.autograd.grad(out.sum(), (q, k, v))
+    finally:
+        ns.update(originals)
+    # Map tiles (32 x 32): (0, 0) and (1, 1) partial (document and causal), (1, 0) partial
+    # (document 1 starts at 30), (0, 1) empty (causal): 3 of 4 map tiles, 2 x 2 kernel tiles each.
+    visits = B * H * 3 * 4
+    assert counts == {"_online_softmax": visits, "_dq_step": visits, "_dkdv_step": visits}
+    assert visits < B * H * (S // 16) * (Sk // 16)
+
+
+@needs_triton
+def test_trace_names_the_tile_map_and_its_shares(interpreter):
+    q, k, v, gen = make_inputs(2, 4, 2, 64, 64, 16)
+    rule = headwise.mask_mods.document(torch.tensor([0] * 30 + [1] * 34))
+    with headwise.trace() as t:
+        headwise.attention(q, k, v, is_causal=True, mask_mod=rule, backend="triton")
+    note = t.stages[-1].note
+    block = triton_flash._rule_block(DEVICE == "cpu")
+    nq = -(-64 // block[0])
+    assert f"as a tile map of {nq} x {nq} tiles of {block[0]} x {block[1]} per (b, h)" in note
+    assert "causal: key j <= i ANDed in" in note and "empty (skipped)" in note and "full (no mask)" in note
+    if DEVICE == "cpu":
+        assert "25% empty (skipped), 0% full (no mask), 75% partial" in note
+
+
+def test_score_mods_are_refused_by_name(monkeypatch):
+    """A named backend 'triton' with a score_mod fails with the kernel's reason, never
+    dropping the score_mod (nor a learned table's gradient)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_flash, "_triton_installed", lambda: True)
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"Python score_mod cannot run"):
+        headwise.attention(q, q, q, score_mod=double, backend="triton")
+    table = torch.zeros(32, 2, requires_grad=True)
+    bias = headwise.mask_mods.relative_position_bias(table)
+    with pytest.raises(ValueError, match=r"additive score_mod .* cannot reach its scores and its table's gradient"):
+        headwise.attention(q, q, q, score_mod=bias, backend="triton")
+
+
+def test_auto_never_runs_a_mask_mod_through_the_interpreter(monkeypatch):
+    """On a CPU the interpreter serves only a named backend: "auto" passes triton over."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(1, 2, 8, 16)
+    chosen = headwise.choose_backend(q, q, q, mask_mod=headwise.mask_mods.causal)
+    assert chosen.backend != "triton" and "runs on CUDA tensors" not in chosen.passed_over.get("triton", "")

@@ -23,6 +23,17 @@ What makes it headwise's and not the Triton tutorial's:
   window (also ``j > i + Sk - S - window``) and ALiBi (``-slope_h * |i + Sk - S - j|``):
   the loop bounds skip tiles that are fully blocked, and only the tiles that straddle a
   boundary pay for the position mask.
+* FlexAttention's ``mask_mod`` (the causal / window rule ANDed in) through a tile map at
+  (128, 128) map tiles, built per call on the host (:func:`_rule_tiles`): per (b, h) and
+  map row (column, for dkdv) the partial tiles, then the full ones; empty tiles are not
+  listed, so never visited; full tiles run with no mask at all; only the partial tiles'
+  pairs are evaluated, packed 32 to an int32 word, and loaded with their tile. Every kernel
+  tile divides the map tile, so forward, dq and dkdv share one map, each walking a map tile
+  as several of its own. States of size 1 in b or h broadcast (stride 0); a user's
+  :class:`headwise.rules.TileMap` of the call's shape at that block is read as is. A key
+  tile that is all padding is empty for its batch row. A ``score_mod`` is refused: a
+  Python function cannot run in the precompiled kernel, and a bias score_mod would need
+  a dense bias, where the kernel reads one bias per key.
 * A row that may attend nothing gets output 0 and log-sum-exp ``+inf``, so backward's
   ``p = exp2(s - lse)`` is 0 there and no NaN appears, forward or backward.
 * Logit soft-capping: each tile's product becomes ``softcap * tanh(q k^T * scale / softcap)``
@@ -44,7 +55,8 @@ tests). Triton is imported on first use only: ``import headwise`` never needs it
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S query length,
 Sk key length, D head dim, BD the power of two >= max(D, 16) that a tile spans, BM / BN
-the rows / columns of one tile, T key tiles per row.
+the rows / columns of one tile, T key tiles per row, MAP_M / MAP_N the rows / columns of
+one map tile of a mask_mod, nq / nk the map tiles along S / Sk, P partial map tiles.
 """
 
 from __future__ import annotations
@@ -65,7 +77,8 @@ from torch import Tensor
 from headwise.kernels import describe
 from headwise.kernels.common import attached_zeros
 from headwise.kernels.registry import Call, Kernel, KernelStage, Request
-from headwise.rules import Rules
+from headwise.mask_mods import EMPTY, FULL, PARTIAL, Bounds, MaskMod
+from headwise.rules import Rules, evaluate_mask, mask_tile_states
 
 if TYPE_CHECKING:  # the device code's ``tl``; at run time it lives in _compiled()'s namespace
     import triton.language as tl
@@ -220,6 +233,27 @@ def _capped(raw, qk_scale, cap_in, cap_out, HAS_SOFTCAP: tl.constexpr):
     return s, t
 
 
+def _scores_at(q, K, Bias, slope, keep, offs_m, offs_n, offs_d, s_ks, s_kd, Sk, offset, window, qk_scale,
+               cap_in, cap_out,
+               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_POS: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, USE_BITS: tl.constexpr, PRECISION: tl.constexpr):
+    """The keys at ``offs_n`` (BN, BD) and their masked, scaled (and capped) scores (BM, BN),
+    with the tile's tanh (0.0 without soft-capping). ``keep`` (BM, BN) is a partial tile's
+    mask_mod bits (True = may attend), read only with ``USE_BITS``. Shared by forward and dq."""
+    k = _load_tile(K, offs_n, offs_d, s_ks, s_kd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
+    s, t = _capped(_dot(q, tl.trans(k), None, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
+    # (BM, BD) x (BD, BN) -> (BM, BN)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(Bias + offs_n, mask=offs_n < Sk, other=float("-inf"))[None, :]
+    s = _mask_scores(s, offs_m[:, None], offs_n[None, :], bias, slope, Sk, offset, window,
+                     MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI)
+    if USE_BITS:
+        s = tl.where(keep, s, float("-inf"))
+    return k, s, t
+
+
 def _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, offset, window, qk_scale,
                  cap_in, cap_out,
                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -234,15 +268,26 @@ def _tile_scores(q, K, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, pos, Sk, 
     else:
         tile = pos
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = _load_tile(K, offs_n, offs_d, s_ks, s_kd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
-    s, t = _capped(_dot(q, tl.trans(k), None, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
-    # (BM, BD) x (BD, BN) -> (BM, BN)
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(Bias + offs_n, mask=offs_n < Sk, other=float("-inf"))[None, :]
-    s = _mask_scores(s, offs_m[:, None], offs_n[None, :], bias, slope, Sk, offset, window,
-                     MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI)
+    k, s, t = _scores_at(q, K, Bias, slope, 0, offs_m, offs_n, offs_d, s_ks, s_kd, Sk, offset, window, qk_scale,
+                         cap_in, cap_out, HEAD_D, BLOCK_D, MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI,
+                         HAS_SOFTCAP, False, PRECISION)
     return offs_n, k, s, t
+
+
+def _online_softmax(acc, l_i, m_i, s, V, offs_n, offs_d, s_vs, s_vd, Sk,
+                    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_POS: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """One key tile's scores ``s`` (BM, BN) into the running max, sum and output."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # -inf max = nothing attended yet: shift by 0 so exp2(-inf - 0) = 0, never NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)  # rescales what was summed under the old max
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_tile(V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
+    acc = _dot(_lowp(p, v.dtype, PRECISION), v, acc * alpha[:, None], PRECISION)
+    # (BM, BN) x (BN, BD) -> (BM, BD)
+    return acc, l_i, m_new
 
 
 def _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
@@ -257,27 +302,66 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
                                        window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, MASK_POS,
                                        IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
                                        PRECISION)  # s: (BM, BN)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # -inf max = nothing attended yet: shift by 0 so exp2(-inf - 0) = 0, never NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)  # rescales what was summed under the old max
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
-        acc = _dot(_lowp(p, v.dtype, PRECISION), v, acc * alpha[:, None], PRECISION)
-        # (BM, BN) x (BN, BD) -> (BM, BD)
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, BLOCK_D,
+                                        MASK_POS, PRECISION)
     return acc, l_i, m_i
 
 
-def _fwd_kernel(Q, K, V, Out, Lse, Bias, Tiles, Cum, Slopes, Sinks,
+def _tile_bits(Bits, r, c, WORDS: tl.constexpr):
+    """A partial map tile's mask_mod bits at rows ``r`` x columns ``c`` (positions inside the
+    map tile, broadcasting to the result's shape), True = may attend. ``Bits`` points at the
+    tile's (MAP_M, WORDS) int32 words: column ``c`` is bit ``c % 32`` of word ``c // 32``."""
+    words = tl.load(Bits + r * WORDS + (c >> 5))
+    return ((words >> (c & 31)) & 1) != 0
+
+
+def _fwd_rule(acc, l_i, m_i, q, K, V, Bias, Lists, Counts, Bits, slope, m0, offs_m, offs_d,
+              s_ks, s_kd, s_vs, s_vd, s_lk, Sk, offset, qk_scale, cap_in, cap_out,
+              HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              MAP_M: tl.constexpr, MAP_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over the key tiles of the mask rules' tile map: this block's map row lists
+    its partial map tiles (walked with their bits) and then its full ones (no mask); empty map
+    tiles are not listed, so never visited. A (MAP_M, MAP_N) map tile is MAP_N // BN key tiles.
+
+    ``Lists`` points at the row's tile columns (and, ``s_lk`` further, their bit slots),
+    ``Counts`` at its (partial, full) counts.
+    """
+    n_part = tl.load(Counts)
+    n_full = tl.load(Counts + 1)
+    rows = (m0 % MAP_M + tl.arange(0, BLOCK_M))[:, None]  # (BM, 1): the block's rows inside its map tile
+    for pos in range(0, n_part):
+        kj = tl.load(Lists + pos)
+        tile_bits = Bits + tl.load(Lists + s_lk + pos).to(tl.int64) * (MAP_M * (MAP_N // 32))
+        for n0 in range(kj * MAP_N, tl.minimum(kj * MAP_N + MAP_N, Sk), BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            keep = _tile_bits(tile_bits, rows, (offs_n - kj * MAP_N)[None, :], MAP_N // 32)  # (BM, BN)
+            _, s, _ = _scores_at(q, K, Bias, slope, keep, offs_m, offs_n, offs_d, s_ks, s_kd, Sk, offset, 0,
+                                 qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, True, False, False, HAS_BIAS,
+                                 HAS_ALIBI, HAS_SOFTCAP, True, PRECISION)  # s: (BM, BN)
+            acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, BLOCK_D,
+                                            True, PRECISION)
+    for pos in range(n_part, n_part + n_full):  # a full map tile lies inside Sk: no bounds checks
+        kj = tl.load(Lists + pos)
+        for n0 in range(kj * MAP_N, kj * MAP_N + MAP_N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            _, s, _ = _scores_at(q, K, Bias, slope, 0, offs_m, offs_n, offs_d, s_ks, s_kd, Sk, offset, 0,
+                                 qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, False, False, False, HAS_BIAS,
+                                 HAS_ALIBI, HAS_SOFTCAP, False, PRECISION)  # s: (BM, BN)
+            acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, BLOCK_D,
+                                            False, PRECISION)
+    return acc, l_i, m_i
+
+
+def _fwd_kernel(Q, K, V, Out, Lse, Bias, Tiles, Cum, Slopes, Sinks, Lists, Counts, Bits,
                 s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
-                s_ob, s_oh, s_os, s_od, s_biasb, s_tb, s_cb,
+                s_ob, s_oh, s_os, s_od, s_biasb, s_tb, s_cb, s_lk, s_lb, s_lh, s_lo, s_nb, s_nh, s_no,
                 G, S, Sk, qk_scale, window, cap_in, cap_out,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr):
+                HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+                HAS_RULE: tl.constexpr, MAP_M: tl.constexpr, MAP_N: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -294,29 +378,39 @@ def _fwd_kernel(Q, K, V, Out, Lse, Bias, Tiles, Cum, Slopes, Sinks,
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + h)
-    t_lo, t_full_lo, t_full_hi, t_hi = _key_tile_bounds(m0, S, Sk, window, BLOCK_M, BLOCK_N,
-                                                        IS_CAUSAL, HAS_WINDOW)
-    if HAS_BIAS:  # walk only the live tiles: positions in this row's sorted list
-        Bias = Bias + b * s_biasb
-        Tiles = Tiles + b * s_tb
-        Cum = Cum + b * s_cb
-        t_lo, t_full_lo = tl.load(Cum + t_lo), tl.load(Cum + t_full_lo)
-        t_full_hi, t_hi = tl.load(Cum + t_full_hi), tl.load(Cum + t_hi)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
-                               s_ks, s_kd, s_vs, s_vd, t_lo, t_full_lo, Sk, offset, window, qk_scale,
-                               cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW,
-                               HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
-                               s_ks, s_kd, s_vs, s_vd, t_full_lo, t_full_hi, Sk, offset, window,
-                               qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, False, IS_CAUSAL,
-                               HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
-                               s_ks, s_kd, s_vs, s_vd, t_full_hi, t_hi, Sk, offset, window, qk_scale,
-                               cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW,
-                               HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
+    if HAS_RULE:  # the mask rules' tile map (causal / window folded in, padded tiles empty)
+        if HAS_BIAS:
+            Bias = Bias + b * s_biasb
+        qi = m0 // MAP_M  # this block's row of map tiles
+        acc, l_i, m_i = _fwd_rule(acc, l_i, m_i, q, K, V, Bias, Lists + b * s_lb + h * s_lh + qi * s_lo,
+                                  Counts + b * s_nb + h * s_nh + qi * s_no, Bits, slope, m0, offs_m, offs_d,
+                                  s_ks, s_kd, s_vs, s_vd, s_lk, Sk, offset, qk_scale, cap_in, cap_out, HEAD_D,
+                                  BLOCK_D, BLOCK_M, BLOCK_N, MAP_M, MAP_N, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
+                                  PRECISION)
+    else:
+        t_lo, t_full_lo, t_full_hi, t_hi = _key_tile_bounds(m0, S, Sk, window, BLOCK_M, BLOCK_N,
+                                                            IS_CAUSAL, HAS_WINDOW)
+        if HAS_BIAS:  # walk only the live tiles: positions in this row's sorted list
+            Bias = Bias + b * s_biasb
+            Tiles = Tiles + b * s_tb
+            Cum = Cum + b * s_cb
+            t_lo, t_full_lo = tl.load(Cum + t_lo), tl.load(Cum + t_full_lo)
+            t_full_hi, t_hi = tl.load(Cum + t_full_hi), tl.load(Cum + t_hi)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
+                                   s_ks, s_kd, s_vs, s_vd, t_lo, t_full_lo, Sk, offset, window, qk_scale,
+                                   cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW,
+                                   HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
+                                   s_ks, s_kd, s_vs, s_vd, t_full_lo, t_full_hi, Sk, offset, window,
+                                   qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, False, IS_CAUSAL,
+                                   HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, Bias, Tiles, slope, offs_m, offs_d,
+                                   s_ks, s_kd, s_vs, s_vd, t_full_hi, t_hi, Sk, offset, window, qk_scale,
+                                   cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, True, IS_CAUSAL, HAS_WINDOW,
+                                   HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
     if HAS_SINKS:  # the sink: one more column of the softmax (base 2), with no value
         sink = tl.load(Sinks + h)
         m_new = tl.maximum(m_i, sink)
@@ -349,51 +443,105 @@ def _bwd_delta_kernel(Out, DO, Delta, s_ob, s_oh, s_os, s_od, s_dob, s_doh, s_do
     tl.store(Delta + (b * H + h) * S + offs_m, delta, mask=offs_m < S)
 
 
+def _dkdv_step(dk, dv, dbias, k, v, Q, DO, Lse, Delta, bias, slope, keep_t, offs_m, offs_n, offs_d,
+               s_qs, s_qd, s_dos, s_dod, S, Sk, offset, window, qk_scale, cap_in, cap_out,
+               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_GRAD: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, USE_BITS: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dk, dv (and the key bias gradient) of one key tile over the query tile at ``offs_m``.
+
+    Works on transposed tiles (BN, BM) so that dk and dv come out as (BN, BD) directly.
+    Rows past S load as zeros with lse = +inf, so their p (and everything after) is 0.
+    ``keep_t`` (BN, BM) is a partial map tile's mask_mod bits, read only with ``USE_BITS``.
+    """
+    q = _load_tile(Q, offs_m, offs_d, s_qs, s_qd, S, HEAD_D, True, BLOCK_D != HEAD_D)  # (BM, BD)
+    do = _load_tile(DO, offs_m, offs_d, s_dos, s_dod, S, HEAD_D, True, BLOCK_D != HEAD_D)  # (BM, BD)
+    lse = tl.load(Lse + offs_m, mask=offs_m < S, other=float("inf"))  # (BM,)
+    delta = tl.load(Delta + offs_m, mask=offs_m < S, other=0.0)  # (BM,)
+    s_t, t_t = _capped(_dot(k, tl.trans(q), None, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
+    # (BN, BD) x (BD, BM) -> (BN, BM)
+    s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], bias, slope, Sk, offset, window,
+                       MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI)
+    if USE_BITS:
+        s_t = tl.where(keep_t, s_t, float("-inf"))
+    p_t = tl.math.exp2(s_t - lse[None, :])  # (BN, BM)
+    dv = _dot(_lowp(p_t, do.dtype, PRECISION), do, dv, PRECISION)
+    # (BN, BM) x (BM, BD) -> (BN, BD)
+    dp_t = _dot(v, tl.trans(do), None, PRECISION)
+    # (BN, BD) x (BD, BM) -> (BN, BM)
+    ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM): dL/d(scaled score + bias)
+    if BIAS_GRAD:
+        dbias += tl.sum(ds_t, 1)
+    if HAS_SOFTCAP:
+        ds_t = ds_t * (1.0 - t_t * t_t)  # through softcap * tanh(x / softcap): dL/d(scaled score)
+    dk = _dot(_lowp(ds_t, q.dtype, PRECISION), q, dk, PRECISION)
+    # (BN, BM) x (BM, BD) -> (BN, BD)
+    return dk, dv, dbias
+
+
 def _dkdv_inner(dk, dv, dbias, k, v, Q, DO, Lse, Delta, bias, slope, offs_n, offs_d,
                 s_qs, s_qd, s_dos, s_dod, start, end, S, Sk, offset, window, qk_scale, cap_in, cap_out,
                 HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASK_POS: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_GRAD: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate dk, dv (and the key bias gradient) of one key tile over query tiles start..end.
-
-    Works on transposed tiles (BN, BM) so that dk and dv come out as (BN, BD) directly.
-    Rows past S load as zeros with lse = +inf, so their p (and everything after) is 0.
-    """
+    """Accumulate dk, dv (and the key bias gradient) of one key tile over query tiles start..end."""
     for t in range(start, end):
         offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
-        q = _load_tile(Q, offs_m, offs_d, s_qs, s_qd, S, HEAD_D, True, BLOCK_D != HEAD_D)  # (BM, BD)
-        do = _load_tile(DO, offs_m, offs_d, s_dos, s_dod, S, HEAD_D, True, BLOCK_D != HEAD_D)  # (BM, BD)
-        lse = tl.load(Lse + offs_m, mask=offs_m < S, other=float("inf"))  # (BM,)
-        delta = tl.load(Delta + offs_m, mask=offs_m < S, other=0.0)  # (BM,)
-        s_t, t_t = _capped(_dot(k, tl.trans(q), None, PRECISION), qk_scale, cap_in, cap_out, HAS_SOFTCAP)
-        # (BN, BD) x (BD, BM) -> (BN, BM)
-        s_t = _mask_scores(s_t, offs_m[None, :], offs_n[:, None], bias, slope, Sk, offset, window,
-                           MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI)
-        p_t = tl.math.exp2(s_t - lse[None, :])  # (BN, BM)
-        dv = _dot(_lowp(p_t, do.dtype, PRECISION), do, dv, PRECISION)
-        # (BN, BM) x (BM, BD) -> (BN, BD)
-        dp_t = _dot(v, tl.trans(do), None, PRECISION)
-        # (BN, BD) x (BD, BM) -> (BN, BM)
-        ds_t = p_t * (dp_t - delta[None, :])  # (BN, BM): dL/d(scaled score + bias)
-        if BIAS_GRAD:
-            dbias += tl.sum(ds_t, 1)
-        if HAS_SOFTCAP:
-            ds_t = ds_t * (1.0 - t_t * t_t)  # through softcap * tanh(x / softcap): dL/d(scaled score)
-        dk = _dot(_lowp(ds_t, q.dtype, PRECISION), q, dk, PRECISION)
-        # (BN, BM) x (BM, BD) -> (BN, BD)
+        dk, dv, dbias = _dkdv_step(dk, dv, dbias, k, v, Q, DO, Lse, Delta, bias, slope, 0, offs_m, offs_n, offs_d,
+                                   s_qs, s_qd, s_dos, s_dod, S, Sk, offset, window, qk_scale, cap_in, cap_out,
+                                   HEAD_D, BLOCK_D, MASK_POS, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI,
+                                   BIAS_GRAD, HAS_SOFTCAP, False, PRECISION)
     return dk, dv, dbias
 
 
-def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Slopes,
+def _dkdv_rule(dk, dv, dbias, k, v, Q, DO, Lse, Delta, bias, slope, padded, Lists, Counts, Bits, n0, offs_n, offs_d,
+               s_qs, s_qd, s_dos, s_dod, s_lk, S, Sk, offset, qk_scale, cap_in, cap_out,
+               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               MAP_M: tl.constexpr, MAP_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               BIAS_GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """dk, dv over the query tiles of the tile map's column: its partial map tiles (with their
+    bits), then its full ones; :func:`_fwd_rule` transposed. ``Lists`` / ``Counts`` point at
+    the column's map rows and their (partial, full) counts; a key tile that is all padding
+    (``padded``) visits none."""
+    n_part = tl.load(Counts)
+    n_full = tl.load(Counts + 1)
+    if HAS_BIAS:
+        n_part = tl.where(padded, 0, n_part)
+        n_full = tl.where(padded, 0, n_full)
+    cols = (n0 % MAP_N + tl.arange(0, BLOCK_N))[:, None]  # (BN, 1): the program's keys inside its map tile
+    for pos in range(0, n_part):
+        qi = tl.load(Lists + pos)
+        tile_bits = Bits + tl.load(Lists + s_lk + pos).to(tl.int64) * (MAP_M * (MAP_N // 32))
+        for m0 in range(qi * MAP_M, tl.minimum(qi * MAP_M + MAP_M, S), BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            keep_t = _tile_bits(tile_bits, (offs_m - qi * MAP_M)[None, :], cols, MAP_N // 32)  # (BN, BM)
+            dk, dv, dbias = _dkdv_step(dk, dv, dbias, k, v, Q, DO, Lse, Delta, bias, slope, keep_t, offs_m, offs_n,
+                                       offs_d, s_qs, s_qd, s_dos, s_dod, S, Sk, offset, 0, qk_scale, cap_in,
+                                       cap_out, HEAD_D, BLOCK_D, True, False, False, HAS_BIAS, HAS_ALIBI,
+                                       BIAS_GRAD, HAS_SOFTCAP, True, PRECISION)
+    for pos in range(n_part, n_part + n_full):  # a full map tile lies inside Sk: no key bounds checks
+        qi = tl.load(Lists + pos)
+        for m0 in range(qi * MAP_M, tl.minimum(qi * MAP_M + MAP_M, S), BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            dk, dv, dbias = _dkdv_step(dk, dv, dbias, k, v, Q, DO, Lse, Delta, bias, slope, 0, offs_m, offs_n,
+                                       offs_d, s_qs, s_qd, s_dos, s_dod, S, Sk, offset, 0, qk_scale, cap_in,
+                                       cap_out, HEAD_D, BLOCK_D, False, False, False, HAS_BIAS, HAS_ALIBI,
+                                       BIAS_GRAD, HAS_SOFTCAP, False, PRECISION)
+    return dk, dv, dbias
+
+
+def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Slopes, Lists, Counts, Bits,
                      s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                      s_dob, s_doh, s_dos, s_dod, s_dkb, s_dkh, s_dks, s_dkd,
-                     s_dvb, s_dvh, s_dvs, s_dvd, s_biasb,
+                     s_dvb, s_dvh, s_dvs, s_dvd, s_biasb, s_lk, s_lb, s_lh, s_lo, s_nb, s_nh, s_no,
                      G, S, Sk, qk_scale, scale, window, cap_in, cap_out,
                      HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                     HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                     HAS_RULE: tl.constexpr, MAP_M: tl.constexpr, MAP_N: tl.constexpr):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -411,6 +559,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Slopes,
     t_lo, t_full_lo, t_full_hi, t_hi = _query_tile_bounds(n0, S, Sk, window, BLOCK_M, BLOCK_N,
                                                           IS_CAUSAL, HAS_WINDOW)
     bias = 0.0
+    padded = False
     if HAS_BIAS:
         bias_n = tl.load(Bias + b * s_biasb + offs_n, mask=offs_n < Sk, other=float("-inf"))
         padded = tl.max(bias_n, 0) == float("-inf")  # the whole key tile is padding
@@ -430,25 +579,50 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Lse, Delta, DK, DV, DBias, Bias, Slopes,
         DOh = DO + b * s_dob + h * s_doh
         Lse_h = Lse + (b * H + h) * S
         Delta_h = Delta + (b * H + h) * S
-        dk, dv, dbias = _dkdv_inner(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, offs_n,
-                                    offs_d, s_qs, s_qd, s_dos, s_dod, t_lo, t_full_lo, S, Sk, offset,
-                                    window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M, True,
-                                    IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD, HAS_SOFTCAP,
-                                    PRECISION)
-        dk, dv, dbias = _dkdv_inner(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, offs_n,
-                                    offs_d, s_qs, s_qd, s_dos, s_dod, t_full_lo, t_full_hi, S, Sk,
-                                    offset, window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M,
-                                    False, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD,
-                                    HAS_SOFTCAP, PRECISION)
-        dk, dv, dbias = _dkdv_inner(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, offs_n,
-                                    offs_d, s_qs, s_qd, s_dos, s_dod, t_full_hi, t_hi, S, Sk, offset,
-                                    window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M, True,
-                                    IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD, HAS_SOFTCAP,
-                                    PRECISION)
+        if HAS_RULE:  # the tile map's column of this key tile (causal / window folded in)
+            kj = n0 // MAP_N
+            dk, dv, dbias = _dkdv_rule(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, padded,
+                                       Lists + b * s_lb + h * s_lh + kj * s_lo,
+                                       Counts + b * s_nb + h * s_nh + kj * s_no, Bits, n0, offs_n, offs_d, s_qs,
+                                       s_qd, s_dos, s_dod, s_lk, S, Sk, offset,
+                                       qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, MAP_M, MAP_N,
+                                       HAS_BIAS, HAS_ALIBI, BIAS_GRAD, HAS_SOFTCAP, PRECISION)
+        else:
+            dk, dv, dbias = _dkdv_inner(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, offs_n,
+                                        offs_d, s_qs, s_qd, s_dos, s_dod, t_lo, t_full_lo, S, Sk, offset,
+                                        window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M, True,
+                                        IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD, HAS_SOFTCAP,
+                                        PRECISION)
+            dk, dv, dbias = _dkdv_inner(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, offs_n,
+                                        offs_d, s_qs, s_qd, s_dos, s_dod, t_full_lo, t_full_hi, S, Sk,
+                                        offset, window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M,
+                                        False, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD,
+                                        HAS_SOFTCAP, PRECISION)
+            dk, dv, dbias = _dkdv_inner(dk, dv, dbias, k, v, Qh, DOh, Lse_h, Delta_h, bias, slope, offs_n,
+                                        offs_d, s_qs, s_qd, s_dos, s_dod, t_full_hi, t_hi, S, Sk, offset,
+                                        window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M, True,
+                                        IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, BIAS_GRAD, HAS_SOFTCAP,
+                                        PRECISION)
     _store_tile(DK + b * s_dkb + hk64 * s_dkh, dk * scale, offs_n, offs_d, s_dks, s_dkd, Sk, HEAD_D, PRECISION)
     _store_tile(DV + b * s_dvb + hk64 * s_dvh, dv, offs_n, offs_d, s_dvs, s_dvd, Sk, HEAD_D, PRECISION)
     if BIAS_GRAD:  # (B, Hkv, Sk) partial sums; the host adds the kv heads
         tl.store(DBias + (b * Hkv + hk) * Sk + offs_n, dbias, mask=offs_n < Sk)
+
+
+def _dq_step(dq, s, t, k, do, lse, delta, V, offs_n, offs_d, s_vs, s_vd, Sk,
+             HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_POS: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dq over one key tile: its masked scores ``s`` (BM, BN), tanh ``t`` and keys ``k``."""
+    v = _load_tile(V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
+    p = tl.math.exp2(s - lse[:, None])  # (BM, BN)
+    dp = _dot(do, tl.trans(v), None, PRECISION)
+    # (BM, BD) x (BD, BN) -> (BM, BN)
+    ds = p * (dp - delta[:, None])  # (BM, BN)
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)  # through softcap * tanh(x / softcap)
+    dq = _dot(_lowp(ds, k.dtype, PRECISION), k, dq, PRECISION)
+    # (BM, BN) x (BN, BD) -> (BM, BD)
+    return dq
 
 
 def _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d,
@@ -462,26 +636,52 @@ def _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d,
                                        window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_N, MASK_POS,
                                        IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP,
                                        PRECISION)  # s: (BM, BN)
-        v = _load_tile(V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, MASK_POS, BLOCK_D != HEAD_D)  # (BN, BD)
-        p = tl.math.exp2(s - lse[:, None])  # (BM, BN)
-        dp = _dot(do, tl.trans(v), None, PRECISION)
-        # (BM, BD) x (BD, BN) -> (BM, BN)
-        ds = p * (dp - delta[:, None])  # (BM, BN)
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)  # through softcap * tanh(x / softcap)
-        dq = _dot(_lowp(ds, k.dtype, PRECISION), k, dq, PRECISION)
-        # (BM, BN) x (BN, BD) -> (BM, BD)
+        dq = _dq_step(dq, s, t, k, do, lse, delta, V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, BLOCK_D, MASK_POS,
+                      HAS_SOFTCAP, PRECISION)
     return dq
 
 
-def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ, Bias, Tiles, Cum, Slopes,
+def _dq_rule(dq, q, do, lse, delta, K, V, Bias, Lists, Counts, Bits, slope, m0, offs_m, offs_d,
+             s_ks, s_kd, s_vs, s_vd, s_lk, Sk, offset, qk_scale, cap_in, cap_out,
+             HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             MAP_M: tl.constexpr, MAP_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """dq over the key tiles of the tile map's row, as :func:`_fwd_rule` walks them."""
+    n_part = tl.load(Counts)
+    n_full = tl.load(Counts + 1)
+    rows = (m0 % MAP_M + tl.arange(0, BLOCK_M))[:, None]  # (BM, 1): the block's rows inside its map tile
+    for pos in range(0, n_part):
+        kj = tl.load(Lists + pos)
+        tile_bits = Bits + tl.load(Lists + s_lk + pos).to(tl.int64) * (MAP_M * (MAP_N // 32))
+        for n0 in range(kj * MAP_N, tl.minimum(kj * MAP_N + MAP_N, Sk), BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            keep = _tile_bits(tile_bits, rows, (offs_n - kj * MAP_N)[None, :], MAP_N // 32)  # (BM, BN)
+            k, s, t = _scores_at(q, K, Bias, slope, keep, offs_m, offs_n, offs_d, s_ks, s_kd, Sk, offset, 0,
+                                 qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, True, False, False, HAS_BIAS,
+                                 HAS_ALIBI, HAS_SOFTCAP, True, PRECISION)  # s: (BM, BN)
+            dq = _dq_step(dq, s, t, k, do, lse, delta, V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, BLOCK_D, True,
+                          HAS_SOFTCAP, PRECISION)
+    for pos in range(n_part, n_part + n_full):  # a full map tile lies inside Sk: no bounds checks
+        kj = tl.load(Lists + pos)
+        for n0 in range(kj * MAP_N, kj * MAP_N + MAP_N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k, s, t = _scores_at(q, K, Bias, slope, 0, offs_m, offs_n, offs_d, s_ks, s_kd, Sk, offset, 0,
+                                 qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, False, False, False, HAS_BIAS,
+                                 HAS_ALIBI, HAS_SOFTCAP, False, PRECISION)  # s: (BM, BN)
+            dq = _dq_step(dq, s, t, k, do, lse, delta, V, offs_n, offs_d, s_vs, s_vd, Sk, HEAD_D, BLOCK_D, False,
+                          HAS_SOFTCAP, PRECISION)
+    return dq
+
+
+def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ, Bias, Tiles, Cum, Slopes, Lists, Counts, Bits,
                    s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                    s_dob, s_doh, s_dos, s_dod, s_dqb, s_dqh, s_dqs, s_dqd, s_biasb, s_tb, s_cb,
+                   s_lk, s_lb, s_lh, s_lo, s_nb, s_nh, s_no,
                    G, S, Sk, qk_scale, scale, window, cap_in, cap_out,
                    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, HAS_RULE: tl.constexpr, MAP_M: tl.constexpr, MAP_N: tl.constexpr):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -502,31 +702,40 @@ def _bwd_dq_kernel(Q, K, V, DO, Lse, Delta, DQ, Bias, Tiles, Cum, Slopes,
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(Slopes + h)
-    t_lo, t_full_lo, t_full_hi, t_hi = _key_tile_bounds(m0, S, Sk, window, BLOCK_M, BLOCK_N,
-                                                        IS_CAUSAL, HAS_WINDOW)
-    if HAS_BIAS:
-        Bias = Bias + b * s_biasb
-        Tiles = Tiles + b * s_tb
-        Cum = Cum + b * s_cb
-        t_lo, t_full_lo = tl.load(Cum + t_lo), tl.load(Cum + t_full_lo)
-        t_full_hi, t_hi = tl.load(Cum + t_full_hi), tl.load(Cum + t_hi)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, s_vs,
-                   s_vd, t_lo, t_full_lo, Sk, offset, window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D,
-                   BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, s_vs,
-                   s_vd, t_full_lo, t_full_hi, Sk, offset, window, qk_scale, cap_in, cap_out, HEAD_D,
-                   BLOCK_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, s_vs,
-                   s_vd, t_full_hi, t_hi, Sk, offset, window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D,
-                   BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
+    if HAS_RULE:  # the tile map's row of this query block (causal / window folded in)
+        if HAS_BIAS:
+            Bias = Bias + b * s_biasb
+        qi = m0 // MAP_M
+        dq = _dq_rule(dq, q, do, lse, delta, K, V, Bias, Lists + b * s_lb + h * s_lh + qi * s_lo,
+                      Counts + b * s_nb + h * s_nh + qi * s_no, Bits, slope, m0, offs_m, offs_d, s_ks, s_kd, s_vs,
+                      s_vd, s_lk, Sk, offset, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, MAP_M,
+                      MAP_N, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
+    else:
+        t_lo, t_full_lo, t_full_hi, t_hi = _key_tile_bounds(m0, S, Sk, window, BLOCK_M, BLOCK_N,
+                                                            IS_CAUSAL, HAS_WINDOW)
+        if HAS_BIAS:
+            Bias = Bias + b * s_biasb
+            Tiles = Tiles + b * s_tb
+            Cum = Cum + b * s_cb
+            t_lo, t_full_lo = tl.load(Cum + t_lo), tl.load(Cum + t_full_lo)
+            t_full_hi, t_hi = tl.load(Cum + t_full_hi), tl.load(Cum + t_hi)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, s_vs,
+                       s_vd, t_lo, t_full_lo, Sk, offset, window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D,
+                       BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, s_vs,
+                       s_vd, t_full_lo, t_full_hi, Sk, offset, window, qk_scale, cap_in, cap_out, HEAD_D,
+                       BLOCK_D, BLOCK_N, False, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, Bias, Tiles, slope, offs_m, offs_d, s_ks, s_kd, s_vs,
+                       s_vd, t_full_hi, t_hi, Sk, offset, window, qk_scale, cap_in, cap_out, HEAD_D, BLOCK_D,
+                       BLOCK_N, True, IS_CAUSAL, HAS_WINDOW, HAS_BIAS, HAS_ALIBI, HAS_SOFTCAP, PRECISION)
     _store_tile(DQ + b * s_dqb + h64 * s_dqh, dq * scale, offs_m, offs_d, s_dqs, s_dqd, S, HEAD_D, PRECISION)
 
 
 _DEVICE_CODE = (_load_tile, _store_tile, _dot, _lowp, _mask_scores, _key_tile_bounds, _query_tile_bounds,
-                _tanh, _capped, _tile_scores,
-                _fwd_inner, _fwd_kernel, _bwd_delta_kernel, _dkdv_inner, _bwd_dkdv_kernel,
-                _dq_inner, _bwd_dq_kernel)
+                _tanh, _capped, _scores_at, _tile_scores, _online_softmax, _tile_bits,
+                _fwd_inner, _fwd_rule, _fwd_kernel, _bwd_delta_kernel, _dkdv_step, _dkdv_inner, _dkdv_rule,
+                _bwd_dkdv_kernel, _dq_step, _dq_inner, _dq_rule, _bwd_dq_kernel)
 
 
 # --------------------------------------------------------------------------------------
@@ -591,9 +800,15 @@ def _refuses(r: Request) -> str | None:
     if r.sink_tokens:
         return (f"skips key tiles by the window alone and has no sink tokens (sink_tokens={r.sink_tokens}); "
                 "use backend 'sdpa' or 'chunked'")
-    if r.mask_mod or r.score_mod:
-        return ("compiles its rules into the kernel ahead of the call and takes no mask_mod or score_mod; "
-                "use backend 'chunked' or 'sdpa'")
+    if r.score_mod == "additive":
+        grad = " and its table's gradient" if r.score_mod_grad else ""
+        return ("takes no dense score bias, only a key padding mask (one bias per key), so an additive score_mod "
+                f"(a bias of b, h, q_idx and kv_idx) cannot reach its scores{grad}; use backend 'sdpa' (the bias "
+                "as a float mask) or 'chunked'")
+    if r.score_mod:
+        grad = ", nor its gradient" if r.score_mod_grad else ""
+        return ("runs one precompiled kernel, inside which a Python score_mod cannot run"
+                f"{grad}; use backend 'chunked' (any score_mod, a block of rows at a time under autograd)")
     return None
 
 
@@ -671,6 +886,14 @@ GPU_FP32_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
 # The interpreter runs tiles as numpy arrays: small tiles keep the tests' shapes small
 # while still spanning several tiles (16 is tl.dot's smallest dimension on GPUs).
 INTERPRET_CONFIG = TileConfig(16, 16, 1, 1)
+# The tile map of a mask_mod, (rows, columns) per map tile: a multiple of every kernel tile
+# above, so one map serves forward, dq and dkdv, each walking a map tile as several of its
+# own tiles (FlexAttention's BlockMask does the same with 128 x 128). It is tile_map()'s
+# default block, so a TileMap built with the defaults for the call's shape is reused as is.
+# The interpreter's map tile spans 2 x 2 of its kernel tiles, so the tests walk map tiles
+# in pieces as the GPU does.
+RULE_BLOCK = (128, 128)
+INTERPRET_RULE_BLOCK = (32, 32)
 _FAILED: set[tuple] = set()  # (kernel, config, specialisation) that ran out of GPU resources
 
 
@@ -742,6 +965,153 @@ def _live_key_tiles(key_bias: Tensor, block_n: int) -> tuple[Tensor, Tensor]:
     return tiles, cum
 
 
+def _rule_block(interpret: bool) -> tuple[int, int]:
+    return INTERPRET_RULE_BLOCK if interpret else RULE_BLOCK
+
+
+# Pairs a mask_mod is evaluated on at once while the partial tiles' bits are built: bounds
+# the memory of one evaluation to a few tens of MiB (the bool result and its index tensors).
+_BITS_EVAL_PAIRS = 1 << 24
+
+
+def _partial_bits(rule: MaskMod, states: Tensor, B: int, H: int, S: int, Sk: int,
+                  block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """The mask_mod's pairs on the partial tiles only.
+
+    ``rule`` is evaluated (the call's contract: ``b`` (B, 1, 1, 1), ``h`` (1, H, 1, 1), index
+    ranges) a row of map tiles at a time, on the span of key tiles that holds the row's partial
+    tiles, in pieces of at most ``_BITS_EVAL_PAIRS`` pairs; rows and spans without a partial
+    tile are never evaluated.
+
+    Args:
+        rule: the mask rules as one mask_mod.
+        states: int8 (B|1, H|1, nq, nk) tile states of ``rule`` at ``block``.
+        B, H, S, Sk: the call's sizes.
+        block: (bq, bk), the map tile.
+
+    Returns:
+        ``slots`` int32 (B|1, H|1, nq, nk): each partial tile's index into ``bits``, -1 for the
+        others; ``bits`` bool (P, bq, bk), True = may attend (pairs past S or Sk False).
+    """
+    bq, bk = block
+    device = states.device
+    partial = states == PARTIAL  # (B|1, H|1, nq, nk)
+    P = int(partial.sum())
+    slots = torch.full(states.shape, -1, dtype=torch.int32, device=device)
+    slots[partial] = torch.arange(P, dtype=torch.int32, device=device)
+    bits = torch.zeros(P, bq, bk, dtype=torch.bool, device=device)
+    if P == 0:
+        return slots, bits
+    cols = torch.arange(states.shape[-1], device=device)
+    in_row = partial.any(dim=(0, 1))  # (nq, nk): some (b, h) has this tile partial
+    first = torch.where(in_row, cols, states.shape[-1]).amin(-1).tolist()  # (nq,) first partial column
+    last = torch.where(in_row, cols, -1).amax(-1).tolist()  # (nq,) last partial column
+    step = max(1, _BITS_EVAL_PAIRS // (B * H * bq * bk))  # tile columns per evaluation
+    for qi, (lo, hi) in enumerate(zip(first, last, strict=True)):
+        i0, i1 = qi * bq, min(qi * bq + bq, S)
+        for c0 in range(lo, hi + 1, step):
+            c1 = min(c0 + step, hi + 1)  # tile columns [c0, c1)
+            index = partial[:, :, qi, c0:c1].nonzero()  # (p, 3): b, h, tile column - c0
+            if index.shape[0] == 0:
+                continue
+            j0, j1 = c0 * bk, min(c1 * bk, Sk)
+            allowed = evaluate_mask(rule, B, H, (i0, i1), (j0, j1), device)  # (B|1, H|1, rows|1, cols|1)
+            b1, h1 = allowed.shape[:2]
+            tiles = torch.zeros(b1, h1, bq, (c1 - c0) * bk, dtype=torch.bool, device=device)
+            tiles[:, :, :i1 - i0, :j1 - j0] = allowed
+            tiles = tiles.reshape(b1, h1, bq, c1 - c0, bk).transpose(2, 3)  # (b1, h1, c1 - c0, bq, bk)
+            b, h, c = index.unbind(-1)
+            at = slots[b, h, qi, c0 + c].long()  # (p,)
+            bits[at] = tiles[b.clamp(max=b1 - 1), h.clamp(max=h1 - 1), c]  # (p, bq, bk)
+    return slots, bits
+
+
+def _pack_bits(bits: Tensor) -> Tensor:
+    """Bits (P, bq, bk) bool, bk a multiple of 32, as int32 words (max(P, 1), bq, bk // 32):
+    column ``c`` is bit ``c % 32`` of word ``c // 32`` (one slot of zeros when P = 0, so
+    the kernel always gets a real pointer)."""
+    P, bq, bk = bits.shape
+    if P == 0:
+        return torch.zeros(1, bq, bk // 32, dtype=torch.int32, device=bits.device)
+    weights = torch.ones(32, dtype=torch.int64, device=bits.device) << torch.arange(32, device=bits.device)
+    words = (bits.reshape(P, bq, bk // 32, 32).to(torch.int64) * weights).sum(-1)  # (P, bq, bk // 32) in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
+
+
+def _tile_lists(states: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """Per (b, h) and map row, what the kernels walk: the partial tiles, then the full ones.
+
+    Args:
+        states: int8 (B|1, H|1, n_outer, n_inner): the tile map, rows outer (forward, dq) or
+            columns outer (dkdv, the map transposed).
+        slots: int32 (B|1 or more, H|1, n_outer, n_inner), each partial tile's bits slot.
+
+    Returns:
+        ``lists`` int32 (2, B|1, H|1, n_outer, n_inner): ``lists[0]`` the tiles' inner indices,
+        partial ones first, then full, then empty (ascending within each); ``lists[1]`` their
+        bits slots. ``counts`` int32 (B|1, H|1, n_outer, 2): (partial, full) tiles per row.
+    """
+    rank = torch.tensor([2, 0, 1], device=states.device)[states.long()]  # EMPTY 2, PARTIAL 0, FULL 1
+    order = torch.argsort(rank, dim=-1, stable=True)  # (B|1, H|1, n_outer, n_inner)
+    slot = slots.expand(states.shape).gather(-1, order)
+    lists = torch.stack((order.to(torch.int32), slot)).contiguous()
+    counts = torch.stack(((states == PARTIAL).sum(-1), (states == FULL).sum(-1)), dim=-1).to(torch.int32)
+    return lists, counts.contiguous()
+
+
+def _rule_tiles(rule: MaskMod, key_bias: Tensor | None, B: int, H: int, S: int, Sk: int,
+                block: tuple[int, int], device: torch.device) -> list[Tensor]:
+    """The tile map the kernels walk for a mask_mod (the causal / window rule ANDed in).
+
+    Its states come from the rule (a helper's bounds, a :class:`headwise.rules.TileMap` of
+    this shape and block as is, a plain function evaluated); only the partial tiles' bits
+    are built. A full tile that runs past Sk counts as partial (its bits end at Sk), so the
+    kernels read full tiles with no bounds check; a key tile that is all padding in a batch
+    row's key mask is empty for that row.
+
+    Returns:
+        ``[row_lists, row_counts, col_lists, col_counts, bits]``: :func:`_tile_lists` of the
+        map (forward, dq) and of its transpose (dkdv), and the partial tiles' bits as
+        :func:`_pack_bits` words (P, bq, bk // 32).
+    """
+    bq, bk = block
+    states = mask_tile_states(rule, Bounds(S, Sk, bq, bk, device), B, H).to(device)  # (B|1, H|1, nq, nk)
+    if Sk % bk:
+        edge = states[..., -1:]
+        states = torch.cat([states[..., :-1], torch.where(edge == FULL, PARTIAL, edge).to(torch.int8)], dim=-1)
+    slots, bits = _partial_bits(rule, states, B, H, S, Sk, block)
+    if key_bias is not None:  # (B|1, Sk): tiles holding no real key are empty for that row
+        nk = states.shape[-1]
+        live = F.pad(key_bias > float("-inf"), (0, nk * bk - Sk), value=False)
+        live = live.reshape(key_bias.shape[0], 1, 1, nk, bk).any(-1)  # (B|1, 1, 1, nk)
+        states = torch.where(live, states, EMPTY).to(torch.int8)  # (B|1, H|1, nq, nk)
+    rows = _tile_lists(states, slots)
+    cols = _tile_lists(states.transpose(-2, -1), slots.transpose(-2, -1))
+    return [*rows, *cols, _pack_bits(bits)]
+
+
+def _rule_args(rule_tiles: list[Tensor], cols: bool, fallback: Tensor) -> tuple:
+    """The rule pointers (Lists, Counts, Bits) and strides (s_lk, s_lb, s_lh, s_lo, s_nb, s_nh,
+    s_no) of one launch: the map's rows (forward, dq) or columns (dkdv); placeholders without a rule."""
+    if not rule_tiles:
+        return (fallback, fallback, fallback), (0,) * 7
+    lists, counts = rule_tiles[2:4] if cols else rule_tiles[0:2]
+
+    def stride(t: Tensor, dim: int) -> int:
+        return 0 if t.shape[dim] == 1 else t.stride(dim)  # a broadcast batch or head dim
+
+    return ((lists, counts, rule_tiles[4]),
+            (lists.stride(0), stride(lists, 1), stride(lists, 2), lists.stride(3),
+             stride(counts, 0), stride(counts, 1), counts.stride(2)))
+
+
+def _rule_flags(rule_block: list[int]) -> dict:
+    """The rule path's constexprs: on with a map block (MAP_M, MAP_N), off (zeros) without."""
+    if not rule_block:
+        return dict(HAS_RULE=False, MAP_M=0, MAP_N=0)
+    return dict(HAS_RULE=True, MAP_M=rule_block[0], MAP_N=rule_block[1])
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -759,9 +1129,11 @@ def _cap_factors(scale: float, softcap: float | None) -> tuple[float, float]:
 @torch.library.custom_op("headwise::triton_flash_forward", mutates_args=())
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None,
                    alibi_slopes: Tensor | None, scale: float, is_causal: bool,
-                   window: int | None, softcap: float | None, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+                   window: int | None, softcap: float | None, sinks: Tensor | None,
+                   rule_tiles: list[Tensor], rule_block: list[int]) -> tuple[Tensor, Tensor]:
     """Output (B, H, S, D) and base-2 log-sum-exp (B, H, S) fp32 (``+inf``: dead row), the
-    sinks' column (``sinks`` (H,) fp32) included."""
+    sinks' column (``sinks`` (H,) fp32) included. ``rule_tiles``: :func:`_rule_tiles` of a
+    mask_mod at ``rule_block`` (then ``is_causal`` and ``window`` are folded into it), or []."""
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     out = q.new_empty(B, H, S, D)
@@ -774,17 +1146,19 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None,
     flags = dict(HEAD_D=D, BLOCK_D=_block_d(D), IS_CAUSAL=is_causal or window is not None,
                  HAS_WINDOW=window is not None, HAS_BIAS=key_bias is not None,
                  HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap is not None,
-                 PRECISION=_precision(q.dtype, interpret))
+                 PRECISION=_precision(q.dtype, interpret), **_rule_flags(rule_block))
+    rule_ptrs, rule_strides = _rule_args(rule_tiles, False, lse)
 
     def run(c: TileConfig) -> None:
-        tiles, cum = (lse, lse) if bias2 is None else _live_key_tiles(bias2, c.block_n)
+        # With a mask_mod the tile map says which key tiles hold real keys.
+        tiles, cum = (lse, lse) if bias2 is None or rule_tiles else _live_key_tiles(bias2, c.block_n)
         bias_stride = 0 if bias2 is None or bias2.shape[0] == 1 else bias2.stride(0)
         kernels._fwd_kernel[(_cdiv(S, c.block_m), H, B)](
             q, k, v, out, lse, q if bias2 is None else bias2, tiles, cum,
-            q if slopes2 is None else slopes2, q if sinks2 is None else sinks2,
+            q if slopes2 is None else slopes2, q if sinks2 is None else sinks2, *rule_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             bias_stride, 0 if tiles.shape[0] == 1 else tiles.stride(0),
-            0 if cum.shape[0] == 1 else cum.stride(0),
+            0 if cum.shape[0] == 1 else cum.stride(0), *rule_strides,
             H // Hkv, S, Sk, scale * LOG2E, window or 0, *_cap_factors(scale, softcap),
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
             HAS_SINKS=sinks is not None, **flags,
@@ -796,7 +1170,7 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None,
 
 
 @_flash_forward.register_fake
-def _(q, k, v, key_bias, alibi_slopes, scale, is_causal, window, softcap, sinks):
+def _(q, k, v, key_bias, alibi_slopes, scale, is_causal, window, softcap, sinks, rule_tiles, rule_block):
     B, H, S, D = q.shape
     return q.new_empty(B, H, S, D), q.new_empty(B, H, S, dtype=torch.float32)
 
@@ -806,10 +1180,11 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                     key_bias: Tensor | None, alibi_slopes: Tensor | None, scale: float,
                     is_causal: bool, window: int | None,
                     bias_grad: bool, softcap: float | None,
-                    sinks: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    sinks: Tensor | None, rule_tiles: list[Tensor],
+                    rule_block: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq (B, H, S, D), dk and dv (B, Hkv, Sk, D), d key_bias (B|1, Sk) fp32 when
     ``bias_grad`` (else an empty tensor), and d sinks (H,) fp32 when ``sinks`` is given
-    (else an empty tensor)."""
+    (else an empty tensor). ``rule_tiles`` / ``rule_block``: the forward's tile map, or []."""
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -824,27 +1199,29 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     flags = dict(HEAD_D=D, BLOCK_D=_block_d(D), IS_CAUSAL=is_causal or window is not None,
                  HAS_WINDOW=window is not None, HAS_BIAS=key_bias is not None,
                  HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=softcap is not None,
-                 PRECISION=_precision(q.dtype, interpret))
+                 PRECISION=_precision(q.dtype, interpret), **_rule_flags(rule_block))
     cap_in, cap_out = _cap_factors(scale, softcap)
+    row_ptrs, row_strides = _rule_args(rule_tiles, False, lse)
+    col_ptrs, col_strides = _rule_args(rule_tiles, True, lse)
 
     def run_dkdv(c: TileConfig) -> None:
         kernels._bwd_dkdv_kernel[(_cdiv(Sk, c.block_n), Hkv, B)](
             q, k, v, dout, lse, delta, dk, dv, dbias, q if bias2 is None else bias2,
-            q if slopes2 is None else slopes2,
+            q if slopes2 is None else slopes2, *col_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            bias_stride, G, S, Sk, scale * LOG2E, scale, window or 0, cap_in, cap_out,
+            bias_stride, *col_strides, G, S, Sk, scale * LOG2E, scale, window or 0, cap_in, cap_out,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BIAS_GRAD=bias_grad,
             num_warps=c.num_warps, num_stages=c.num_stages, **flags,
         )
 
     def run_dq(c: TileConfig) -> None:
-        tiles, cum = (lse, lse) if bias2 is None else _live_key_tiles(bias2, c.block_n)
+        tiles, cum = (lse, lse) if bias2 is None or rule_tiles else _live_key_tiles(bias2, c.block_n)
         kernels._bwd_dq_kernel[(_cdiv(S, c.block_m), H, B)](
             q, k, v, dout, lse, delta, dq, q if bias2 is None else bias2, tiles, cum,
-            q if slopes2 is None else slopes2,
+            q if slopes2 is None else slopes2, *row_ptrs,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
             bias_stride, 0 if tiles.shape[0] == 1 else tiles.stride(0),
-            0 if cum.shape[0] == 1 else cum.stride(0),
+            0 if cum.shape[0] == 1 else cum.stride(0), *row_strides,
             G, S, Sk, scale * LOG2E, scale, window or 0, cap_in, cap_out,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
             **flags,
@@ -872,27 +1249,30 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 
 
 @_flash_backward.register_fake
-def _(dout, q, k, v, out, lse, key_bias, alibi_slopes, scale, is_causal, window, bias_grad, softcap, sinks):
+def _(dout, q, k, v, out, lse, key_bias, alibi_slopes, scale, is_causal, window, bias_grad, softcap, sinks,
+      rule_tiles, rule_block):
     dbias = key_bias.new_empty(key_bias.shape) if bias_grad else q.new_empty(0, dtype=torch.float32)
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_bias, alibi_slopes, scale, is_causal, window, softcap, sinks = inputs
+    q, k, v, key_bias, alibi_slopes, scale, is_causal, window, softcap, sinks, rule_tiles, rule_block = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_bias, alibi_slopes, sinks)
-    ctx.args = (scale, is_causal, window, softcap)
+    ctx.save_for_backward(q, k, v, out, lse, key_bias, alibi_slopes, sinks, *rule_tiles)
+    ctx.args = (scale, is_causal, window, softcap, rule_block)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, key_bias, alibi_slopes, sinks = ctx.saved_tensors
-    scale, is_causal, window, softcap = ctx.args
+    q, k, v, out, lse, key_bias, alibi_slopes, sinks, *rule_tiles = ctx.saved_tensors
+    scale, is_causal, window, softcap, rule_block = ctx.args
     bias_grad = key_bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias, dsinks = _flash_backward(dout, q, k, v, out, lse, key_bias, alibi_slopes, scale,
-                                                is_causal, window, bias_grad, softcap, sinks)
+                                                is_causal, window, bias_grad, softcap, sinks, rule_tiles,
+                                                rule_block)
     return (dq, dk, dv, dbias if bias_grad else None, None, None, None, None, None,
-            dsinks if sinks is not None else None)
+            dsinks if sinks is not None else None,
+            [None] * len(rule_tiles), None if rule_block else [])  # the inputs' structure: a list of ints is one leaf
 
 
 _flash_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -925,8 +1305,9 @@ def triton_attention(
         q: (B, H, S, D) fp16, bf16 or fp32, D <= 128.
         k, v: (B, Hkv, Sk, D), H % Hkv == 0.
         attention_mask: None or a key padding mask (B|1, 1, 1, Sk), bool or additive float.
-        rules: the call's rules: the bottom-right causal rule, a window, ALiBi slopes, softcap
-            and sinks; no sink tokens, mask_mod or score_mod.
+        rules: the call's rules: the bottom-right causal rule, a window, ALiBi slopes, softcap,
+            sinks and a mask_mod (walked as a tile map, see :func:`_rule_tiles`); no sink
+            tokens and no score_mod.
         dropout_p: must be 0.
         scale: multiplier of q k^T.
         need_weights: must be False (the registry never asks this kernel for weights).
@@ -936,8 +1317,12 @@ def triton_attention(
 
     Raises:
         ValueError: a mask that is not a key padding mask, dropout_p > 0, v with a head dim
-            of its own or sink tokens (dispatch refuses them before calling; this guards
-            direct calls).
+            of its own, sink tokens or a score_mod (dispatch refuses them before calling;
+            this guards direct calls).
+
+    >>> from headwise.mask_mods import document  # doctest: +SKIP
+    >>> out, _ = triton_attention(q, k, v, attention_mask=None, rules=Rules(is_causal=True,
+    ...     mask_mod=document(doc_ids)), dropout_p=0.0, scale=0.125, need_weights=False)  # doctest: +SKIP
     """
     if attention_mask is not None and attention_mask.shape[1:3] != (1, 1):
         raise ValueError(
@@ -946,9 +1331,9 @@ def triton_attention(
         )
     if dropout_p > 0:
         raise ValueError(f"the triton kernel has no dropout (dropout_p={dropout_p}); use backend 'sdpa' or 'chunked'")
-    if rules.mask_mod is not None or rules.score_mod is not None:
-        raise ValueError(f"the triton kernel takes no mask_mod or score_mod ({rules.describe()}); "
-                         "use backend 'chunked' or 'sdpa'")
+    if rules.score_mod is not None:
+        raise ValueError(f"the triton kernel takes no score_mod ({rules.describe()}): a Python function cannot "
+                         "run inside its precompiled kernel; use backend 'chunked' (or 'sdpa' for a bias score_mod)")
     is_causal, window, alibi_slopes = rules.is_causal or rules.window is not None, rules.window, rules.alibi_slopes
     softcap, sinks, sink_tokens = rules.softcap, rules.sinks, rules.sink_tokens
     if v.shape[-1] != q.shape[-1] or sink_tokens:
@@ -961,9 +1346,32 @@ def triton_attention(
     key_bias = _key_bias(attention_mask, Sk)  # (B|1, Sk) fp32 or None
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()  # (H,)
     sinks32 = None if sinks is None else sinks.float().contiguous()  # (H,)
+    rule_tiles: list[Tensor] = []
+    rule_block: list[int] = []
+    if rules.mask_mod is not None:  # one tile map of every mask rule: causal and window are in it
+        block = _rule_block(_interpreted(q.device))
+        rule_tiles = _rule_tiles(rules.structure(S, Sk), key_bias, B, H, S, Sk, block, q.device)
+        rule_block = list(block)
+        is_causal, window = False, None
     out, _ = _flash_forward(q, k, v, key_bias, slopes, float(scale), bool(is_causal), window,
-                            None if softcap is None else float(softcap), sinks32)
+                            None if softcap is None else float(softcap), sinks32, rule_tiles, rule_block)
     return out, None
+
+
+def _tile_map_note(call: Call) -> str:
+    """Explain mode's words for a mask_mod: the tile map the kernels walk, with its shares."""
+    B, H, _, S, Sk, _ = call.sizes
+    bq, bk = _rule_block(_interpreted(call.q.device))
+    rule = call.rules.structure(S, Sk)
+    states = mask_tile_states(rule, Bounds(S, Sk, bq, bk, call.q.device), B, H)  # (B|1, H|1, nq, nk)
+    nq, nk = states.shape[-2:]
+    share = {name: float((states == value).float().mean()) for name, value in
+             (("empty", EMPTY), ("full", FULL), ("partial", PARTIAL))}
+    causal = f" ({describe.causal_rule(call)} ANDed in)" if call.is_causal else ""
+    name = getattr(call.rules.mask_mod, "__name__", None) or repr(call.rules.mask_mod)
+    return (f"mask_mod {name}{causal} as a tile map of {nq} x {nk} tiles of {bq} x {bk} per "
+            f"(b, h): {share['empty']:.0%} empty (skipped), {share['full']:.0%} full (no mask), "
+            f"{share['partial']:.0%} partial (their {bq} x {bk} bits loaded, built for those tiles only)")
 
 
 def triton_stages(call: Call) -> list[KernelStage]:
@@ -975,7 +1383,9 @@ def triton_stages(call: Call) -> list[KernelStage]:
     if call.attention_mask is not None:
         how += (f"; the {tuple(call.attention_mask.shape)} key mask read as one bias per key, key tiles that "
                 "are all padding skipped")
-    if call.is_causal:
+    if call.rules.mask_mod is not None:
+        how += f"; {_tile_map_note(call)}"
+    elif call.is_causal:
         how += f"; {describe.causal_rule(call)}, tiles it blocks entirely skipped"
     if call.softcap is not None:
         how += f"; each tile capped at {call.softcap:.4g} with tanh before the mask"
@@ -988,7 +1398,8 @@ def triton_stages(call: Call) -> list[KernelStage]:
 KERNEL = Kernel(
     name="triton",
     fn=triton_attention,
-    summary="FlashAttention-2 in Triton: key padding, causal, window, GQA, ALiBi, softcap, sinks; skips padded tiles",
+    summary=("FlashAttention-2 in Triton: key padding, causal, window, GQA, ALiBi, softcap, sinks, mask_mod "
+             "(a tile map: empty tiles skipped, bits for partial ones); skips padded tiles"),
     native_gqa=True,
     fused=True,
     available=_available,
