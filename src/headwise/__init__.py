@@ -11,6 +11,7 @@ from headwise.dispatch import Dispatch
 from headwise.functional import attention, available_backends, choose_backend
 from headwise.module import MultiHeadAttention
 from headwise.packing import packed_attention
+from headwise.pieces import merge_attentions
 from headwise.tracing import Trace, trace
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "reference",
     "trace",
     "Trace",
+    "merge_attentions",
 ]
 
 __version__ = "0.1.0"

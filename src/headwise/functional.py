@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from headwise import tracing as trace
 from headwise.dispatch import Dispatch, select
 from headwise.dispatch import logger as dispatch_logger
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
-from headwise.kernels.common import attached_zeros
+from headwise.kernels.common import attached_zeros, lse_dtype
 from headwise.kernels.registry import Call, Kernel, Request, call_kernel, find_kernel, takes
 from headwise.mask_mods import Document, MaskMod, ScoreMod, and_masks
 from headwise.masks import _canonical, check_mask_values, hide_excluded, normalize_mask
@@ -232,7 +232,7 @@ def _rule_fields(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.de
 
 def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
              window=None, alibi_slopes=None, softcap=None, sinks=None, sink_tokens=0, scale=None,
-             mask_mod=None, score_mod=None):
+             mask_mod=None, score_mod=None, return_lse=False):
     """Check the call, normalise its mask and choose its kernel: ``(mask, rules, dispatch)``."""
     _check_inputs(q, k, v, dropout_p, backend, scale)
     _check_structure(q, window, alibi_slopes, softcap, sinks, sink_tokens)
@@ -252,6 +252,8 @@ def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backen
     request = _request(q, k, mask, is_causal, dropout_p, need_weights, window,
                        alibi_slopes is not None, softcap is not None, sinks is not None, v.shape[-1],
                        sink_tokens, rules)
+    if return_lse:
+        request = replace(request, return_lse=True)
     return mask, rules, select(request, backend)
 
 
@@ -273,7 +275,8 @@ def attention(
     sink_tokens: int = 0,  # 0: none; n: the first n keys stay visible under the window
     mask_mod: MaskMod | None = None,  # None: no mask rule beyond the keywords
     score_mod: ScoreMod | None = None,  # None: no score rule beyond the keywords
-) -> Tensor | tuple[Tensor, Tensor]:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, ...]:
     """Scaled dot-product attention with headwise's mask contract.
 
     ``softmax(q k^T * scale + mask) v``, per head; a query row that may attend nothing
@@ -322,10 +325,16 @@ def attention(
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the
             scaled score, after softcap and ALiBi and before the mask. Tensors it reads get
             their gradients (``headwise.masks.relative_position_bias`` is T5's learned bias).
+        return_lse: also return each row's log-sum-exp: the natural log of its softmax
+            denominator over the final scores, sinks counted; ``-inf`` for a row that
+            attends nothing. Gradients flow through it. :func:`headwise.merge_attentions`
+            merges attentions over disjoint keys by it.
 
     Returns:
-        The output (B, H, S, Dv), or ``(output, weights)`` when ``need_weights`` (with
-        ``sinks`` each row of the weights sums to ``1 - p(sink)``, less than 1).
+        The output (B, H, S, Dv); with ``need_weights`` also the weights (B, H, S, Sk)
+        (with ``sinks`` each row sums to ``1 - p(sink)``, less than 1); with ``return_lse``
+        also the lse (B, H, S) in float32 (float64 for float64 inputs): ``out``,
+        ``(out, weights)``, ``(out, lse)`` or ``(out, weights, lse)``.
 
     Raises:
         TypeError: non-tensor or non-floating inputs, dtypes that differ, a bad mask dtype.
@@ -346,7 +355,8 @@ def attention(
         trace.begin_call()
     return attend(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
                   backend=backend, need_weights=need_weights, window=window, alibi_slopes=alibi_slopes,
-                  softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, mask_mod=mask_mod, score_mod=score_mod)
+                  softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, mask_mod=mask_mod, score_mod=score_mod,
+                  return_lse=return_lse)
 
 
 # A repeated call (same signature: shapes, dtypes, devices, flags) reuses the kernel and
@@ -474,7 +484,7 @@ def _arguments(dropout_p, scale, D: int, need_weights=False) -> dict:
 
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
            backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
-           sink_tokens=0, key_lengths=None, excluded_finite=False, mask_mod=None, score_mod=None):
+           sink_tokens=0, key_lengths=None, excluded_finite=False, mask_mod=None, score_mod=None, return_lse=False):
     """:func:`attention` without opening a new call in an active trace (the module opens it).
 
     In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
@@ -486,7 +496,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     """
     # The memo's signature holds no softcap, sinks, sink tokens or rule functions: calls with any take the full path.
     if (window is None and alibi_slopes is None and not need_weights and softcap is None and sinks is None
-            and not sink_tokens and mask_mod is None and score_mod is None):
+            and not sink_tokens and mask_mod is None and score_mod is None and not return_lse):
         try:
             mask_4d = None if attention_mask is None else _canonical(attention_mask, q.dtype)
         except (AttributeError, TypeError):  # not tensors: the full path names the error
@@ -503,7 +513,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
                                    prepared.args)[0]  # (B, H, S, Dv)
     mask, rules, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                                      backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale,
-                                     mask_mod, score_mod)
+                                     mask_mod, score_mod, return_lse)
     if attention_mask is not None and mask is not None:
         check_mask_values(attention_mask)
     B, H, S, D = q.shape
@@ -520,17 +530,28 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         out = attached_zeros(q, k, v, *also, size=v.shape[-1])  # (B, H, S, Dv), in q's graph: zero gradients
         if trace.ACTIVE:
             trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
-        return (out, q.new_zeros(B, H, S, 0)) if need_weights else out
+        lse = torch.full((B, H, S), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+        return _results(out, q.new_zeros(B, H, S, 0) if need_weights else None, lse if return_lse else None)
     args = _arguments(dropout_p, scale, D, need_weights)
+    if return_lse:
+        args["return_lse"] = True
     # What the mask excludes for every query must not reach a result, even as NaN or inf.
     if not excluded_finite:
         q, k, v = hide_excluded(q, k, v, mask, is_causal=rules.is_causal, window=window, sink_tokens=sink_tokens,
                                 mask_mod=rules.structure(S, k.shape[2]) if mask_mod is not None else None)
-    out, weights = call_kernel(dispatch.kernel.fn, q, k, v, mask, rules, args)
+    out, weights, *lse = call_kernel(dispatch.kernel.fn, q, k, v, mask, rules, args)
     if trace.ACTIVE and trace.recording():
-        call = Call(q, k, v, attention_mask=mask, rules=rules, **args, scale_given=scale is not None)
+        call = Call(q, k, v, attention_mask=mask, rules=rules, dropout_p=args["dropout_p"], scale=args["scale"],
+                    need_weights=need_weights, scale_given=scale is not None)
         _record_kernel_stages(dispatch.kernel, call, out)
-    return (out, weights) if need_weights else out
+    return _results(out, weights if need_weights else None, lse[0] if return_lse else None)
+
+
+def _results(out: Tensor, weights: Tensor | None, lse: Tensor | None) -> Tensor | tuple[Tensor, ...]:
+    """``out``, with the weights and the lse after it where they were asked for (None: not asked)."""
+    if weights is None and lse is None:
+        return out
+    return (out, *(t for t in (weights, lse) if t is not None))
 
 
 def _rules_note(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.device) -> str:

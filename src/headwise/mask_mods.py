@@ -33,10 +33,17 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+__all__ = ["MaskMod", "ScoreMod", "MaskRule", "ScoreRule", "causal", "sliding_window", "document", "prefix_lm",
+           "and_masks", "or_masks", "relative_position_bias", "t5_bucket", "AlignedCausal", "Document", "PrefixLM",
+           "Combined", "Shifted", "ShiftedScore", "Composed", "SoftCap", "Alibi", "RelativePositionBias",
+           "combine_rules", "Bounds", "states", "as_4d"]
+
+#: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``, True = may attend.
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+#: ``score_mod(score, b, h, q_idx, kv_idx) -> score``.
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
+EMPTY, PARTIAL, FULL = 0, 1, 2  # tile states: no pair may attend, some may, every pair may
 
 
 class Bounds:
@@ -125,8 +132,9 @@ class AlignedCausal(MaskRule):
         return f"sliding_window({self.window}{', offset=' + str(self.offset) if self.offset else ''}{sinks})"
 
 
+#: ``kv_idx <= q_idx``: Flex's and transformers' causal mask_mod (top-left when S != Sk; the
+#: ``is_causal=True`` keyword is bottom-right aligned).
 causal = AlignedCausal()
-causal.__doc__ = "``kv_idx <= q_idx``: Flex's and transformers' causal mask_mod (top-left when S != Sk)."
 
 
 def sliding_window(window: int) -> AlignedCausal:
@@ -378,7 +386,7 @@ def t5_bucket(relative_position: Tensor, num_buckets: int = 32, max_distance: in
 
     >>> import torch
     >>> t5_bucket(torch.tensor([-3, 0, 3, 500]), num_buckets=8, max_distance=16).tolist()
-    [3, 0, 6, 7]
+    [2, 0, 6, 7]
     """
     buckets = torch.zeros_like(relative_position)
     n = num_buckets

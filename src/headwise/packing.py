@@ -28,7 +28,7 @@ from torch import Tensor
 from headwise import policy
 from headwise import tracing as trace
 from headwise.functional import _check_numbers, _check_structure, attend
-from headwise.kernels.common import attached_zeros, length_buckets
+from headwise.kernels.common import attached_zeros, length_buckets, lse_dtype
 from headwise.kernels.registry import get_kernel
 
 __all__ = ["Packed", "pack", "unpack", "packed_attention", "attend_packed", "bucket_shapes"]
@@ -111,7 +111,8 @@ def packed_attention(
     softcap: float | None = None,  # None: no logit soft-capping
     sinks: Tensor | None = None,  # None: no attention sinks
     sink_tokens: int = 0,  # 0: none; n: each sequence's first n keys stay visible under the window
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention within each of B packed sequences, without padding: the CPU/GPU
     counterpart of flash-attn's ``flash_attn_varlen_func``.
 
@@ -148,9 +149,12 @@ def packed_attention(
             keys still outputs zeros.
         sink_tokens: with a window, each sequence's first ``sink_tokens`` keys stay visible
             too (``j < sink_tokens and j <= i + Lk - Lq``): StreamingLLM's attention sinks.
+        return_lse: also return each query row's log-sum-exp (Tq, H), in the packed order
+            (``-inf`` for a query whose sequence has no key), as :func:`headwise.attention`.
 
     Returns:
-        (Tq, H, Dv) outputs, in the packed order of ``q``.
+        (Tq, H, Dv) outputs, in the packed order of ``q``; with ``return_lse``,
+        ``(out, lse)``.
 
     Raises:
         TypeError: non-tensor or non-floating q/k/v, dtypes that differ, offsets that are
@@ -184,7 +188,7 @@ def packed_attention(
     _check_longest(max_seqlen_k, "max_seqlen_k", lengths_k, "key")
     return _attend_buckets(q, k, v, lengths_q, lengths_k, is_causal=is_causal, window=window,
                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
-                           softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
+                           softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, return_lse=return_lse)
 
 
 def attend_packed(
@@ -203,7 +207,8 @@ def attend_packed(
     softcap: float | None = None,  # None: no logit soft-capping
     sinks: Tensor | None = None,  # None: no attention sinks
     sink_tokens: int = 0,  # 0: none
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`packed_attention` with the sequence lengths as Python ints: reads no offsets
     and opens no new call in an active trace (the module's packed path opens it).
 
@@ -211,11 +216,11 @@ def attend_packed(
         q: (Tq, H, D) packed queries, Tq = ``sum(lengths_q)``.
         k, v: (Tk, Hkv, D) and (Tk, Hkv, Dv) packed keys and values, Tk = ``sum(lengths_k)``.
         lengths_q, lengths_k: the B query and key lengths (self-attention: the same twice).
-        is_causal, window, alibi_slopes, dropout_p, scale, backend, softcap, sinks, sink_tokens: as in
-            :func:`packed_attention`.
+        is_causal, window, alibi_slopes, dropout_p, scale, backend, softcap, sinks, sink_tokens, return_lse:
+            as in :func:`packed_attention`.
 
     Returns:
-        (Tq, H, Dv) outputs.
+        (Tq, H, Dv) outputs; with ``return_lse``, ``(out, lse (Tq, H))``.
 
     Raises:
         ValueError / TypeError: as :func:`packed_attention`, with lengths whose counts
@@ -237,7 +242,7 @@ def attend_packed(
                              f"(they sum to {sum(lengths)})")
     return _attend_buckets(q, k, v, lengths_q, lengths_k, is_causal=is_causal, window=window,
                            alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
-                           softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
+                           softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, return_lse=return_lse)
 
 
 # --- validation ---------------------------------------------------------------------------
@@ -392,10 +397,12 @@ def bucket_shapes(lengths_q: tuple[int, ...], lengths_k: tuple[int, ...]) -> lis
 
 
 def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_slopes, dropout_p, scale,
-                    backend, softcap=None, sinks=None, sink_tokens=0) -> Tensor:
-    """Attend each group of sequences (checked inputs), and put the rows back in packed order."""
+                    backend, softcap=None, sinks=None, sink_tokens=0, return_lse=False):
+    """Attend each group of sequences (checked inputs), and put the rows back in packed order:
+    (Tq, H, Dv), or with ``return_lse`` ``(out, lse (Tq, H))``."""
     kwargs = {"is_causal": is_causal, "window": window, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p,
-              "scale": scale, "backend": backend, "softcap": softcap, "sinks": sinks, "sink_tokens": sink_tokens}
+              "scale": scale, "backend": backend, "softcap": softcap, "sinks": sinks, "sink_tokens": sink_tokens,
+              "return_lse": return_lse}
     H, Dv = q.shape[1], v.shape[-1]
     # Where a sequence's queries and keys sit in a padded bucket only matters to a rule that
     # reads positions; without one, both sides are right-padded (the layout the varlen
@@ -406,6 +413,7 @@ def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_s
     qs = q.split(list(lengths_q))  # B x (Lq_b, H, D)
     ks, vs = k.split(list(lengths_k)), v.split(list(lengths_k))  # B x (Lk_b, Hkv, D), B x (Lk_b, Hkv, Dv)
     pieces: list[Tensor | None] = [None] * len(lengths_q)  # each sequence's (Lq_b, H, Dv) output
+    lses: list[Tensor | None] = [None] * len(lengths_q)  # each sequence's (Lq_b, H) log-sum-exp
     groups = _groups(lengths_q, lengths_k)
     for number, group in enumerate(groups, 1):
         if len(group) == 1:  # alone: views of its rows, no padding and no mask
@@ -414,8 +422,9 @@ def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_s
             if trace.ACTIVE:
                 trace.record(f"attention, bucket {number} of {len(groups)}", qb,
                              _note(group, lengths_q, lengths_k, alone=True))
-            ob = attend(qb, kb, vb, **kwargs)  # (1, H, Lq_b, Dv)
+            ob, lb = _with_lse(attend(qb, kb, vb, **kwargs))  # (1, H, Lq_b, Dv), (1, H, Lq_b) or None
             pieces[b] = ob[0].transpose(0, 1)  # (Lq_b, H, Dv)
+            lses[b] = None if lb is None else lb[0].transpose(0, 1)  # (Lq_b, H)
             continue
         n = len(group)
         Lq, Lk, q_at, k_at, masked = _layout(group, lengths_q, lengths_k, positional, keys_first=sink_tokens > 0)
@@ -430,25 +439,37 @@ def _attend_buckets(q, k, v, lengths_q, lengths_k, *, is_causal, window, alibi_s
         if trace.ACTIVE:
             trace.record(f"attention, bucket {number} of {len(groups)}", qb,
                          _note(group, lengths_q, lengths_k, alone=False, Lq=Lq, Lk=Lk, shifted=any(q_at + k_at)))
-        ob = attend(qb, kb, vb, mask, **kwargs)  # (n, H, Lq, Dv)
+        ob, lb = _with_lse(attend(qb, kb, vb, mask, **kwargs))  # (n, H, Lq, Dv), (n, H, Lq) or None
         ob = ob.transpose(1, 2).reshape(n * Lq, H, Dv)  # (n, H, Lq, Dv) -> (n * Lq, H, Dv)
         sizes = [m for b, s in zip(group, q_at, strict=True) for m in (s, lengths_q[b], Lq - s - lengths_q[b])]
         parts = ob.split(sizes)  # padding, queries, padding, ... per sequence
+        lse_parts = None if lb is None else lb.transpose(1, 2).reshape(n * Lq, H).split(sizes)  # (n, H, Lq) -> ...
         for j, b in enumerate(group):
             pieces[b] = parts[3 * j + 1]  # (Lq_b, H, Dv)
+            lses[b] = None if lse_parts is None else lse_parts[3 * j + 1]  # (Lq_b, H)
     keyless = [b for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k, strict=True)) if lq and not lk]
     for b in keyless:  # no key to attend: the contract's zero rows (q's rows get zero gradients)
         pieces[b] = q.new_zeros(lengths_q[b], H, Dv)
+        lses[b] = torch.full((lengths_q[b], H), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     if not groups:  # no sequence attends: zeros still in the graph of q, k and v
         out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]), size=Dv)  # (Tq, H, Dv)
     else:
         out = torch.cat([p for p in pieces if p is not None])  # (Tq, H, Dv), in the packed order
+    lse = None
+    if return_lse:
+        lse = (torch.cat([s for s in lses if s is not None]) if groups else
+               torch.full((q.shape[0], H), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device))  # (Tq, H)
     if trace.ACTIVE:
         note = f"{sum(len(g) for g in groups)} sequences' query rows back in packed order, padding dropped"
         if keyless:
             note += f"; {len(keyless)} without keys output zeros"
         trace.record("merge buckets", out, note + (": (Tq, H, D)" if Dv == q.shape[-1] else ": (Tq, H, Dv)"))
-    return out
+    return out if lse is None else (out, lse)
+
+
+def _with_lse(result: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """A bucket's ``attend`` result as ``(out, lse or None)``."""
+    return (result[0], result[1]) if isinstance(result, tuple) else (result, None)
 
 
 def _pad_bucket(seqs: list[Tensor], starts: list[int], L: int) -> Tensor:

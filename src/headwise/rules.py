@@ -49,6 +49,10 @@ from headwise.mask_mods import (
     as_4d,
 )
 
+__all__ = ["Rules", "TileMap", "tile_map", "grid", "evaluate_mask", "evaluate_score", "evaluated_tile_states",
+           "mask_tile_states", "knows_tiles", "document_lengths", "document_rule", "score_mod_needs_grad",
+           "check_functions", "from_block_mask", "is_block_mask"]
+
 # Pairs evaluated at once when a plain mask_mod is read on the whole grid: bounds the memory
 # of building a tile map to a few tens of MiB whatever S and Sk are.
 _EVAL_PAIRS = 1 << 24

@@ -12,7 +12,7 @@ Legend: B sequences, T packed tokens, H query heads, Hkv key/value heads, D head
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor
 
@@ -70,4 +70,4 @@ def packed_attention(
     if lengths is None:
         _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes)  # before reading q's rows
         lengths = _lengths(cu_seqlens, "cu_seqlens", q.shape[0], "q")
-    return attend_packed(q, k, v, lengths, lengths, **kwargs)
+    return cast(Tensor, attend_packed(q, k, v, lengths, lengths, **kwargs))  # no return_lse: a tensor

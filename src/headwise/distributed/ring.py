@@ -48,12 +48,13 @@ from torch.autograd.function import once_differentiable
 from headwise import policy
 from headwise.deprecation import moved
 from headwise.distributed.layout import segments
+from headwise.pieces import merge_into
 
-__all__ = ["RingPlan", "Ring", "Traffic", "TRAFFIC", "ring_attention",
-           "block_forward", "merge"]
+__all__ = ["RingPlan", "Ring", "Traffic", "TRAFFIC", "ring_attention", "block_forward"]
 
-__getattr__ = moved(__name__, {old: (policy, f"headwise.policy.RING_{old}")
-                               for old in ("BLOCK_Q", "BLOCK_K", "FUSED_ROWS", "PASS_BYTES")})
+__getattr__ = moved(__name__, {**{old: (policy, f"headwise.policy.RING_{old}")
+                                  for old in ("BLOCK_Q", "BLOCK_K", "FUSED_ROWS", "PASS_BYTES")},
+                               "merge": ("headwise.pieces", "headwise.pieces.merge_into")})
 # PyTorch's fused CPU flash kernel and its backward (None on builds without them: the plan then never fuses).
 _FUSED_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CPU_BACKWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -291,17 +292,6 @@ def block_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, src: int,
     return result
 
 
-def merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    """Merge a partial result over other keys into ``(out, lse)`` by log-sum-exp, in place
-    (``out_b`` is overwritten). Zeros with lse = -inf merge as nothing; rows with lse = -inf
-    on both sides stay zero with lse = -inf.
-    """
-    new = torch.logaddexp(lse, lse_b)  # (B, Hkv, G, S_l, 1)
-    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-    out.mul_(torch.exp(lse - safe)).add_(out_b.mul_(torch.exp(lse_b - safe)))
-    lse.copy_(new)
-
-
 def _fused_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, pairs, out: Tensor, lse: Tensor) -> None:
     """The block on PyTorch's fused CPU kernel, one call per (query, key) segment pair, each
     result merged by log-sum-exp straight into the running ``(out, lse)`` (no block-sized copy)."""
@@ -313,7 +303,7 @@ def _fused_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, pairs, out: 
         o, s = _FUSED_CPU(q4[:, :, lq0:lq1], k[:, :, lk0:lk1], v[:, :, lk0:lk1], 0.0, causal, scale=plan.scale)
         # (B, H, bq, D), (B, H, bq): GQA without copies
         rows = slice(lq0, lq1)
-        merge(out[:, :, :, rows], lse[:, :, :, rows], o.reshape(B, Hkv, G, bq, D).to(q.dtype),
+        merge_into(out[:, :, :, rows], lse[:, :, :, rows], o.reshape(B, Hkv, G, bq, D).to(q.dtype),
               s.reshape(B, Hkv, G, bq, 1).to(q.dtype))
 
 
@@ -458,7 +448,7 @@ def _ring_forward(plan: RingPlan, ring: Ring, q: Tensor, k: Tensor, v: Tensor, p
         else:
             block = block_forward(plan, q, kb, vb, src, pb)
             if block is not None:  # None: the causal rule / window blocks the whole block
-                merge(out, lse, *block)
+                merge_into(out, lse, *block)
         if pending is not None:
             pending.wait()
             cur = nxt

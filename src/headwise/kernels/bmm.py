@@ -28,7 +28,8 @@ def bmm_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+    return_lse: bool = False,  # True: return (out, weights, lse), lse (B, H, S)
+) -> tuple[Tensor | None, ...]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if Hkv != H:
@@ -41,9 +42,11 @@ def bmm_attention(
     v3 = v.reshape(B * H, Sk, Dv)  # (B, H, Sk, Dv) -> (B*H, Sk, Dv)
     scores = torch.bmm(q3, k3.transpose(1, 2))  # (B*H, S, D) x (B*H, D, Sk) -> (B*H, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B*H, S, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, rules, dropout_p)
+    weights, dropped, lse = mask_softmax_dropout(scores, attention_mask, rules, dropout_p, return_lse)
     out = torch.bmm(dropped.reshape(B * H, S, Sk), v3)  # (B*H, S, Sk) x (B*H, Sk, Dv) -> (B*H, S, Dv)
     out = out.reshape(B, H, S, Dv)  # (B*H, S, Dv) -> (B, H, S, Dv)
+    if return_lse:
+        return out, weights if need_weights else None, lse
     return out, weights if need_weights else None
 
 

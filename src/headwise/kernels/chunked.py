@@ -42,6 +42,7 @@ from headwise import policy
 from headwise.deprecation import moved
 from headwise.kernels import describe
 from headwise.kernels.chunked_rows import rows_attention
+from headwise.kernels.common import lse_dtype
 from headwise.kernels.registry import Call, Kernel, KernelStage
 from headwise.mask_mods import EMPTY, FULL, Bounds, MaskMod
 from headwise.rules import Rules, evaluate_mask, mask_tile_states
@@ -189,12 +190,13 @@ def _scores(plan: _Plan, qt: Tensor, kt: Tensor, i0: int, j0: int, mask_t: Tenso
 
 
 def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropout_p: float,
-             seed: int) -> tuple[Tensor, Tensor]:
+             seed: int) -> tuple[Tensor, Tensor, Tensor]:
     B, Hkv, G, S, D = qg.shape
     Dv = v.shape[-1]
     qs = qg * scale  # scale q once instead of every score tile
     out = qg.new_zeros(B, Hkv, G, S, Dv)  # (B, Hkv, G, S, Dv)
     lse = torch.zeros(B, Hkv, G, S, 1, dtype=qg.dtype, device=qg.device)
+    live = torch.zeros(B, Hkv, G, S, 1, dtype=torch.bool, device=qg.device)  # rows that attend something
     running: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # query block -> (max, sum, weighted values)
     for tile, (i0, i1), (j0, j1), causal in plan.tiles():
         qt = qs[:, :, :, i0:i1]  # (B, Hkv, G, bq, D)
@@ -232,15 +234,17 @@ def _forward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, scale: float, dropou
             total = torch.where(alive, total, 0.0)
             out[:, :, :, i0:i1] = acc * torch.exp(m_safe - total)
             lse[:, :, :, i0:i1] = total
+            live[:, :, :, i0:i1] = alive
             continue
         alive = l > 0
         out[:, :, :, i0:i1] = acc / torch.where(alive, l, torch.ones_like(l))
         lse[:, :, :, i0:i1] = torch.where(alive, m + torch.log(torch.where(alive, l, 1.0)), 0.0)
-    return out, lse
+        live[:, :, :, i0:i1] = alive
+    return out, lse, live
 
 
 def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-              dout: Tensor, scale: float, dropout_p: float, seed: int, mask_grad: bool):
+              dout: Tensor, scale: float, dropout_p: float, seed: int, mask_grad: bool, dlse: Tensor | None = None):
     B, Hkv, G, S, D = qg.shape
     Dv = v.shape[-1]
     qs = qg * scale  # the scaled queries forward used
@@ -253,7 +257,10 @@ def _backward(plan: _Plan, qg: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
     # With dropout (keep scale c = 1 / (1 - p)), ds = p * (c * dp_kept - delta)
     #   = c * p * (dp_kept - delta / c): the factor c moves onto the small matmul results.
     keep_scale = 1 / (1 - dropout_p)
-    delta = (dout * out).sum(dim=-1, keepdim=True) / keep_scale  # (B, Hkv, G, S, Dv) -> (B, Hkv, G, S, 1)
+    delta = (dout * out).sum(dim=-1, keepdim=True)  # (B, Hkv, G, S, Dv) -> (B, Hkv, G, S, 1)
+    if dlse is not None:  # d lse / d s = p: the log-sum-exp's gradient joins delta, ds = p (dp - (delta - dlse))
+        delta = delta - dlse
+    delta = delta / keep_scale
     dsinks5 = None  # d sink = -sum over rows of delta * p(sink), p(sink) = exp(sink - lse)
     if plan.sinks5 is not None:
         p_sink = torch.exp(plan.sinks5 - lse)  # (B, Hkv, G, S, 1)
@@ -300,22 +307,24 @@ class _ChunkedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, rules, dropout_p, scale, seed, block_q, block_k, sinks):
         plan = _Plan(q, k, mask, replace(rules, sinks=sinks), block_q, block_k)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
-        out, lse = _forward(plan, qg, k, v, scale, dropout_p, seed)
-        ctx.save_for_backward(q, k, v, out, lse, mask, sinks)
+        out, lse, live = _forward(plan, qg, k, v, scale, dropout_p, seed)
+        ctx.save_for_backward(q, k, v, out, lse, mask, sinks, live)
         ctx.args = (rules, dropout_p, scale, seed, block_q, block_k)
-        return out.reshape(plan.B, plan.H, plan.S, v.shape[-1])  # (B, Hkv, G, S, Dv) -> (B, H, S, Dv)
+        row_lse = torch.where(live, lse, float("-inf")).reshape(plan.B, plan.H, plan.S)  # (B, H, S), -inf: empty rows
+        return out.reshape(plan.B, plan.H, plan.S, v.shape[-1]), row_lse  # (B, Hkv, G, S, Dv) -> (B, H, S, Dv)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout):
-        q, k, v, out, lse, mask, sinks = ctx.saved_tensors
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, mask, sinks, live = ctx.saved_tensors
         rules, dropout_p, scale, seed, block_q, block_k = ctx.args
         plan = _Plan(q, k, mask, replace(rules, sinks=sinks), block_q, block_k)
         qg = q.reshape(plan.B, plan.Hkv, plan.G, plan.S, plan.D)  # (B, Hkv, G, S, D)
         dout = dout.reshape(out.shape)  # (B, H, S, Dv) -> (B, Hkv, G, S, Dv)
         mask_grad = mask is not None and ctx.needs_input_grad[3]
+        dlse5 = None if dlse is None else torch.where(live, dlse.reshape(lse.shape), 0.0)  # (B, Hkv, G, S, 1)
         dq, dk, dv, dmask5, dsinks5 = _backward(plan, qg, k, v, out, lse, dout, scale, dropout_p, seed,
-                                                mask_grad)
+                                                mask_grad, dlse5)
         dmask = dmask5.reshape(mask.shape) if dmask5 is not None else None
         dsinks = dsinks5.reshape(sinks.shape).to(sinks.dtype) if dsinks5 is not None else None  # (H,)
         return dq.reshape(q.shape), dk, dv, dmask, *([None] * 6), dsinks
@@ -333,7 +342,8 @@ def chunked_attention(
     need_weights: bool,
     block_q: int | None = None,  # None: policy.CHUNKED_BLOCK_Q
     block_k: int | None = None,  # None: policy.CHUNKED_BLOCK_K
-) -> tuple[Tensor, Tensor | None]:
+    return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S)
+) -> tuple[Tensor | None, ...]:
     block_q, block_k = block_q or policy.CHUNKED_BLOCK_Q, block_k or policy.CHUNKED_BLOCK_K
     dtype = q.dtype
     sinks = rules.sinks
@@ -345,11 +355,14 @@ def chunked_attention(
         if sinks is not None:
             sinks = sinks.float()
     if rules.score_mod is not None:  # any function of the scores: autograd through it, a row block at a time
-        out = rows_attention(q, k, v, attention_mask, replace(rules, sinks=sinks), dropout_p, scale, block_q, block_k)
-        return out.to(dtype), None
-    seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
-    out = _ChunkedAttention.apply(q, k, v, attention_mask, replace(rules, sinks=None), dropout_p, scale, seed,
-                                  block_q, block_k, sinks)
+        out, lse = rows_attention(q, k, v, attention_mask, replace(rules, sinks=sinks), dropout_p, scale, block_q,
+                                  block_k)
+    else:
+        seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
+        out, lse = _ChunkedAttention.apply(q, k, v, attention_mask, replace(rules, sinks=None), dropout_p, scale, seed,
+                                           block_q, block_k, sinks)
+    if return_lse:
+        return out.to(dtype), None, lse.to(lse_dtype(dtype))  # (B, H, S, Dv), None, (B, H, S)
     return out.to(dtype), None
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from headwise.kernels.common import lse_dtype, row_lse
 from headwise.mask_mods import EMPTY, Bounds
 from headwise.masks import masked_scores, safe_softmax
 from headwise.rules import Rules, evaluate_mask, mask_tile_states
@@ -46,8 +47,9 @@ def _key_spans(rules: Rules, B: int, H: int, S: int, Sk: int, bq: int, bk: int,
 
 def _block(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor | None, *, rules: Rules,
            rows: tuple[int, int], cols: tuple[int, int], S: int, Sk: int, scale: float,
-           dropout_p: float) -> Tensor:
-    """The textbook formula on one block: q (B, H, bq, D), k (B, H, L, D), v (B, H, L, Dv) -> (B, H, bq, Dv)."""
+           dropout_p: float) -> tuple[Tensor, Tensor]:
+    """The textbook formula on one block: q (B, H, bq, D), k (B, H, L, D), v (B, H, L, Dv) -> the
+    output (B, H, bq, Dv) and each row's log-sum-exp (B, H, bq)."""
     B, H = q.shape[:2]
     s = torch.matmul(q * scale, k.transpose(-2, -1))  # (B, H, bq, D) x (B, H, D, L) -> (B, H, bq, L)
     s = rules.scored(s, S, Sk, rows, cols)  # softcap, ALiBi, score_mod on the block
@@ -55,19 +57,21 @@ def _block(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor |
     if structure is not None:
         s = masked_scores(s, evaluate_mask(structure, B, H, rows, cols, q.device))  # (B|1, H|1, bq, L)
     s = masked_scores(s, mask)  # the caller's mask's block (B|1, H|1, bq|1, L)
-    if sinks is None:
-        p = safe_softmax(s)  # (B, H, bq, L)
-    else:
+    if sinks is not None:
         column = sinks.to(s.dtype).reshape(1, H, 1, 1).expand(B, H, s.shape[2], 1)  # (B, H, bq, 1)
-        p = safe_softmax(torch.cat([s, column], dim=-1))[..., :-1]  # (B, H, bq, L + 1) -> (B, H, bq, L)
+        s = torch.cat([s, column], dim=-1)  # (B, H, bq, L + 1): the sink is the last key
+    p = safe_softmax(s)  # (B, H, bq, L | L + 1)
+    lse = row_lse(s)  # (B, H, bq)
+    p = p if sinks is None else p[..., :-1]  # (B, H, bq, L), the sink dropped
     if dropout_p > 0:
         p = F.dropout(p, p=dropout_p)
-    return torch.matmul(p, v)  # (B, H, bq, L) x (B, H, L, Dv) -> (B, H, bq, Dv)
+    return torch.matmul(p, v), lse  # (B, H, bq, L) x (B, H, L, Dv) -> (B, H, bq, Dv)
 
 
 def rows_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: Rules, dropout_p: float,
-                   scale: float, bq: int, bk: int) -> Tensor:
-    """Attention with any rules, a block of ``bq`` query rows at a time: (B, H, S, Dv).
+                   scale: float, bq: int, bk: int) -> tuple[Tensor, Tensor]:
+    """Attention with any rules, a block of ``bq`` query rows at a time: the output (B, H, S, Dv)
+    and each row's log-sum-exp (B, H, S), ``-inf`` where nothing may be attended.
 
     Args:
         q: queries (B, H, S, D); k: keys (B, Hkv, Sk, D); v: values (B, Hkv, Sk, Dv).
@@ -81,12 +85,13 @@ def rows_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: 
     if Hkv != H:  # the score_mod reads query heads: k, v per query head (a copy, O(S) memory)
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, Dv) -> (B, H, Sk, Dv)
-    outs = []
+    outs, lses = [], []
     for n, span in enumerate(_key_spans(rules, B, H, S, Sk, bq, bk, q.device)):
         i0, i1 = n * bq, min(S, n * bq + bq)
         if span is None:  # nothing to attend: zeros, in q's graph
             outs.append(torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q[:, :, i0:i1, :1], 0.0)
                         .expand(B, H, i1 - i0, Dv))
+            lses.append(q.new_full((B, H, i1 - i0), float("-inf"), dtype=lse_dtype(q.dtype)))
             continue
         c0, c1 = span
         m = None
@@ -97,7 +102,9 @@ def rows_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: 
                                       dropout_p=dropout_p)
         # A score_mod may read tensors that need gradients even when q, k, v do not: checkpoint whenever autograd is on.
         if torch.is_grad_enabled():
-            outs.append(checkpoint(_block, *args, use_reentrant=False, **kwargs))  # (B, H, bq, Dv)
+            out, lse = checkpoint(_block, *args, use_reentrant=False, **kwargs)  # (B, H, bq, Dv), (B, H, bq)
         else:
-            outs.append(_block(*args, **kwargs))
-    return torch.cat(outs, dim=2)  # (B, H, S, Dv)
+            out, lse = _block(*args, **kwargs)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # (B, H, S, Dv), (B, H, S)

@@ -20,8 +20,8 @@ from headwise.masks import masked_scores, safe_softmax
 from headwise.rules import Rules
 
 
-def mask_softmax_dropout(scores: Tensor, attention_mask: Tensor | None, rules: Rules,
-                         dropout_p: float) -> tuple[Tensor, Tensor]:
+def mask_softmax_dropout(scores: Tensor, attention_mask: Tensor | None, rules: Rules, dropout_p: float,
+                         lse: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """Apply the score rules, mask the scaled scores, softmax them, and apply dropout: the
     middle of attention, with every rule evaluated on the whole (S, Sk) grid.
 
@@ -31,11 +31,13 @@ def mask_softmax_dropout(scores: Tensor, attention_mask: Tensor | None, rules: R
         rules: the call's rules (softcap, ALiBi and score_mod in that order, then the
             mask with the causal / window rule and mask_mod ANDed in; sinks join the softmax).
         dropout_p: dropout probability on the weights (0 disables it).
+        lse: also return each row's log-sum-exp.
 
     Returns:
-        ``(weights, dropped)``, both (B, H, S, Sk): the probabilities (zero rows where
-        nothing may be attended; with sinks each row sums to less than 1) and the same
-        after dropout.
+        ``(weights, dropped, lse)``: the probabilities (B, H, S, Sk) (zero rows where
+        nothing may be attended; with sinks each row sums to less than 1), the same after
+        dropout, and with ``lse`` the log of each row's softmax denominator (B, H, S),
+        sinks counted, ``-inf`` where nothing may be attended (else None).
     """
     B, H, S, Sk = scores.shape
     everything = (0, S), (0, Sk)
@@ -49,7 +51,20 @@ def mask_softmax_dropout(scores: Tensor, attention_mask: Tensor | None, rules: R
         scores = torch.cat([scores, column], dim=-1)  # (B, H, S, Sk + 1): the sink is key Sk
         weights = safe_softmax(scores)[..., :Sk]  # (B, H, S, Sk + 1) -> (B, H, S, Sk), the sink dropped
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights  # (B, H, S, Sk)
-    return weights, dropped
+    return weights, dropped, row_lse(scores) if lse else None
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_lse(scores: Tensor) -> Tensor:
+    """Each row's log-sum-exp of final scores (..., S, Sk) (``-inf`` where masked): (..., S),
+    ``-inf`` for a row with nothing to attend, whose gradient is zero (never NaN)."""
+    dead = torch.isneginf(scores.detach().amax(dim=-1, keepdim=True))  # (..., S, 1)
+    lse = torch.logsumexp(scores.masked_fill(dead, 0.0).to(lse_dtype(scores.dtype)), dim=-1)  # (..., S)
+    return lse.masked_fill(dead[..., 0], float("-inf"))
 
 
 def fold_rules(attention_mask: Tensor | None, rules: Rules, B: int, H: int, S: int, Sk: int,

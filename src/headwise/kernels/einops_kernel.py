@@ -25,16 +25,19 @@ def einops_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+    return_lse: bool = False,  # True: return (out, weights, lse), lse (B, H, S)
+) -> tuple[Tensor | None, ...]:
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     hkv = k.shape[1]
     qg = einops.rearrange(q, "b (hkv g) s d -> b hkv g s d", hkv=hkv)
     scores = einops.einsum(qg, k, "b hkv g s d, b hkv k d -> b hkv g s k")
     scores = einops.rearrange(scores, "b hkv g s k -> b (hkv g) s k")  # (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, rules, dropout_p)
+    weights, dropped, lse = mask_softmax_dropout(scores, attention_mask, rules, dropout_p, return_lse)
     dropped = einops.rearrange(dropped, "b (hkv g) s k -> b hkv g s k", hkv=hkv)
     out = einops.einsum(dropped, v, "b hkv g s k, b hkv k d -> b hkv g s d")  # v's d may differ from q's
     out = einops.rearrange(out, "b hkv g s d -> b (hkv g) s d")  # (B, H, S, Dv)
+    if return_lse:
+        return out, weights if need_weights else None, lse
     return out, weights if need_weights else None
 
 

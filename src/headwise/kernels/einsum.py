@@ -25,16 +25,19 @@ def einsum_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+    return_lse: bool = False,  # True: return (out, weights, lse), lse (B, H, S)
+) -> tuple[Tensor | None, ...]:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     qg = q.reshape(B, Hkv, H // Hkv, S, D)  # (B, H, S, D) -> (B, Hkv, G, S, D)
     scores = torch.einsum("bhgsd,bhkd->bhgsk", qg, k)  # -> (B, Hkv, G, S, Sk)
     scores = scores.reshape(B, H, S, Sk)  # (B, Hkv, G, S, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, rules, dropout_p)
+    weights, dropped, lse = mask_softmax_dropout(scores, attention_mask, rules, dropout_p, return_lse)
     dropped = dropped.reshape(B, Hkv, H // Hkv, S, Sk)  # (B, H, S, Sk) -> (B, Hkv, G, S, Sk)
     out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v).reshape(B, H, S, v.shape[-1])  # -> (B, H, S, Dv)
+    if return_lse:
+        return out, weights if need_weights else None, lse
     return out, weights if need_weights else None
 
 

@@ -28,7 +28,8 @@ def matmul_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+    return_lse: bool = False,  # True: return (out, weights, lse), lse (B, H, S)
+) -> tuple[Tensor | None, ...]:
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:
         # Grouped-query attention: query head h reads kv head h // (H // Hkv).
@@ -37,8 +38,10 @@ def matmul_attention(
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, Dv) -> (B, H, Sk, Dv)
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     scores = torch.matmul(q, k.transpose(-2, -1))  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
-    weights, dropped = mask_softmax_dropout(scores, attention_mask, rules, dropout_p)
+    weights, dropped, lse = mask_softmax_dropout(scores, attention_mask, rules, dropout_p, return_lse)
     out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, Dv) -> (B, H, S, Dv)
+    if return_lse:
+        return out, weights if need_weights else None, lse
     return out, weights if need_weights else None
 
 

@@ -66,7 +66,7 @@ from torch import Tensor
 
 from headwise.rules import Rules
 
-KernelFn = Callable[..., tuple[Tensor, Tensor | None]]
+KernelFn = Callable[..., tuple[Tensor | None, ...]]  # (out, weights) or, with return_lse, (out, weights, lse)
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ class Request:
     score_mod_grad: bool = False  # a tensor the score_mod reads requires grad (a learned bias table)
     empty_tiles: float | None = None  # share of empty 128 x 128 tiles (to 0.05) where the mask rule knows them
     documents: tuple[tuple[int, ...], ...] | None = None  # per row, its documents' lengths: a document rule
+    return_lse: bool = False  # the log-sum-exp per row is asked for
 
     @property
     def is_gqa(self) -> bool:
@@ -238,6 +239,8 @@ class Kernel:
             return reason
         if request.need_weights and not self.supports_weights:
             return "cannot return attention weights (need_weights=True)"
+        if request.return_lse and not takes(self.fn, "return_lse"):
+            return "its function takes no return_lse= keyword: it cannot return the log-sum-exp"
         if not takes_rules(self.fn):  # a kernel written for the keywords before rules
             if request.mask_mod or request.score_mod:
                 return ("its function takes no rules= keyword (a kernel written for the signature before rules), "

@@ -26,14 +26,16 @@ D head dim of q and k, Dv head dim of v.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from headwise import policy
 from headwise.kernels import describe
-from headwise.kernels.common import fold_rules
+from headwise.kernels.common import fold_rules, lse_dtype
 from headwise.kernels.registry import Call, Kernel, KernelStage, Request
 from headwise.masks import row_is_dead
 from headwise.rules import Rules
@@ -62,6 +64,73 @@ def sdpa_masked(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, dropout
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                          **extra)  # (B, H, S, Dv)
     return out.masked_fill(dead, 0.0)
+
+
+_FLASH_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _FlashWithLse(torch.autograd.Function):
+    """SDPA's CPU flash kernel with its log-sum-exp as a second differentiable output.
+
+    ``d lse_i / d s_ij = p_ij``, so the lse's gradient ``g`` joins the kernel's
+    ``delta_i = rowsum(dO_i * O_i)`` as ``delta_i - g_i``. The kernel computes delta from the
+    ``out`` it is handed, so backward hands it one more value column: zero values, output
+    ``-g`` and output gradient 1, which adds nothing to dp and exactly ``-g`` to delta.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale):
+        ctx.set_materialize_grads(False)
+        out, lse = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)  # (B, H, S, Dv), (B, H, S)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.args = (is_causal, scale)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        is_causal, scale = ctx.args
+        D = v.shape[-1]  # the kernel's one head dim (sdpa_lse pads to it)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        if dlse is not None:  # the extra value column: values 0, output -dlse, output gradient 1
+            q, k, v = (F.pad(t, (0, 1)) for t in (q, k, v))  # (B, H, S|Sk, D + 1): a zero column changes no score
+            out = torch.cat([out, -dlse.to(out.dtype).unsqueeze(-1)], dim=-1)  # (B, H, S, D + 1)
+            dout = torch.cat([dout, torch.ones_like(dout[..., :1])], dim=-1)  # (B, H, S, D + 1)
+        dq, dk, dv = _FLASH_CPU_BACKWARD(dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+        return dq[..., :D], dk[..., :D], dv[..., :D], None, None, None
+
+
+def sdpa_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal: bool,
+             scale: float) -> tuple[Tensor, Tensor]:
+    """SDPA's CPU flash kernel with the log-sum-exp: ``(out (B, H, S, Dv), lse (B, H, S))``.
+
+    ``mask`` (B|1, H|1, S|1, Sk) bool or float; rows that may attend nothing are zeros with
+    ``lse = -inf``. k and v are repeated to H heads for grouped-query attention, and the
+    narrower of the head dims is padded with zeros to the wider (the kernel takes equal
+    head counts and head dims; zero columns change no score and no output).
+    """
+    H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    if Dv != D:
+        width = max(D, Dv)
+        q, k = (F.pad(t, (0, width - D)) for t in (q, k))  # (B, H|Hkv, S|Sk, width)
+        v = F.pad(v, (0, width - Dv))  # (B, Hkv, Sk, width)
+    if k.shape[1] != H:
+        k = k.repeat_interleave(H // k.shape[1], dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
+        v = v.repeat_interleave(H // v.shape[1], dim=1)  # (B, Hkv, Sk, Dv) -> (B, H, Sk, Dv)
+    dead = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
+        mask = mask.to(q.dtype).masked_fill(dead, 0.0)  # a dead row attends everything, then is zeroed
+    out, lse = _FlashWithLse.apply(q, k, v, mask, is_causal, scale)  # (B, H, S, width), (B, H, S)
+    out, lse = out[..., :Dv], lse.to(lse_dtype(q.dtype))  # (B, H, S, Dv)
+    if dead is not None:
+        out = out.masked_fill(dead, 0.0)
+        lse = lse.masked_fill(dead[..., 0], float("-inf"))
+    return out, lse
 
 
 def keep_nan_rows(out: Tensor, q: Tensor) -> Tensor:
@@ -146,11 +215,14 @@ def sdpa_attention(
     scale: float,
     need_weights: bool,
     known_live: bool = False,  # the caller read the mask: every query row may attend a key
-) -> tuple[Tensor, Tensor | None]:
+    return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S); CPU only, no dropout
+) -> tuple[Tensor | None, ...]:
     if not rules.additive:
         raise ValueError(f"the sdpa kernel cannot apply softcap={rules.softcap} or a general score_mod "
                          f"({rules.describe() or 'none'}): F.scaled_dot_product_attention takes only an additive "
                          "mask; use backend 'chunked' or 'matmul'")
+    if return_lse:
+        return _with_lse(q, k, v, attention_mask, rules, dropout_p, scale)
     if _own_arguments(attention_mask, rules, q.shape[-2], k.shape[-2]):
         k, v, extra = _grouped(q, k, v)
         out = F.scaled_dot_product_attention(
@@ -169,11 +241,29 @@ def sdpa_attention(
     return sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale), None  # (B, H, S, Dv)
 
 
+def _with_lse(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, rules: Rules, dropout_p: float,
+              scale: float) -> tuple[Tensor, None, Tensor]:
+    """:func:`sdpa_attention` with ``return_lse``: ``(out, None, lse)`` from the CPU flash kernel."""
+    if q.device.type != "cpu" or _FLASH_CPU is None or dropout_p > 0:
+        raise ValueError(f"the sdpa kernel returns the log-sum-exp only on the CPU without dropout (device "
+                         f"{q.device.type}, dropout_p={dropout_p}); use backend 'chunked'")
+    S, Sk = q.shape[-2], k.shape[-2]
+    own = _own_arguments(attention_mask, rules, S, Sk)
+    mask = None if own else _folded_mask(q, k, attention_mask, rules)  # (B|1, H|1, S|1, Sk)
+    if rules.sinks is not None:
+        k, v, mask = with_sink(q, k, v, mask, rules.sinks)  # one more key: (.., Sk + 1, ..)
+    out, lse = sdpa_lse(q, k, v, mask, is_causal=own and rules.is_causal, scale=scale)
+    return out, None, lse
+
+
 def _refuses(r: Request) -> str | None:
     # no advice here: a named backend's refusal ends with the backends that can serve it
     if r.softcap:
         return ("cannot soft-cap the scores (softcap): F.scaled_dot_product_attention applies no function "
                 "between q k^T and the softmax")
+    if r.return_lse and (r.device.type != "cpu" or r.dropout_p > 0):
+        return (f"returns the log-sum-exp only from torch's CPU flash kernel, without dropout (device "
+                f"{r.device.type}, dropout_p={r.dropout_p})")
     if r.score_mod == "general":
         return ("cannot run a general score_mod: F.scaled_dot_product_attention takes only an additive mask "
                 "(a score_mod with a bias(b, h, q_idx, kv_idx) method, as relative_position_bias, is folded into it)")

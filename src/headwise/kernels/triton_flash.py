@@ -68,7 +68,7 @@ import math
 import os
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -1350,7 +1350,8 @@ def triton_attention(
     rule_block: list[int] = []
     if rules.mask_mod is not None:  # one tile map of every mask rule: causal and window are in it
         block = _rule_block(_interpreted(q.device))
-        rule_tiles = _rule_tiles(rules.structure(S, Sk), key_bias, B, H, S, Sk, block, q.device)
+        structure = cast(MaskMod, rules.structure(S, Sk))  # not None: a mask_mod is given
+        rule_tiles = _rule_tiles(structure, key_bias, B, H, S, Sk, block, q.device)
         rule_block = list(block)
         is_causal, window = False, None
     out, _ = _flash_forward(q, k, v, key_bias, slopes, float(scale), bool(is_causal), window,
@@ -1362,7 +1363,7 @@ def _tile_map_note(call: Call) -> str:
     """Explain mode's words for a mask_mod: the tile map the kernels walk, with its shares."""
     B, H, _, S, Sk, _ = call.sizes
     bq, bk = _rule_block(_interpreted(call.q.device))
-    rule = call.rules.structure(S, Sk)
+    rule = cast(MaskMod, call.rules.structure(S, Sk))  # not None: only called with a mask_mod
     states = mask_tile_states(rule, Bounds(S, Sk, bq, bk, call.q.device), B, H)  # (B|1, H|1, nq, nk)
     nq, nk = states.shape[-2:]
     share = {name: float((states == value).float().mean()) for name, value in

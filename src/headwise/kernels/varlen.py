@@ -82,13 +82,18 @@ def varlen_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+    return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S)
+) -> tuple[Tensor | None, ...]:
     if not rules.additive:
         raise ValueError(f"the varlen kernel cannot apply softcap={rules.softcap} or a general score_mod "
                          f"({rules.describe() or 'none'}); use backend 'chunked' or 'matmul'")
     documents = document_lengths(rules, q.shape[0], q.shape[-2], k.shape[-2])
     if documents is not None and attention_mask is None:
-        return _by_document(q, k, v, rules, documents, dropout_p, scale), None  # (B, H, S, Dv)
+        out, lse = _by_document(q, k, v, rules, documents, dropout_p, scale, return_lse)  # (B, H, S, Dv), (B, H, S)
+        return (out, None, lse) if return_lse else (out, None)
+    if return_lse:  # the buckets' log-sum-exps are not gathered back: one SDPA call on the dense mask gives them
+        return sdpa_attention(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=dropout_p, scale=scale,
+                              need_weights=False, return_lse=True)
     if rules.mask_mod is not None or rules.score_mod is not None:  # the user's rules, as the mask's columns
         B, H, S, _ = q.shape
         attention_mask = fold_rules(attention_mask, replace(rules, is_causal=False, window=None, alibi_slopes=None),
@@ -175,20 +180,25 @@ def _refuses(r: Request) -> str | None:
 
 
 def _by_document(q: Tensor, k: Tensor, v: Tensor, rules: Rules, documents: tuple[tuple[int, ...], ...],
-                 dropout_p: float, scale: float) -> Tensor:
+                 dropout_p: float, scale: float, return_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention under a document rule: each row's documents as packed sequences (their own
     positions, the causal rule and window inside each), through :func:`headwise.packing.attend_packed`."""
     from headwise.packing import attend_packed  # packing calls back into headwise.attention
 
     causal, window = document_rule(rules)
-    rows = []
+    # SDPA per document; its log-sum-exp comes from the CPU flash kernel, which has no dropout
+    backend = "chunked" if return_lse and dropout_p > 0 else "sdpa"
+    rows, lses = [], []
     for b, lengths in enumerate(documents):
         qb, kb, vb = (t[b].transpose(0, 1) for t in (q, k, v))  # (S, H, D), (Sk, Hkv, D), (Sk, Hkv, Dv)
-        out = attend_packed(qb, kb, vb, lengths, lengths, is_causal=causal,
-                            window=window, alibi_slopes=rules.alibi_slopes, dropout_p=dropout_p, scale=scale,
-                            backend="sdpa", sinks=rules.sinks)  # (S, H, Dv)
+        result = attend_packed(qb, kb, vb, lengths, lengths, is_causal=causal, window=window,
+                               alibi_slopes=rules.alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
+                               sinks=rules.sinks, return_lse=return_lse)  # (S, H, Dv) [, (S, H)]
+        out, lse = result if isinstance(result, tuple) else (result, None)
         rows.append(out.transpose(0, 1))  # (H, S, Dv)
-    return torch.stack(rows)  # (B, H, S, Dv)
+        if lse is not None:
+            lses.append(lse.transpose(0, 1))  # (H, S)
+    return torch.stack(rows), torch.stack(lses) if lses else None  # (B, H, S, Dv), (B, H, S)
 
 
 def varlen_stages(call: Call) -> list[KernelStage]:

@@ -70,7 +70,7 @@ def attend(mha: MultiHeadAttention, x: Tensor, cu_seqlens: Tensor, lengths: tupl
         backend=mha.backend, window=mha.window, alibi_slopes=mha.alibi_slopes, softcap=mha.softcap,
         sinks=mha.sinks, sink_tokens=mha.sink_tokens,
     )  # (T, H, Dv), attention within each sequence
-    out = out.flatten(1)  # (T, H, Dv) -> (T, H*Dv)
+    out = cast(Tensor, out).flatten(1)  # (T, H, Dv) -> (T, H*Dv); no return_lse: a tensor
     if trace.ACTIVE:
         trace.record("merge heads", out, "flatten(1): (T, H, D) -> (T, E), a view" if mha.v_head_dim == mha.head_dim
                      else "flatten(1): (T, H, Dv) -> (T, H*Dv), a view")

@@ -1,0 +1,131 @@
+"""Attention in pieces (headwise.pieces and return_lse): each kernel's log-sum-exp against the
+float64 formula, forward and backward, and merging partial attentions exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+from headwise import mask_mods as mm
+
+BACKENDS = ["matmul", "einsum", "bmm", "einops", "sdpa", "chunked", "varlen", "auto"]
+B, H, Hkv, S, Sk, D = 2, 4, 2, 6, 9, 8
+
+
+def inputs(seed=0, Dv=D + 2, S=S, Sk=Sk):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, Sk, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, Sk, Dv, generator=gen, dtype=torch.float64, requires_grad=True)
+    return q, k, v
+
+
+def formula_lse(q, k, allowed, sinks=None):
+    """log sum_j exp(q k_j / sqrt(D)) over the allowed keys (and the sink), -inf where none: (B, H, S)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    s = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    return torch.logsumexp(s, -1)
+
+
+PAD = torch.tensor([[True] * 7 + [False] * 2, [True] * 9])
+CASES = {
+    "plain": (dict(), torch.ones(S, Sk, dtype=torch.bool)),
+    "causal": (dict(is_causal=True), torch.ones(S, Sk, dtype=torch.bool).tril(Sk - S)),
+    "padding": (dict(attention_mask=PAD), PAD[:, None, None, :]),
+    "empty-rows": (dict(mask_mod=lambda b, h, i, j: (i % 2 == 1) & (j < 5)),
+                   ((torch.arange(S)[:, None] % 2 == 1) & (torch.arange(Sk)[None, :] < 5))),
+    "sinks": (dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)),
+              torch.ones(S, Sk, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_returns_the_log_sum_exp_with_its_gradients(backend, case):
+    kwargs, allowed = CASES[case]
+    q, k, v = inputs()
+    out, lse = headwise.attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+    want = formula_lse(q, k, allowed, kwargs.get("sinks"))
+    assert lse.shape == (B, H, S) and lse.dtype == torch.float64
+    torch.testing.assert_close(lse, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out, headwise.attention(q, k, v, backend="matmul", **kwargs), atol=1e-10, rtol=1e-10)
+    live = torch.isfinite(want)
+    if not live.all():
+        assert (out[~live] == 0).all()  # a row that attends nothing: zeros, lse -inf
+    g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
+    loss = (out * g_out).sum() + torch.where(live, lse * g_lse, 0.0).sum()
+    got = torch.autograd.grad(loss, (q, k, v))
+    ref = (headwise.attention(q, k, v, backend="matmul", **kwargs) * g_out).sum() + torch.where(live, want * g_lse,
+                                                                                                 0.0).sum()
+    for a, b in zip(got, torch.autograd.grad(ref, (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+        assert torch.isfinite(a).all()
+
+
+def test_a_float32_call_returns_a_float32_lse_and_packed_attention_returns_its_rows():
+    q, k, v = (t.detach().float() for t in inputs())
+    assert headwise.attention(q, k, v, return_lse=True)[1].dtype == torch.float32
+    out, weights, lse = headwise.attention(q, k, v, need_weights=True, return_lse=True)
+    assert weights.shape == (B, H, S, Sk) and lse.shape == (B, H, S)
+    qp, kp, vp = (t[0].transpose(0, 1).double() for t in (q, k, v))  # one sequence: (S, H, D), (Sk, Hkv, D)
+    cu_q, cu_k = torch.tensor([0, 2, S]), torch.tensor([0, 4, Sk])
+    out, lse = headwise.packed_attention(qp, kp, vp, cu_q, cu_k, is_causal=True, return_lse=True)
+    assert out.shape == (S, H, v.shape[-1]) and lse.shape == (S, H)
+    first = headwise.attention(qp[None, :2].transpose(1, 2), kp[None, :4].transpose(1, 2), vp[None, :4].transpose(1, 2),
+                               is_causal=True, return_lse=True)[1]  # (1, H, 2)
+    torch.testing.assert_close(lse[:2], first[0].T, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["matmul", "sdpa", "chunked"])
+@pytest.mark.parametrize("cuts", [(4,), (2, 3), (0, 9)], ids=["two", "three", "one-empty"])
+def test_merging_parts_over_disjoint_keys_is_attention_over_all_of_them(backend, cuts):
+    q, k, v = inputs(1)
+    bounds = [0, *cuts, Sk] if cuts != (0, 9) else [0, 0, 9]
+    rule = mm.causal  # with S < Sk raw positions: late keys are empty for early rows, a part may be all empty
+    outs, lses = [], []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        part = lambda b, h, i, j, lo=lo: rule(b, h, i, j + lo)  # noqa: E731 - the part's keys at their positions
+        o, s = headwise.attention(q, k[:, :, lo:hi], v[:, :, lo:hi], backend=backend, mask_mod=part, return_lse=True)
+        outs.append(o)
+        lses.append(s)
+    out, lse = headwise.merge_attentions(outs, lses)
+    want, want_lse = headwise.attention(q, k, v, backend="matmul", mask_mod=rule, return_lse=True)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-10)
+    g = torch.randn_like(out)
+    live = torch.isfinite(want_lse)
+    got = torch.autograd.grad((out * g).sum() + torch.where(live, lse, 0.0).sum(), (q, k, v))
+    ref = torch.autograd.grad((want * g).sum() + torch.where(live, want_lse, 0.0).sum(), (q, k, v))
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_a_row_empty_in_every_part_merges_to_zeros_and_minus_inf_without_nan():
+    outs = [torch.zeros(1, 2, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    lses = [torch.full((1, 2, 3), float("-inf"), dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    out, lse = headwise.merge_attentions(outs, lses)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    grads = torch.autograd.grad(out.sum() + torch.where(torch.isinf(lse), 0.0, lse).sum(), [*outs, *lses])
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_merge_attentions_refuses_parts_that_do_not_fit():
+    o, s = torch.zeros(2, 3, 4), torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="needs one lse per output and at least one part, got 2 outputs and 1 lses"):
+        headwise.merge_attentions([o, o], [s])
+    with pytest.raises(ValueError, match=r"part 1: out \(2, 3, 5\) and lse \(2, 3\) must be"):
+        headwise.merge_attentions([o, torch.zeros(2, 3, 5)], [s, s])
+    with pytest.raises(TypeError, match="outs and lses must be tensors"):
+        headwise.merge_attentions([o], [0.0])
+
+
+def test_the_ring_merges_with_the_public_function():
+    import headwise.distributed.ring as ring
+    import headwise.pieces as pieces
+
+    assert ring.merge_into is pieces.merge_into
+    with pytest.warns(FutureWarning, match="moved to headwise.pieces.merge_into"):
+        assert ring.merge is pieces.merge_into
