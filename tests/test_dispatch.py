@@ -92,21 +92,27 @@ def test_auto_picks_sdpa_for_grouped_query_without_copy_note():
         assert "copies k/v" not in d.reason
 
 
-def test_need_weights_picks_a_weights_capable_backend():
+def test_need_weights_runs_the_fastest_kernel_that_returns_the_log_sum_exp():
     d = choose_backend(*qkv(), need_weights=True)
-    assert d.backend in weight_backends()
-    assert d.backend == "matmul"
-    assert d.reason == "need_weights=True: it returns the probabilities and is the plainest"
-    for name, kernel in kernels().items():
-        if not kernel.supports_weights:  # an unavailable kernel is passed over for that first
-            assert d.passed_over[name] == (kernel.available() or "cannot return attention weights (need_weights=True)")
+    assert d.backend == "sdpa" and d.request.return_lse and not d.request.need_weights
+    assert d.reason.endswith("; the weights asked for are computed from its log-sum-exp, exp(scores - lse), only "
+                             "for the heads and rows asked for")
     assert_covers_every_other_kernel(d)
 
 
-def test_need_weights_with_grouped_query_says_it_copies():
-    d = choose_backend(*qkv(kv_heads=1), need_weights=True)
-    assert d.backend == "matmul"
-    assert d.reason.endswith("; it copies k/v to all query heads for grouped-query attention")
+def test_a_kernel_that_returns_weights_but_no_lse_still_serves_need_weights(monkeypatch):
+    monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+    matmul = registry.get_kernel("matmul")
+
+    def weights_only(q, k, v, *, attention_mask, rules, dropout_p, scale, need_weights):
+        return matmul.fn(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=dropout_p, scale=scale,
+                         need_weights=need_weights)
+
+    registry.add(dataclasses.replace(matmul, name="weights_only", fn=weights_only))
+    d = choose_backend(*qkv(kv_heads=1), need_weights=True, backend="weights_only")
+    assert d.request.need_weights and not d.request.return_lse
+    out, weights = headwise.attention(*qkv(), need_weights=True, backend="weights_only", weights_heads=[0])
+    assert weights.shape[:3] == (B, 1, S) and torch.isfinite(weights).all()
 
 
 def test_cpu_dropout_with_huge_scores_picks_chunked(tiny_budget):
@@ -133,8 +139,8 @@ def test_huge_scores_without_dropout_stay_on_sdpa(tiny_budget):
     assert choose_backend(*qkv()).backend == "sdpa"
 
 
-def test_huge_scores_with_need_weights_still_need_weights(tiny_budget):
-    assert choose_backend(*qkv(), dropout_p=0.1, need_weights=True).backend == "matmul"
+def test_huge_scores_with_need_weights_keep_o_s_memory(tiny_budget):
+    assert choose_backend(*qkv(), dropout_p=0.1, need_weights=True).backend == "chunked"  # its lse has dropout
 
 
 def test_default_budget_on_a_described_request():
@@ -165,17 +171,18 @@ def test_chosen_backend_is_the_one_that_runs(monkeypatch, tiny_budget):
 # --- explicit backends -----------------------------------------------------------------------
 
 
-def test_explicit_backend_that_cannot_return_weights_names_able_backends():
-    able = weight_backends()
-    for name in (n for n, k in kernels().items() if not k.supports_weights and k.available() is None):
-        with pytest.raises(
-            ValueError,
-            match=re.escape(
-                f"backend {name!r} cannot return attention weights (need_weights=True); "
-                f"use backend='auto' or one of {able}"
-            ),
-        ):
-            choose_backend(*qkv(), need_weights=True, backend=name)
+def test_explicit_backend_that_cannot_return_weights_names_able_backends(monkeypatch):
+    monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+    sdpa = registry.get_kernel("sdpa")
+
+    def no_lse(q, k, v, *, attention_mask, rules, dropout_p, scale, need_weights):
+        return sdpa.fn(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=dropout_p, scale=scale,
+                       need_weights=need_weights)
+
+    registry.add(dataclasses.replace(sdpa, name="no_lse", fn=no_lse))
+    with pytest.raises(ValueError, match=re.escape("backend 'no_lse' cannot return attention weights "
+                                                   "(need_weights=True); use backend='auto' or one of")):
+        choose_backend(*qkv(), need_weights=True, backend="no_lse")
 
 
 @pytest.mark.parametrize("backend", available_backends())
@@ -283,7 +290,7 @@ def test_heavy_key_padding_on_cpu_picks_varlen_when_priced_lower_and_says_why(mo
                                                        "the keys are padding, but estimated varlen")
     monkeypatch.setattr(headwise.policy, "VARLEN_MIN_PADDING", 0.99)  # not priced below it
     assert choose_backend(q, k, v, keys).reason == "PyTorch's fused kernel is the fastest dense path"
-    assert choose_backend(q, k, v, keys, need_weights=True).backend == "matmul"
+    assert choose_backend(q, k, v, keys, need_weights=True).backend == "sdpa"  # the weights from its lse
     assert choose_backend(q, k, v, torch.ones_like(keys)).backend == "sdpa"
 
 

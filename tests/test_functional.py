@@ -193,15 +193,10 @@ def test_unknown_backend_lists_known_ones():
     assert "'matmul'" in known and "'sdpa'" in known
 
 
-def test_backend_that_cannot_return_weights():
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "backend 'sdpa' cannot return attention weights (need_weights=True); "
-            f"use backend='auto' or one of {WEIGHT_BACKENDS}"
-        ),
-    ):
-        attention(*qkv(), backend="sdpa", need_weights=True)
+def test_a_backend_without_the_log_sum_exp_here_cannot_return_weights():
+    with pytest.raises(ValueError, match=re.escape("backend 'sdpa' returns the log-sum-exp only from torch's CPU flash "
+                                                   "kernel, without dropout (device cpu, dropout_p=0.5)")):
+        attention(*qkv(), backend="sdpa", need_weights=True, dropout_p=0.5)
 
 
 def test_mask_errors_reach_the_caller():
@@ -374,8 +369,8 @@ def test_choose_backend_prints_readably():
 def test_choose_backend_runs_nothing_and_agrees_with_attention():
     q, k, v = qkv()
     d = choose_backend(q, k, v, need_weights=True)
-    assert d.backend in WEIGHT_BACKENDS
-    assert d.request.need_weights and d.request.q_len == S and d.request.k_len == Sk
+    assert d.backend == "sdpa"  # the weights come from its log-sum-exp
+    assert d.request.return_lse and d.request.q_len == S and d.request.k_len == Sk
     assert choose_backend(q, k, v, backend="einsum").backend == "einsum"
 
 

@@ -146,16 +146,18 @@ def test_mask_errors():
         mha(x, torch.ones(B, S, dtype=torch.bool, device="meta"))
 
 
-def test_backend_without_weights_refuses_need_weights():
-    mha = MultiHeadAttention(E, H, backend="sdpa")
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "backend 'sdpa' cannot return attention weights (need_weights=True); "
-            f"use backend='auto' or one of {WEIGHT_BACKENDS}"
-        ),
-    ):
-        mha(torch.randn(B, S, E), need_weights=True)
+def test_a_fused_backend_returns_weights_from_its_log_sum_exp_and_refuses_them_where_it_has_none(monkeypatch):
+    x = torch.randn(B, S, E, dtype=torch.float64)
+    mha = MultiHeadAttention(E, H, backend="sdpa").double()
+    _, weights = mha(x, need_weights=True)  # sdpa returns the lse: the weights come from it
+    plain = MultiHeadAttention(E, H, backend="matmul").double()
+    plain.load_state_dict(mha.state_dict())
+    torch.testing.assert_close(weights, plain(x, need_weights=True)[1], atol=1e-12, rtol=1e-12)
+    mha.train()
+    mha.dropout = 0.5  # the CPU flash kernel has no dropout: no lse, so no weights from sdpa
+    with pytest.raises(ValueError, match=re.escape("backend 'sdpa' returns the log-sum-exp only from torch's CPU "
+                                                   "flash kernel, without dropout (device cpu, dropout_p=0.5)")):
+        mha(x, need_weights=True)
 
 
 # --- shapes and state -----------------------------------------------------------------------
@@ -262,7 +264,8 @@ def test_dispatch_method():
     x = torch.randn(B, S, E)
     assert mha.dispatch(x).backend == "sdpa"
     assert mha.dispatch(x).request.dropout_p == 0.1
-    assert mha.dispatch(x, need_weights=True).backend in WEIGHT_BACKENDS
+    weighed = mha.dispatch(x, need_weights=True)  # dropout on the CPU: chunked returns the lse, the weights from it
+    assert weighed.backend == "chunked" and "computed from its log-sum-exp" in weighed.reason
     assert mha.eval().dispatch(x).request.dropout_p == 0.0
     assert MultiHeadAttention(E, H, backend="bmm").dispatch(x).backend == "bmm"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,6 +34,8 @@ from headwise.rules import (
     knows_tiles,
     score_mod_needs_grad,
 )
+from headwise.weights import select as select_weights
+from headwise.weights import weights_from_lse
 
 __all__ = ["attention", "available_backends", "choose_backend"]
 
@@ -233,7 +236,12 @@ def _rule_fields(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.de
 def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
              window=None, alibi_slopes=None, softcap=None, sinks=None, sink_tokens=0, scale=None,
              mask_mod=None, score_mod=None, return_lse=False):
-    """Check the call, normalise its mask and choose its kernel: ``(mask, rules, dispatch)``."""
+    """Check the call, normalise its mask and choose its kernel: ``(mask, rules, dispatch)``.
+
+    With ``need_weights``, a backend that returns the log-sum-exp (every one, for "auto") is
+    asked for it instead of the weights, which :mod:`headwise.weights` computes from it:
+    ``dispatch.request.need_weights`` is then False and its ``return_lse`` True.
+    """
     _check_inputs(q, k, v, dropout_p, backend, scale)
     _check_structure(q, window, alibi_slopes, softcap, sinks, sink_tokens)
     check_functions(mask_mod, score_mod)
@@ -249,12 +257,17 @@ def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backen
     rules = Rules(is_causal=_effective_causal(is_causal, window, S), window=window, sink_tokens=sink_tokens,
                   alibi_slopes=alibi_slopes, softcap=None if softcap is None else float(softcap), sinks=sinks,
                   mask_mod=mask_mod, score_mod=score_mod)
-    request = _request(q, k, mask, is_causal, dropout_p, need_weights, window,
+    via_lse = bool(need_weights) and (backend == "auto" or takes(get_kernel(backend).fn, "return_lse"))
+    request = _request(q, k, mask, is_causal, dropout_p, bool(need_weights) and not via_lse, window,
                        alibi_slopes is not None, softcap is not None, sinks is not None, v.shape[-1],
                        sink_tokens, rules)
-    if return_lse:
+    if return_lse or via_lse:
         request = replace(request, return_lse=True)
-    return mask, rules, select(request, backend)
+    dispatch = select(request, backend)
+    if via_lse:
+        dispatch = replace(dispatch, reason=dispatch.reason + "; the weights asked for are computed from its "
+                           "log-sum-exp, exp(scores - lse), only for the heads and rows asked for")
+    return mask, rules, dispatch
 
 
 def attention(
@@ -276,6 +289,8 @@ def attention(
     mask_mod: MaskMod | None = None,  # None: no mask rule beyond the keywords
     score_mod: ScoreMod | None = None,  # None: no score rule beyond the keywords
     return_lse: bool = False,
+    weights_heads: Sequence[int] | slice | Tensor | int | None = None,  # None: every head's weights
+    weights_rows: Sequence[int] | slice | Tensor | int | None = None,  # None: every query row's weights
 ) -> Tensor | tuple[Tensor, ...]:
     """Scaled dot-product attention with headwise's mask contract.
 
@@ -301,7 +316,12 @@ def attention(
             in ``F.scaled_dot_product_attention``; the module passes 0 in eval mode).
         scale: multiplier of ``q k^T``.
         backend: ``"auto"`` or a name from :func:`available_backends`.
-        need_weights: also return the (B, H, S, Sk) probabilities before dropout.
+        need_weights: also return the (B, H, S, Sk) probabilities before dropout. They
+            come from any backend that returns the log-sum-exp (``p = exp(s - lse)``,
+            :mod:`headwise.weights`), computed only for ``weights_heads`` and ``weights_rows``.
+        weights_heads: with ``need_weights``, the query heads whose weights to compute: an
+            int, ints, a slice or an integer tensor (None: all); memory follows the choice.
+        weights_rows: with ``need_weights``, the query rows whose weights to compute (None: all).
         window: sliding window: query ``i`` attends only keys ``j`` with
             ``i + Sk - S - window < j <= i + Sk - S`` (implies causal).
         alibi_slopes: (H,) slopes; adds ``-slope_h * |i + Sk - S - j|`` to the scores
@@ -331,7 +351,8 @@ def attention(
             merges attentions over disjoint keys by it.
 
     Returns:
-        The output (B, H, S, Dv); with ``need_weights`` also the weights (B, H, S, Sk)
+        The output (B, H, S, Dv); with ``need_weights`` also the weights (B, h, s, Sk) of the
+        heads and rows asked for, (B, H, S, Sk) by default
         (with ``sinks`` each row sums to ``1 - p(sink)``, less than 1); with ``return_lse``
         also the lse (B, H, S) in float32 (float64 for float64 inputs): ``out``,
         ``(out, weights)``, ``(out, lse)`` or ``(out, weights, lse)``.
@@ -356,7 +377,7 @@ def attention(
     return attend(q, k, v, attention_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
                   backend=backend, need_weights=need_weights, window=window, alibi_slopes=alibi_slopes,
                   softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, mask_mod=mask_mod, score_mod=score_mod,
-                  return_lse=return_lse)
+                  return_lse=return_lse, weights_heads=weights_heads, weights_rows=weights_rows)
 
 
 # A repeated call (same signature: shapes, dtypes, devices, flags) reuses the kernel and
@@ -484,7 +505,8 @@ def _arguments(dropout_p, scale, D: int, need_weights=False) -> dict:
 
 def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scale=None,
            backend="auto", need_weights=False, window=None, alibi_slopes=None, softcap=None, sinks=None,
-           sink_tokens=0, key_lengths=None, excluded_finite=False, mask_mod=None, score_mod=None, return_lse=False):
+           sink_tokens=0, key_lengths=None, excluded_finite=False, mask_mod=None, score_mod=None, return_lse=False,
+           weights_heads=None, weights_rows=None):
     """:func:`attention` without opening a new call in an active trace (the module opens it).
 
     In a trace it records the mask layout, the kernel chosen and, after the kernel ran, the
@@ -493,10 +515,12 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     the caller has read them already (the module has); None: read them here when needed.
     ``excluded_finite``: the caller made what the mask excludes for every query finite (the
     module zeroes padded positions of x): the NaN contract's hiding is skipped.
+    ``need_weights`` may be a :class:`headwise.weights.Selection` (the module passes one).
     """
     # The memo's signature holds no softcap, sinks, sink tokens or rule functions: calls with any take the full path.
     if (window is None and alibi_slopes is None and not need_weights and softcap is None and sinks is None
-            and not sink_tokens and mask_mod is None and score_mod is None and not return_lse):
+            and not sink_tokens and mask_mod is None and score_mod is None and not return_lse
+            and weights_heads is None and weights_rows is None):
         try:
             mask_4d = None if attention_mask is None else _canonical(attention_mask, q.dtype)
         except (AttributeError, TypeError):  # not tensors: the full path names the error
@@ -514,9 +538,12 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     mask, rules, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                                      backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale,
                                      mask_mod, score_mod, return_lse)
+    # The weights come from the kernel's log-sum-exp where the backend returns it (any, for "auto").
+    via_lse = bool(need_weights) and not dispatch.request.need_weights
     if attention_mask is not None and mask is not None:
         check_mask_values(attention_mask)
     B, H, S, D = q.shape
+    selection = select_weights(need_weights, weights_heads, weights_rows, H, S)
     if trace.ACTIVE and trace.recording():
         if attention_mask is not None:
             trace.record("mask layout", mask, f"{attention_mask.dim()}-D {tuple(attention_mask.shape)} "
@@ -531,9 +558,10 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
         if trace.ACTIVE:
             trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
         lse = torch.full((B, H, S), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-        return _results(out, q.new_zeros(B, H, S, 0) if need_weights else None, lse if return_lse else None)
-    args = _arguments(dropout_p, scale, D, need_weights)
-    if return_lse:
+        weights = None if selection is None else selection.pick(q.new_zeros(B, H, S, 0))
+        return _results(out, weights, lse if return_lse else None)
+    args = _arguments(dropout_p, scale, D, selection is not None and not via_lse)
+    if return_lse or via_lse:
         args["return_lse"] = True
     # What the mask excludes for every query must not reach a result, even as NaN or inf.
     if not excluded_finite:
@@ -542,9 +570,15 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     out, weights, *lse = call_kernel(dispatch.kernel.fn, q, k, v, mask, rules, args)
     if trace.ACTIVE and trace.recording():
         call = Call(q, k, v, attention_mask=mask, rules=rules, dropout_p=args["dropout_p"], scale=args["scale"],
-                    need_weights=need_weights, scale_given=scale is not None)
+                    need_weights=args["need_weights"], scale_given=scale is not None)
         _record_kernel_stages(dispatch.kernel, call, out)
-    return _results(out, weights if need_weights else None, lse[0] if return_lse else None)
+    if selection is not None:  # (B, h, s, Sk): only what was asked for
+        weights = (weights_from_lse(q, k, mask, rules, lse[0], args["scale"], selection) if via_lse
+                   else selection.pick(weights))
+        if via_lse and trace.ACTIVE and trace.recording():
+            trace.record("weights", weights, "exp(scores - lse) for the heads and rows asked for, "
+                         f"{tuple(weights.shape)}: the kernel's log-sum-exp, no (B, H, S, Sk) softmax kept")
+    return _results(out, weights, lse[0] if return_lse else None)
 
 
 def _results(out: Tensor, weights: Tensor | None, lse: Tensor | None) -> Tensor | tuple[Tensor, ...]:

@@ -370,7 +370,7 @@ class Alibi(ScoreRule):
 
     def bias(self, b, h, q_idx, kv_idx):
         distance = (q_idx + self.offset - kv_idx).abs()  # (1, 1, S, Sk)
-        return -self.slopes.reshape(1, -1, 1, 1) * distance.to(self.slopes.dtype)  # (1, H, S, Sk)
+        return -self.slopes[h] * distance.to(self.slopes.dtype)  # (1, H, 1, 1) x (1, 1, S, Sk) -> (1, H, S, Sk)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         return score + self.bias(b, h, q_idx, kv_idx).to(score.dtype)

@@ -49,7 +49,8 @@ from headwise.mask_mods import (
     as_4d,
 )
 
-__all__ = ["Rules", "TileMap", "tile_map", "grid", "evaluate_mask", "evaluate_score", "evaluated_tile_states",
+__all__ = ["Rules", "TileMap", "tile_map", "grid", "grid_at", "evaluate_mask", "evaluate_score", "evaluate_score_at",
+           "evaluated_tile_states",
            "mask_tile_states", "knows_tiles", "document_lengths", "document_rule", "score_mod_needs_grad",
            "check_functions", "from_block_mask", "is_block_mask"]
 
@@ -69,19 +70,28 @@ def grid(B: int, H: int, rows: tuple[int, int], cols: tuple[int, int],
     return b, h, q, kv
 
 
+def grid_at(B: int, heads: Tensor, rows: Tensor, Sk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The index arguments at chosen heads (h,) and query rows (s,), every key: ``b`` (B, 1, 1, 1),
+    ``h`` (1, h, 1, 1), ``q_idx`` (1, 1, s, 1), ``kv_idx`` (1, 1, 1, Sk)."""
+    b = torch.arange(B, device=heads.device).view(B, 1, 1, 1)
+    kv = torch.arange(Sk, device=heads.device).view(1, 1, 1, Sk)
+    return b, heads.view(1, -1, 1, 1), rows.view(1, 1, -1, 1), kv
+
+
 def _name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or repr(fn)
 
 
 def evaluate_mask(mod: MaskMod, B: int, H: int, rows: tuple[int, int], cols: tuple[int, int],
-                  device: torch.device | None) -> Tensor:
-    """``mod`` on rows [i0, i1) x cols [j0, j1): bool (B|1, H|1, bq|1, bk|1), True = may attend.
+                  device: torch.device | None, at: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> Tensor:
+    """``mod`` on rows [i0, i1) x cols [j0, j1): bool (B|1, H|1, bq|1, bk|1), True = may attend
+    (``at``: on these index arguments instead, from :func:`grid_at`).
 
     Raises:
         TypeError: the function returned something other than a bool tensor.
         ValueError: its result does not broadcast to (B, H, bq, bk).
     """
-    b, h, q, kv = grid(B, H, rows, cols, device)
+    b, h, q, kv = grid(B, H, rows, cols, device) if at is None else at
     allowed = mod(b, h, q, kv)
     if not isinstance(allowed, Tensor):
         allowed = torch.as_tensor(allowed, device=device)
@@ -89,7 +99,7 @@ def evaluate_mask(mod: MaskMod, B: int, H: int, rows: tuple[int, int], cols: tup
         raise TypeError(f"mask_mod {_name(mod)} must return a bool tensor (True = may attend), got "
                         f"{allowed.dtype}; compare instead of computing, e.g. kv_idx <= q_idx")
     allowed = as_4d(allowed)
-    want = (B, H, rows[1] - rows[0], cols[1] - cols[0])
+    want = (B, h.shape[1], q.shape[2], kv.shape[3])
     if allowed.dim() != 4 or any(n not in (1, w) for n, w in zip(allowed.shape, want, strict=True)):
         raise ValueError(f"mask_mod {_name(mod)} returned shape {tuple(allowed.shape)}, which does not broadcast "
                          f"to (B, H, S, Sk) = {want}; index with the b, h, q_idx, kv_idx tensors it is given")
@@ -99,7 +109,11 @@ def evaluate_mask(mod: MaskMod, B: int, H: int, rows: tuple[int, int], cols: tup
 def evaluate_score(mod: ScoreMod, scores: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
     """``mod`` on a block of scores (B, H, bq, bk) at rows [i0, i1) x cols [j0, j1), in the scores' dtype."""
     B, H = scores.shape[:2]
-    b, h, q, kv = grid(B, H, rows, cols, scores.device)
+    return evaluate_score_at(mod, scores, *grid(B, H, rows, cols, scores.device))
+
+
+def evaluate_score_at(mod: ScoreMod, scores: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    """``mod`` on scores (B, h, s, Sk) at the index arguments given, in the scores' dtype."""
     out = mod(scores, b, h, q, kv)
     try:
         fits = isinstance(out, Tensor) and torch.broadcast_shapes(out.shape, scores.shape) == scores.shape

@@ -26,7 +26,7 @@ D head dim of q and k, Dv head dim of v.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -106,11 +106,15 @@ def sdpa_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal:
              scale: float) -> tuple[Tensor, Tensor]:
     """SDPA's CPU flash kernel with the log-sum-exp: ``(out (B, H, S, Dv), lse (B, H, S))``.
 
-    ``mask`` (B|1, H|1, S|1, Sk) bool or float; rows that may attend nothing are zeros with
-    ``lse = -inf``. k and v are repeated to H heads for grouped-query attention, and the
-    narrower of the head dims is padded with zeros to the wider (the kernel takes equal
-    head counts and head dims; zero columns change no score and no output).
+    ``mask`` (B|1, H|1, S|1, Sk) bool or float, without gradients (the kernel's backward
+    returns none for it); rows that may attend nothing are zeros with ``lse = -inf``. k and
+    v are repeated to H heads for grouped-query attention, and the narrower of the head
+    dims is padded with zeros to the wider (the kernel takes equal head counts and head
+    dims; zero columns change no score and no output).
     """
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("sdpa_lse: the CPU flash kernel returns no gradient for the mask, and this mask requires "
+                         "one (learned sinks or bias); run the textbook formula instead")
     H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     if Dv != D:
         width = max(D, Dv)
@@ -250,6 +254,15 @@ def _with_lse(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, ru
     S, Sk = q.shape[-2], k.shape[-2]
     own = _own_arguments(attention_mask, rules, S, Sk)
     mask = None if own else _folded_mask(q, k, attention_mask, rules)  # (B|1, H|1, S|1, Sk)
+    learns = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (mask, rules.sinks))
+    if learns:
+        # A mask that learns (sink logits, a bias table) needs the probabilities for its gradient, which
+        # the flash kernel's backward does not give: the textbook formula runs, with the caller's arguments.
+        from headwise.kernels.matmul import matmul_attention  # the oracle kernel, imported where it is needed
+
+        out, _, lse = matmul_attention(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=0.0,
+                                       scale=scale, need_weights=False, return_lse=True)
+        return cast(Tensor, out), None, cast(Tensor, lse)
     if rules.sinks is not None:
         k, v, mask = with_sink(q, k, v, mask, rules.sinks)  # one more key: (.., Sk + 1, ..)
     out, lse = sdpa_lse(q, k, v, mask, is_causal=own and rules.is_causal, scale=scale)

@@ -23,6 +23,7 @@ from headwise.functional import attend
 from headwise.module import projections as proj
 from headwise.module.plan import Plan
 from headwise.positions import apply_rotary
+from headwise.weights import Selection
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -77,7 +78,8 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
     if weights is None:
         return out
     if padding is not None:  # a padded query's output is zeros, and so are its weights
-        weights = weights.masked_fill(~padding[:, None, :, None], 0)  # (B, H, T, L)
+        rows = padding if not isinstance(need_weights, Selection) else need_weights.pick(padding, None, 1)  # (B, s)
+        weights = weights.masked_fill(~rows[:, None, :, None], 0)  # (B, H, T, L)
     return out, weights
 
 

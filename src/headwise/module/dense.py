@@ -21,6 +21,7 @@ from headwise.masks import _canonical as canonical_mask
 from headwise.module import projections as proj
 from headwise.module.memo import Repeat
 from headwise.module.plan import Plan, all_tokens
+from headwise.weights import Selection
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -70,7 +71,8 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
     if weights is None:
         return out
     if padding is not None:  # a padded query's output is zeros, and so are its weights
-        weights = weights.masked_fill(~padding[:, None, :, None], 0)  # (B, H, S, Sk)
+        rows = padding if not isinstance(need_weights, Selection) else need_weights.pick(padding, None, 1)  # (B, s)
+        weights = weights.masked_fill(~rows[:, None, :, None], 0)  # (B, H, S, Sk)
     return out, weights
 
 

@@ -44,6 +44,7 @@ from headwise.module import memo as memos
 from headwise.module import plan as planning
 from headwise.module.plan import Plan
 from headwise.positions import RotaryEmbedding
+from headwise.weights import select as select_weights
 
 __all__ = ["MultiHeadAttention"]
 
@@ -313,6 +314,8 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,  # None: no incremental decoding
         mask_mod: MaskMod | None = None,  # None: the module's rule alone (if any)
         score_mod: ScoreMod | None = None,  # None: the module's rule alone (if any)
+        weights_heads: Any = None,  # None: every head's weights (with need_weights)
+        weights_rows: Any = None,  # None: every query row's weights (with need_weights)
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``x`` to ``x`` (or to ``context``).
 
@@ -323,7 +326,8 @@ class MultiHeadAttention(nn.Module):
             context: (B, Sk, E) keys/values source for cross-attention.
             is_causal: bottom-right causal masking, ANDed with the mask.
             need_weights: also return the (B, H, S, Sk) softmax probabilities (before
-                dropout, per head: not averaged as ``nn.MultiheadAttention`` does).
+                dropout, per head: not averaged as ``nn.MultiheadAttention`` does), computed
+                from the kernel's log-sum-exp (any backend; see :mod:`headwise.weights`).
             cache: from :meth:`new_cache`: ``x`` holds the next T positions; their keys
                 and values are appended and the queries attend to every cached position
                 (Sk = len(cache) after appending; causal alignment is bottom-right). A 2-D
@@ -339,6 +343,8 @@ class MultiHeadAttention(nn.Module):
                 ``q_idx`` is the query's position in the sequence.
             score_mod: FlexAttention's ``(score, b, h, q_idx, kv_idx) -> score`` for this call,
                 applied after the constructor's.
+            weights_heads, weights_rows: with ``need_weights``, only these heads' and query
+                rows' weights: (B, h, s, Sk), as :func:`headwise.attention` takes them.
 
         Returns:
             (B, S, E), or ``(output, weights)`` when ``need_weights``. Padded positions of
@@ -347,6 +353,9 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ValueError / TypeError: inputs or mask that do not fit; see the messages.
         """
+        if need_weights or weights_heads is not None or weights_rows is not None:
+            need_weights = select_weights(need_weights, weights_heads, weights_rows, self.num_heads,
+                                          x.shape[-2] if isinstance(x, Tensor) and x.dim() == 3 else 0) or False
         if mask_mod is not None or score_mod is not None or self.mask_mod is not None or self.score_mod is not None:
             mask_mod, score_mod = ruled.rules_of(self, mask_mod, score_mod)
             return ruled.forward(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod, score_mod)
