@@ -129,3 +129,51 @@ def test_the_ring_merges_with_the_public_function():
     assert ring.merge_into is pieces.merge_into
     with pytest.warns(FutureWarning, match="moved to headwise.pieces.merge_into"):
         assert ring.merge is pieces.merge_into
+
+
+def _triton_skip_reason() -> str | None:
+    """Why the triton kernel cannot run here (None: it can, on a GPU or Triton's interpreter)."""
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed; pip install 'headwise[triton]'"
+    major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    if not torch.cuda.is_available() and (major, minor) < (3, 7):
+        return f"triton {triton.__version__}'s interpreter cannot run the kernel's loops (fixed in 3.7)"
+    return None
+
+
+@pytest.mark.skipif(_triton_skip_reason() is not None, reason=str(_triton_skip_reason()))
+@pytest.mark.parametrize("case", CASES)
+def test_triton_returns_the_log_sum_exp_with_its_gradients(monkeypatch, case):
+    """The fused kernel in float32 (Triton's interpreter on a CPU, set for this test only)
+    against the float64 formula; tests/kernels/test_triton.py covers its tiles and rules."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kwargs, allowed = CASES[case]
+    exact = list(inputs(Dv=D))  # the kernel takes v with q's head dim only
+    if "sinks" in kwargs:
+        exact.append(kwargs["sinks"].clone().requires_grad_())
+    leaves = [t.detach().float().to(device).requires_grad_() for t in exact]
+
+    def keywords(sinks: list) -> dict:
+        moved = {name: value.to(device) for name, value in kwargs.items() if isinstance(value, torch.Tensor)}
+        return {**kwargs, **moved, **({"sinks": sinks[0]} if sinks else {})}
+
+    out, lse = headwise.attention(*leaves[:3], backend="triton", return_lse=True, **keywords(leaves[3:]))
+    want_out = headwise.attention(*exact[:3], backend="matmul", **{**kwargs, **({"sinks": exact[3]} if exact[3:]
+                                                                                   else {})})
+    want = formula_lse(*exact[:2], allowed, exact[3] if exact[3:] else None)
+    assert lse.shape == (B, H, S) and lse.dtype == torch.float32
+    live = torch.isfinite(want)
+    assert torch.equal(torch.isneginf(lse).cpu(), ~live)
+    torch.testing.assert_close(torch.where(live, lse.cpu().double(), 0.0), torch.where(live, want, 0.0),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.detach().cpu().double(), want_out, atol=1e-5, rtol=1e-5)
+    g_out, g_lse = torch.randn(out.shape, dtype=torch.float64), torch.randn(lse.shape, dtype=torch.float64)
+    loss = ((out * g_out.float().to(device)).sum()
+            + torch.where(live.to(device), lse * g_lse.float().to(device), 0.0).sum())
+    ref = (want_out * g_out).sum() + torch.where(live, want * g_lse, 0.0).sum()
+    for a, b in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(ref, exact), strict=True):
+        torch.testing.assert_close(a.cpu().double(), b, atol=1e-5, rtol=1e-5)

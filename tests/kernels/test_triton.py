@@ -769,3 +769,131 @@ def test_auto_never_runs_a_mask_mod_through_the_interpreter(monkeypatch):
     q = torch.randn(1, 2, 8, 16)
     chosen = headwise.choose_backend(q, q, q, mask_mod=headwise.mask_mods.causal)
     assert chosen.backend != "triton" and "runs on CUDA tensors" not in chosen.passed_over.get("triton", "")
+
+
+# ---------------------------------------------------------------- return_lse: the forward's log-sum-exp
+
+
+LSE_CASES = {  # name: (heads (H, Hkv), (S, Sk), key mask form, keywords); sinks as True: drawn per test
+    "plain": ((2, 2), (37, 37), "none", dict()),
+    "causal": ((2, 2), (21, 45), "none", dict(is_causal=True)),
+    "key-padding": ((2, 2), (45, 21), "right_pad", dict()),  # the last batch row attends nothing
+    "gqa-float-pad": ((4, 2), (37, 37), "float_pad", dict(is_causal=True)),
+    "sinks": ((4, 2), (21, 37), "left_pad", dict(is_causal=True, sinks=True)),  # a padded row keeps its sink
+    "softcap": ((4, 1), (37, 37), "hole", dict(softcap=2.0)),
+    "alibi": ((4, 2), (21, 45), "none", dict(is_causal=True, alibi=True)),
+    "window": ((2, 1), (37, 37), "left_pad", dict(window=5)),
+    "mask_mod-empty-rows": ((2, 2), (33, 33), "none", dict(mask_mod=_lonely_rows)),
+}
+
+
+def _lse_loss(out, lse, g_out, g_lse, live):
+    """A loss that reads both results: out against g_out, the live rows' lse against g_lse."""
+    return (out * g_out).sum() + torch.where(live, lse * g_lse, 0.0).sum()
+
+
+@needs_triton
+@pytest.mark.parametrize("case", LSE_CASES)
+def test_return_lse_matches_float64_reference(interpreter, case):
+    """out, lse (B, H, S) fp32 and the gradients of a loss that reads both (q, k, v and the
+    sinks) within 1e-5 of the matmul backend in float64; ``-inf`` exactly on the rows that
+    attend nothing (whose outputs and gradients are zeros)."""
+    (H, Hkv), (S, Sk), form, kw = LSE_CASES[case]
+    q, k, v, gen = make_inputs(2, H, Hkv, S, Sk, 16, seed=17)
+    mask = key_mask(form, 2, Sk, gen)
+    kw = dict(kw)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = headwise.masks.alibi_slopes(H).to(DEVICE)
+    leaves = [q, k, v]
+    if kw.get("sinks"):
+        kw["sinks"] = (2 * torch.randn(H, generator=gen)).to(DEVICE).requires_grad_()
+        leaves.append(kw["sinks"])
+    out, lse = headwise.attention(q, k, v, None if mask is None else mask.to(DEVICE), backend="triton",
+                                  return_lse=True, **kw)
+    exact = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    kw64 = {name: value.detach().cpu().double() if isinstance(value, torch.Tensor) else value
+            for name, value in kw.items()}
+    if "sinks" in kw:
+        kw64["sinks"] = exact[3]
+    want, want_lse = headwise.attention(*exact[:3], mask, backend="matmul", return_lse=True, **kw64)
+    assert lse.shape == (2, H, S) and lse.dtype == torch.float32 and lse.device == q.device
+    live = torch.isfinite(want_lse)
+    assert torch.equal(torch.isneginf(lse).cpu(), ~live) and not torch.isnan(lse).any()
+    assert_close(out, want)
+    assert_close(torch.where(live.to(DEVICE), lse, 0.0), torch.where(live, want_lse, 0.0))
+    g_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    g_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(_lse_loss(out, lse, g_out.float().to(DEVICE), g_lse.float().to(DEVICE),
+                                        live.to(DEVICE)), leaves)
+    ref = torch.autograd.grad(_lse_loss(want, want_lse, g_out, g_lse, live), exact)
+    for a, b in zip(got, ref, strict=True):
+        assert_close(a, b)
+    if not live.all():  # a row that attends nothing: zeros, and no gradient reaches its query
+        assert (out.detach()[~live.to(DEVICE)] == 0).all() and (got[0][~live.to(DEVICE)] == 0).all()
+    if case == "key-padding":
+        assert not live[-1].any()
+    if case == "sinks":
+        assert live.all()  # the padded row attends its sink: lse = the sink logit, output zeros
+        torch.testing.assert_close(lse[-1].detach().cpu(), kw["sinks"].detach().cpu()[:, None].expand(H, S))
+
+
+@needs_triton
+def test_a_loss_on_the_lse_alone_reaches_q_k_and_the_sinks(interpreter):
+    """Only the lse read (out's gradient is None): dv is zero, dq, dk and the sinks' gradient
+    come from the lse through delta alone."""
+    q, k, v, gen = make_inputs(2, 4, 2, 21, 37, 16, seed=18)
+    mask = key_mask("right_pad", 2, 37, gen)
+    sinks = torch.randn(4, generator=gen).to(DEVICE).requires_grad_()
+    _, lse = headwise.attention(q, k, v, mask.to(DEVICE), is_causal=True, sinks=sinks, backend="triton",
+                                return_lse=True)
+    got = torch.autograd.grad(lse.sum(), (q, k, v, sinks))
+    exact = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, sinks)]
+    _, want = headwise.attention(*exact[:3], mask, is_causal=True, sinks=exact[3], backend="matmul",
+                                 return_lse=True)
+    ref = torch.autograd.grad(want.sum(), exact, materialize_grads=True)
+    for a, b in zip(got, ref, strict=True):
+        assert_close(a, b)
+    assert (got[2] == 0).all()
+
+
+@needs_triton
+def test_torch_compile_traces_the_lse_and_its_gradient(interpreter):
+    """With return_lse the graph's backward hands the kernel the lse's gradient (a tangent,
+    materialised): the same results as eager."""
+    q, k, v, gen = make_inputs(2, 4, 2, 19, 23, 16, seed=19)
+    mask = key_mask("left_pad", 2, 23, gen).to(DEVICE)
+
+    def loss(q, k, v):
+        out, lse = headwise.attention(q, k, v, mask, is_causal=True, backend="triton", return_lse=True)
+        return out.square().sum() + torch.where(torch.isinf(lse), 0.0, lse).square().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = compiled(q, k, v)
+    got_grads = torch.autograd.grad(got, (q, k, v))
+    want = loss(q, k, v)
+    for a, b in zip(got_grads, torch.autograd.grad(want, (q, k, v)), strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("sizes", [(2, 0, 21), (2, 20, 0)], ids=["S=0", "Sk=0"])
+def test_return_lse_of_empty_inputs(interpreter, sizes):
+    Bn, S, Sk = sizes
+    q, k, v, _ = make_inputs(Bn, 4, 2, S, Sk, 16)
+    out, lse = headwise.attention(q, k, v, backend="triton", return_lse=True)
+    assert lse.shape == (Bn, 4, S) and lse.dtype == torch.float32 and torch.isneginf(lse).all()
+    direct = triton_flash.triton_attention(q, k, v, attention_mask=None, rules=Rules(), dropout_p=0.0, scale=0.25,
+                                           need_weights=False, return_lse=True)
+    assert direct[1] is None and direct[2].shape == (Bn, 4, S) and torch.isneginf(direct[2]).all()
+
+
+@needs_triton
+def test_backward_op_with_the_lse_gradient_passes_opcheck(interpreter):
+    q, k, v, gen = make_inputs(1, 2, 1, 17, 18, 16, seed=20)
+    sinks = torch.randn(2, generator=gen).to(DEVICE)
+    out, lse = triton_flash._flash_forward(q, k, v, None, None, 0.25, True, None, None, sinks, [], [])
+    dlse = torch.randn(lse.shape, generator=gen).to(DEVICE)
+    args = (torch.randn(out.shape, generator=gen).to(DEVICE), q.detach(), k.detach(), v.detach(), out.detach(),
+            lse, dlse, None, None, 0.25, True, None, False, None, sinks, [], [])
+    torch.library.opcheck(triton_flash._flash_backward, args, test_utils=("test_schema", "test_faketensor"))

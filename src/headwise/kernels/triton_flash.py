@@ -36,6 +36,10 @@ What makes it headwise's and not the Triton tutorial's:
   a dense bias, where the kernel reads one bias per key.
 * A row that may attend nothing gets output 0 and log-sum-exp ``+inf``, so backward's
   ``p = exp2(s - lse)`` is 0 there and no NaN appears, forward or backward.
+* ``return_lse``: the saved log-sum-exp is the caller's, in natural units (``-inf`` for a
+  dead row). Its gradient ``g`` needs no kernel of its own: ``d lse_i / d s_ij = p_ij``, so
+  ``ds = p (dp - delta + g)`` and the delta kernel stores ``delta - g`` (nothing on a dead
+  row); dq, dk, dv and the sinks' gradient then read it as before.
 * Logit soft-capping: each tile's product becomes ``softcap * tanh(q k^T * scale / softcap)``
   before the bias and ALiBi; backward multiplies the scores' gradient by ``1 - tanh^2``.
   ``tanh`` is built from ``exp2`` (Triton's interpreter has no libdevice), with a short
@@ -427,9 +431,14 @@ def _fwd_kernel(Q, K, V, Out, Lse, Bias, Tiles, Cum, Slopes, Sinks, Lists, Count
     tl.store(Lse + (b * H + h) * S + offs_m, lse, mask=offs_m < S)
 
 
-def _bwd_delta_kernel(Out, DO, Delta, s_ob, s_oh, s_os, s_od, s_dob, s_doh, s_dos, s_dod, S,
-                      HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O) (B, H, S) fp32: the softmax backward's per-row constant."""
+def _bwd_delta_kernel(Out, DO, Delta, Lse, DLse, s_ob, s_oh, s_os, s_od, s_dob, s_doh, s_dos, s_dod, S,
+                      HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) (B, H, S) fp32: the softmax backward's per-row constant.
+
+    With ``HAS_DLSE`` the gradient of the base-2 log-sum-exp ``Lse`` joins it: d lse / d s_ij
+    = log2(e) p_ij per natural-unit score, so ``ds = p (dp - delta + log2(e) dlse)`` and
+    delta takes ``- log2(e) dlse``; a dead row (lse ``+inf``) takes nothing."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -440,6 +449,10 @@ def _bwd_delta_kernel(Out, DO, Delta, s_ob, s_oh, s_os, s_od, s_dob, s_doh, s_do
     do = _load_tile(DO + b * s_dob + h * s_doh, offs_m, offs_d, s_dos, s_dod, S, HEAD_D, True,
                     BLOCK_D != HEAD_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BM, BD) -> (BM,)
+    if HAS_DLSE:
+        lse = tl.load(Lse + (b * H + h) * S + offs_m, mask=offs_m < S, other=float("inf"))
+        dlse = tl.load(DLse + (b * H + h) * S + offs_m, mask=offs_m < S, other=0.0)
+        delta -= tl.where(lse == float("inf"), 0.0, dlse * 1.4426950408889634)  # log2(e)
     tl.store(Delta + (b * H + h) * S + offs_m, delta, mask=offs_m < S)
 
 
@@ -1177,14 +1190,16 @@ def _(q, k, v, key_bias, alibi_slopes, scale, is_causal, window, softcap, sinks,
 
 @torch.library.custom_op("headwise::triton_flash_backward", mutates_args=())
 def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    key_bias: Tensor | None, alibi_slopes: Tensor | None, scale: float,
+                    dlse: Tensor | None, key_bias: Tensor | None, alibi_slopes: Tensor | None, scale: float,
                     is_causal: bool, window: int | None,
                     bias_grad: bool, softcap: float | None,
                     sinks: Tensor | None, rule_tiles: list[Tensor],
                     rule_block: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq (B, H, S, D), dk and dv (B, Hkv, Sk, D), d key_bias (B|1, Sk) fp32 when
     ``bias_grad`` (else an empty tensor), and d sinks (H,) fp32 when ``sinks`` is given
-    (else an empty tensor). ``rule_tiles`` / ``rule_block``: the forward's tile map, or []."""
+    (else an empty tensor). ``dlse``: the gradient of the forward's base-2 lse (B, H, S)
+    fp32, or None where nothing read it; it joins ``delta`` (dead rows take none).
+    ``rule_tiles`` / ``rule_block``: the forward's tile map, or []."""
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -1231,13 +1246,15 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     block_m = _configs("dq", D, q.dtype, interpret)[0].block_m
     with _on(q.device):
         kernels._bwd_delta_kernel[(_cdiv(S, block_m), H, B)](
-            out, dout, delta, *out.stride(), *dout.stride(), S,
-            HEAD_D=D, BLOCK_D=_block_d(D), BLOCK_M=block_m,
+            out, dout, delta, lse, delta if dlse is None else dlse.float().contiguous(),
+            *out.stride(), *dout.stride(), S,
+            HEAD_D=D, BLOCK_D=_block_d(D), BLOCK_M=block_m, HAS_DLSE=dlse is not None,
         )
         _launch("dkdv", D, q.dtype, interpret, key, run_dkdv)
         _launch("dq", D, q.dtype, interpret, key, run_dq)
     dsinks = q.new_empty(0, dtype=torch.float32)
-    if sinks is not None:  # d sink_h = -sum over rows of delta * p(sink), p(sink) = 2^(sink * log2(e) - lse)
+    if sinks is not None:  # d sink_h = -sum over rows of delta * p(sink), p(sink) = 2^(sink * log2(e) - lse);
+        # delta holds the lse's gradient already: d lse / d sink = p(sink) too
         p_sink = torch.exp2(sinks[None, :, None] * LOG2E - lse)  # (B, H, S); 0 where lse = +inf
         dsinks = -(delta * p_sink).sum(dim=(0, 2))  # (H,)
     if not bias_grad:
@@ -1249,7 +1266,7 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 
 
 @_flash_backward.register_fake
-def _(dout, q, k, v, out, lse, key_bias, alibi_slopes, scale, is_causal, window, bias_grad, softcap, sinks,
+def _(dout, q, k, v, out, lse, dlse, key_bias, alibi_slopes, scale, is_causal, window, bias_grad, softcap, sinks,
       rule_tiles, rule_block):
     dbias = key_bias.new_empty(key_bias.shape) if bias_grad else q.new_empty(0, dtype=torch.float32)
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0, dtype=torch.float32)
@@ -1261,13 +1278,16 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_bias, alibi_slopes, sinks, *rule_tiles)
     ctx.args = (scale, is_causal, window, softcap, rule_block)
+    ctx.set_materialize_grads(False)  # an lse nobody read arrives as None: backward skips its term
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, key_bias, alibi_slopes, sinks, *rule_tiles = ctx.saved_tensors
     scale, is_causal, window, softcap, rule_block = ctx.args
     bias_grad = key_bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias, dsinks = _flash_backward(dout, q, k, v, out, lse, key_bias, alibi_slopes, scale,
+    if dout is None:  # only the lse was read
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dbias, dsinks = _flash_backward(dout, q, k, v, out, lse, dlse, key_bias, alibi_slopes, scale,
                                                 is_causal, window, bias_grad, softcap, sinks, rule_tiles,
                                                 rule_block)
     return (dq, dk, dv, dbias if bias_grad else None, None, None, None, None, None,
@@ -1298,7 +1318,8 @@ def triton_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-) -> tuple[Tensor, Tensor | None]:
+    return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S)
+) -> tuple[Tensor | None, ...]:
     """Fused attention on a GPU (or Triton's interpreter); see the module docstring.
 
     Args:
@@ -1311,9 +1332,13 @@ def triton_attention(
         dropout_p: must be 0.
         scale: multiplier of q k^T.
         need_weights: must be False (the registry never asks this kernel for weights).
+        return_lse: also return each row's log-sum-exp, the forward's own (converted from
+            base 2); its gradient joins the backward's ``delta``.
 
     Returns:
-        ``(out, None)`` with out (B, H, S, D) in q's dtype.
+        ``(out, None)`` with out (B, H, S, D) in q's dtype; with ``return_lse``
+        ``(out, None, lse)``, lse (B, H, S) fp32: the natural log of each row's softmax
+        denominator, sinks counted, ``-inf`` for a row that attends nothing.
 
     Raises:
         ValueError: a mask that is not a key padding mask, dropout_p > 0, v with a head dim
@@ -1342,7 +1367,10 @@ def triton_attention(
     B, H, S, D = q.shape
     Sk = k.shape[2]
     if S == 0 or Sk == 0:  # nothing to compute; rows with no keys are zeros by the contract
-        return attached_zeros(q, k, v, *([] if sinks is None else [sinks])), None  # (B, H, S, D): zero gradients
+        out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]))  # (B, H, S, D): zero gradients
+        if return_lse:
+            return out, None, torch.full((B, H, S), float("-inf"), device=q.device)  # (B, H, S) fp32
+        return out, None
     key_bias = _key_bias(attention_mask, Sk)  # (B|1, Sk) fp32 or None
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()  # (H,)
     sinks32 = None if sinks is None else sinks.float().contiguous()  # (H,)
@@ -1354,8 +1382,10 @@ def triton_attention(
         rule_tiles = _rule_tiles(structure, key_bias, B, H, S, Sk, block, q.device)
         rule_block = list(block)
         is_causal, window = False, None
-    out, _ = _flash_forward(q, k, v, key_bias, slopes, float(scale), bool(is_causal), window,
-                            None if softcap is None else float(softcap), sinks32, rule_tiles, rule_block)
+    out, lse2 = _flash_forward(q, k, v, key_bias, slopes, float(scale), bool(is_causal), window,
+                               None if softcap is None else float(softcap), sinks32, rule_tiles, rule_block)
+    if return_lse:  # base 2, +inf where dead -> natural log, -inf there (and no gradient there)
+        return out, None, torch.where(lse2 == float("inf"), float("-inf"), lse2 * math.log(2))  # (B, H, S)
     return out, None
 
 
