@@ -208,7 +208,7 @@ def test_the_seeds_page_cites_real_stages_and_equivalence_rows():
     assert len(cited_groups) >= 4 and cited_groups - {row.group for row in measure()} == set()
 
 
-@pytest.mark.parametrize("page", ["index.md", "masks.md", "backends.md", "seeds.md"])
+@pytest.mark.parametrize("page", ["index.md", "masks.md", "backends.md", "seeds.md", "pieces.md"])
 def test_the_guides_python_examples_run(page, capsys):
     blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
     assert blocks

@@ -123,8 +123,11 @@ def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.
     if r.need_weights:
         return _WEIGHT_ORDER, "need_weights=True: it returns the probabilities and is the plainest"
     structured = r.mask_kind != "none" or r.window is not None or r.alibi or (r.is_causal and r.q_len != r.k_len)
-    if r.device.type == "cuda" and r.dtype in (torch.float16, torch.bfloat16) and (structured or r.softcap
-                                                                                  or r.sinks):
+    if r.device.type == "cuda" and (r.return_lse or r.dtype in (torch.float16, torch.bfloat16) and (
+            structured or r.softcap or r.sinks)):
+        if r.return_lse:
+            return _CUDA_STRUCTURED_ORDER, ("the log-sum-exp on CUDA: triton returns it from its fused kernel (SDPA "
+                                            "returns it only on the CPU here)")
         return _CUDA_STRUCTURED_ORDER, (
             "SDPA's flash kernel takes no mask, window, ALiBi, bottom-right causal with S != Sk or sinks and "
             "falls back to slower kernels (and cannot soft-cap); triton keeps them fused and skips padded key tiles"
