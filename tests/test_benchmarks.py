@@ -72,3 +72,13 @@ def test_rules_benchmark_pairs_the_rule_with_the_materialised_mask_and_packed_at
     assert all(seconds > 0 for _, seconds, _ in rows)
     (name, seconds, note), = rules.tile_map_time(1024, repeats=1)
     assert seconds > 0 and "8 x 8 tiles of 128 x 128" in note
+
+
+def test_paged_benchmark_pairs_each_target_with_its_baseline():
+    paged = _load("paged")
+    rows = [paged.decode_target(2, 40, 32, 4, 2, repeats=1), *paged.shared_target(3, 32, 16, 32, 4, 2, repeats=1),
+            paged.ragged_target([8, 24, 40], 32, 4, 2, repeats=1)]
+    assert [name for name, _, _ in rows] == ["paged decode step", "shared prefix step", "shared prefix pool",
+                                             "ragged batch step"]
+    assert all(value > 0 for _, value, _ in rows)
+    assert rows[2][1] == 1.0  # 32 + 3 x 16 tokens in pages of 16: every slot holds a unique token

@@ -11,6 +11,8 @@ from headwise.dispatch import Dispatch
 from headwise.functional import attention, available_backends, choose_backend
 from headwise.module import MultiHeadAttention
 from headwise.packing import packed_attention
+from headwise.paged import paged_attention
+from headwise.paged_cache import PagedKVCache
 from headwise.pieces import merge_attentions
 from headwise.tracing import Trace, trace
 
@@ -22,6 +24,8 @@ __all__ = [
     "choose_backend",
     "masks",
     "packed_attention",
+    "paged_attention",
+    "PagedKVCache",
     "reference",
     "trace",
     "Trace",

@@ -41,6 +41,7 @@ from headwise.mask_mods import MaskMod, ScoreMod
 from headwise.masks import alibi_slopes
 from headwise.module import cached, checks, context_parallel, dense, fused, packed, report, ruled, torch_mha
 from headwise.module import memo as memos
+from headwise.module import paged as paged_path
 from headwise.module import plan as planning
 from headwise.module.plan import Plan
 from headwise.positions import RotaryEmbedding
@@ -353,6 +354,9 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ValueError / TypeError: inputs or mask that do not fit; see the messages.
         """
+        if isinstance(cache, paged_path.PAGED):  # a PagedKVCache (or its batch()): module/paged.py
+            return paged_path.forward(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod,
+                                      score_mod)
         if need_weights or weights_heads is not None or weights_rows is not None:
             need_weights = select_weights(need_weights, weights_heads, weights_rows, self.num_heads,
                                           x.shape[-2] if isinstance(x, Tensor) and x.dim() == 3 else 0) or False

@@ -1,0 +1,153 @@
+"""Paged KV cache targets (issue 27): a paged decode step, a shared prefix, a ragged batch.
+
+Each target times one decoding step of ``MultiHeadAttention`` (E=1024, H=16, Hkv=4, fp32,
+one new token per sequence) both ways in turns (paired repeats, medians of the per-pair
+ratios), in one run:
+
+- paged decode: B=16 sequences of 2,048 keys, :class:`headwise.PagedKVCache` against the
+  dynamic ``KVCache`` with the same lengths (target: at most 1.1x its time);
+- shared prefix: 32 sequences forked from one 4,096-token prefix, 64-token suffixes each,
+  the prefix attended once against the same paged step without sharing (target: at least
+  3x faster), and the pool's pages in use against the unique tokens (target: at most 1.1x);
+- ragged batch: 16 sequences of 64..4,096 keys, one paged step against the dynamic cache
+  padded to the longest with a key padding mask (target: at least 1.5x faster).
+
+Keys and values are appended to the caches directly (random, as a prefill would leave
+them); every step appends one more position per sequence.
+
+    python benchmarks/paged.py [--quick] [--repeats 15] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import headwise
+from headwise import paged
+from headwise.bench import cpu_name
+
+PAGE = 16
+
+
+def paired_ratio(slow: Callable[[], object], fast: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """Median seconds of ``slow`` and ``fast`` timed in turns, and the median of the per-pair ratios slow / fast."""
+    slow(), fast()  # warm up
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, times in ((slow, a), (fast, b)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def module(E: int, H: int, Hkv: int) -> headwise.MultiHeadAttention:
+    torch.manual_seed(0)
+    return headwise.MultiHeadAttention(E, H, num_kv_heads=Hkv, is_causal=True).eval()
+
+
+def paged_cache(mha, lengths: list[int], spare: int, forks: int = 0) -> headwise.PagedKVCache:
+    """A pool holding sequences of ``lengths`` random keys, with room for ``spare`` more positions each
+    and for ``forks`` more sequences of ``spare`` positions."""
+    pages = sum(-(-(n + spare) // PAGE) for n in lengths) + forks * (-(-spare // PAGE) + 1)
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=2 * pages, page_size=PAGE)
+    for n in lengths:
+        seq = cache.add()
+        cache.append([seq], torch.randn(1, mha.num_kv_heads, n, mha.head_dim),
+                     torch.randn(1, mha.num_kv_heads, n, mha.head_dim))
+    return cache
+
+
+def dynamic_cache(mha, lengths: list[int], spare: int):
+    """``KVCache`` of B rows padded to the longest of ``lengths`` (a key padding mask where they differ)."""
+    B, L = len(lengths), max(lengths)
+    cache = mha.new_cache(B, L + spare)
+    k, v = torch.randn(B, mha.num_kv_heads, L, mha.head_dim), torch.randn(B, mha.num_kv_heads, L, mha.head_dim)
+    if len(set(lengths)) == 1:
+        cache.append(k, v)
+    else:  # left padding: every row's next token goes at position L
+        mask = torch.arange(L)[None, :] >= torch.tensor([L - n for n in lengths])[:, None]  # (B, L)
+        cache.update(k, v, mask)
+    return cache
+
+
+def decode_target(B: int, L: int, E: int, H: int, Hkv: int, repeats: int) -> tuple[str, float, str]:
+    mha = module(E, H, Hkv)
+    dyn, pc = dynamic_cache(mha, [L] * B, repeats + 2), paged_cache(mha, [L] * B, repeats + 2)
+    x = torch.randn(B, 1, E)
+    with torch.inference_mode():
+        t_dyn, t_paged, ratio = paired_ratio(lambda: mha(x, cache=dyn), lambda: mha(x, cache=pc), repeats)
+    return ("paged decode step", 1 / ratio,
+            f"paged {t_paged * 1e3:.1f} ms, dynamic KVCache {t_dyn * 1e3:.1f} ms (B={B}, {L} keys each): "
+            f"paged / dynamic {1 / ratio:.2f}x (target <= 1.1x)")
+
+
+def shared_target(B: int, prefix: int, suffix: int, E: int, H: int, Hkv: int,
+                  repeats: int) -> list[tuple[str, float, str]]:
+    mha = module(E, H, Hkv)
+    cache = paged_cache(mha, [prefix], repeats + 2 + suffix, forks=B - 1)
+    root = cache.sequences[0]
+    seqs = [root] + [cache.fork(root) for _ in range(B - 1)]
+    cache.append(seqs, torch.randn(B, Hkv, suffix, mha.head_dim), torch.randn(B, Hkv, suffix, mha.head_dim))
+    unique = prefix + B * suffix
+    in_use = cache.pages_in_use
+    memory = in_use * PAGE / unique
+    x = torch.randn(B, 1, E)
+    batch = cache.batch(seqs)
+
+    def unshared():
+        saved, paged.SHARED_PREFIX_MIN_KEYS = paged.SHARED_PREFIX_MIN_KEYS, sys.maxsize
+        try:
+            return mha(x, cache=batch)
+        finally:
+            paged.SHARED_PREFIX_MIN_KEYS = saved
+
+    with torch.inference_mode():
+        t_plain, t_shared, ratio = paired_ratio(unshared, lambda: mha(x, cache=batch), repeats)
+    return [("shared prefix step", ratio,
+             f"shared {t_shared * 1e3:.1f} ms, without sharing {t_plain * 1e3:.1f} ms ({B} sequences, "
+             f"{prefix}-token prefix, {suffix}-token suffixes): {ratio:.1f}x faster (target >= 3x)"),
+            ("shared prefix pool", memory,
+             f"{in_use} pages of {PAGE} = {in_use * PAGE} slots for {unique} unique tokens, before "
+             f"decoding: {memory:.3f}x (target <= 1.1x); a dense cache holds {B * (prefix + suffix)}")]
+
+
+def ragged_target(lengths: list[int], E: int, H: int, Hkv: int, repeats: int) -> tuple[str, float, str]:
+    mha = module(E, H, Hkv)
+    dyn, pc = dynamic_cache(mha, lengths, repeats + 2), paged_cache(mha, lengths, repeats + 2)
+    x = torch.randn(len(lengths), 1, E)
+    with torch.inference_mode():
+        t_dyn, t_paged, ratio = paired_ratio(lambda: mha(x, cache=dyn), lambda: mha(x, cache=pc), repeats)
+    return ("ragged batch step", ratio,
+            f"paged {t_paged * 1e3:.1f} ms, padded dynamic KVCache {t_dyn * 1e3:.1f} ms ({len(lengths)} sequences "
+            f"of {min(lengths)}..{max(lengths)} keys): {ratio:.2f}x faster (target >= 1.5x)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not the targets")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        E, H, Hkv, B, L, shared, lengths = 64, 4, 2, 4, 64, (4, 64, 8), [8, 24, 40, 64]
+    else:
+        E, H, Hkv, B, L, shared = 1024, 16, 4, 16, 2048, (32, 4096, 64)
+        lengths = torch.linspace(64, 4096, 16).round().int().tolist()
+    print(f"# paged KV cache: {cpu_name()}, torch {torch.__version__}, {args.threads} thread(s), fp32, "
+          f"E={E}, H={H}, Hkv={Hkv}, median of {args.repeats} paired repeats")
+    rows = [decode_target(B, L, E, H, Hkv, args.repeats), *shared_target(*shared, E, H, Hkv, args.repeats),
+            ragged_target(lengths, E, H, Hkv, args.repeats)]
+    for name, value, note in rows:
+        print(f"  {name:<22} {value:>6.2f}  {note}")
+
+
+if __name__ == "__main__":
+    main()

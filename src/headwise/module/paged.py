@@ -1,0 +1,112 @@
+"""The paged path: one decoding step of many sequences through a :class:`~headwise.PagedKVCache`.
+
+x (B, T, E) holds the next T positions of B sequences of any lengths; each sequence's
+keys and values are appended to its pages and its queries attend its own keys through
+:func:`headwise.paged_attention` (bottom-right causal; shared prefixes attended once).
+Rotary positions continue from each sequence's own length. A refused step (a kernel's
+refusal, an interrupt) leaves the cache's sequences as they were.
+
+Legend: B sequences, H query heads, Hkv key/value heads, T new positions, D head dim,
+Dv value head dim, E embed dim.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import Tensor
+
+from headwise import tracing as trace
+from headwise.module import checks
+from headwise.module import projections as proj
+from headwise.paged import paged_attention
+from headwise.paged_cache import PagedBatch, PagedKVCache
+
+if TYPE_CHECKING:
+    from headwise.module.layer import MultiHeadAttention
+
+PAGED = (PagedKVCache, PagedBatch)  # what forward's cache= routes here
+
+
+def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: Any, is_causal: bool | None,
+            need_weights: bool, cache: PagedKVCache | PagedBatch, mask_mod: Any = None,
+            score_mod: Any = None) -> Tensor:
+    """One step for the batch's sequences (a :class:`PagedKVCache`: all its sequences, in
+    the order they were added), undone if it is refused after the cache changed."""
+    batch = cache if isinstance(cache, PagedBatch) else cache.batch(cache.sequences)
+    _check(mha, x, batch, attention_mask, context, need_weights, mask_mod, score_mod)
+    causal = mha.is_causal if is_causal is None else bool(is_causal)
+    saved = batch.cache.savepoint(batch.seqs)
+    try:
+        return _step(mha, x, batch, causal)
+    except BaseException:
+        batch.cache.rollback(saved)
+        raise
+
+
+def _step(mha: MultiHeadAttention, x: Tensor, batch: PagedBatch, causal: bool) -> Tensor:
+    if trace.ACTIVE:
+        trace.begin_call()
+        trace.record("input", x, "x: (B, T, E), the next T positions of B paged sequences")
+    cache, seqs = batch.cache, batch.seqs
+    q, k, v = proj.project_heads(mha, x, None)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv)
+    q, k = proj.normalize(mha, q, k)
+    q, k = _rotate(mha, q, k, [cache.length(s) for s in seqs])
+    cache.append(seqs, k, v)
+    out = paged_attention(q, cache.k_pages, cache.v_pages, cache.block_table(seqs), cache.seq_lens(seqs),
+                                  is_causal=causal, backend=mha.backend, window=mha.window,
+                                  alibi_slopes=mha.alibi_slopes, softcap=mha.softcap, sinks=mha.sinks,
+                                  sink_tokens=mha.sink_tokens)  # (B, H, T, Dv)
+    return proj.output(mha, cast(Tensor, out), None)  # (B, H, T, Dv) -> (B, T, E)
+
+
+def _rotate(mha: MultiHeadAttention, q: Tensor, k: Tensor, starts: list[int]) -> tuple[Tensor, Tensor]:
+    """Rotary positions from each sequence's own length, one call per distinct length."""
+    if mha.rope is None:
+        return q, k
+    if len(set(starts)) == 1:
+        return proj.rotate(mha, q, k, starts[0])
+    rows: dict[int, list[int]] = defaultdict(list)
+    for b, start in enumerate(starts):
+        rows[start].append(b)
+    q, k = q.clone(), k.clone()  # (B, H, T, D), (B, Hkv, T, D): rows rotated group by group
+    for start, members in rows.items():
+        index = torch.tensor(members, device=q.device)
+        q_b, k_b = proj.rotate(mha, q.index_select(0, index), k.index_select(0, index), start)
+        q.index_copy_(0, index, q_b)
+        k.index_copy_(0, index, k_b)
+    return q, k
+
+
+def _check(mha: MultiHeadAttention, x: Any, batch: PagedBatch, attention_mask: Any, context: Any,
+           need_weights: bool, mask_mod: Any, score_mod: Any) -> None:
+    """What a paged step cannot take, refused before anything changes."""
+    refused = [(context is not None, "context= (cross-attention): a paged cache holds self-attention keys"),
+               (attention_mask is not None, "attention_mask: each sequence's length is its own in the cache, so "
+                "there is no padding to mask; step sequences of other lengths of T in calls of their own"),
+               (need_weights, "need_weights: no (B, H, T, Sk) weights exist across sequences of other lengths"),
+               (mask_mod is not None or score_mod is not None or mha.mask_mod is not None or mha.score_mod is not None,
+                "mask_mod / score_mod: use a dense cache (mha.new_cache) for rules as functions"),
+               (mha.context_parallel is not None, "context_parallel: a paged cache lives in one process"),
+               (mha.training and mha.dropout > 0, f"dropout={mha.dropout} in training mode: decode in eval mode "
+                "(mha.eval())")]
+    for refuse, why in refused:
+        if refuse:
+            raise ValueError(f"a paged cache step does not take {why}")
+    checks.check_inputs(mha, x, None, None)
+    pool, w = batch.cache.k_pages, mha.reference_weight()
+    _, Hkv, _, D = pool.shape
+    Dv = batch.cache.v_pages.shape[-1]
+    want = (mha.num_kv_heads, mha.head_dim, mha.v_head_dim, w.dtype, w.device)
+    if (Hkv, D, Dv, pool.dtype, pool.device) != want:
+        raise ValueError(f"the paged cache holds kv_heads={Hkv}, head_dim={D}, value_dim={Dv}, {pool.dtype} on "
+                         f"{pool.device}; this module needs kv_heads={want[0]}, head_dim={want[1]}, value_dim="
+                         f"{want[2]}, {want[3]} on {want[4]}: make it with PagedKVCache.for_module(mha, ...)")
+    if x.shape[0] != len(batch.seqs):
+        raise ValueError(f"x has {x.shape[0]} rows but the paged batch names {len(batch.seqs)} sequences "
+                         f"{list(batch.seqs)}; give one row of x per sequence (cache.batch(seqs))")
+    if torch.is_grad_enabled() and (x.requires_grad or mha.trains()):
+        raise ValueError("a paged cache step writes the new keys and values into the pool in place, which autograd "
+                         "cannot differentiate; decode under torch.no_grad() (or torch.inference_mode())")

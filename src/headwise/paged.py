@@ -1,0 +1,299 @@
+"""Paged attention: each sequence's keys and values live in fixed-size pages of one pool.
+
+A sequence's first ``seq_lens[b]`` keys are the pages ``block_table[b, 0], block_table[b, 1],
+...`` read in order, ``page_size`` keys a page, the last page possibly partial. Nothing is
+gathered into a padded (B, Hkv, max_len, D) copy: each sequence attends its own keys, as a
+view of the pool where its pages are one run of consecutive ids (and the pool is laid out
+(Hkv, num_pages, page_size, D) in memory, as :class:`headwise.PagedKVCache` keeps it), else
+through one ``index_select`` of exactly its pages. Slots past ``seq_lens[b]`` and pages no
+sequence reads are never read, so they may hold anything, NaN included.
+
+Shared prefixes (cascade attention): sequences whose block tables begin with the same pages
+(forks of one prompt) attend those pages once, all their queries stacked as one query block
+(the prefix precedes every query, so no causal rule applies there), and their own suffixes
+separately; :func:`headwise.merge_attentions` merges the two by log-sum-exp, exactly.
+
+Legend: B batch, H query heads, Hkv key/value heads, T new tokens (queries) per sequence,
+N pages in the pool, P page size, L a sequence's keys, D head dim of q and k, Dv of v.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from headwise import tracing as trace
+from headwise.functional import attend
+from headwise.pieces import merge_attentions
+
+__all__ = ["paged_attention", "SHARED_PREFIX_MIN_KEYS"]
+
+# share_prefix="auto" attends a shared prefix once where that saves reading at least this
+# many keys per kv head, (sequences - 1) x prefix keys: below it, the extra prefix call and
+# the merge cost more than the reads they save (benchmarks/paged.py measures both ways).
+SHARED_PREFIX_MIN_KEYS = 1024
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The keywords every per-sequence call takes, as :func:`headwise.attention` names them."""
+
+    is_causal: bool
+    scale: float | None
+    backend: str
+    window: int | None
+    alibi_slopes: Tensor | None
+    softcap: float | None
+    sinks: Tensor | None
+    sink_tokens: int
+
+
+def paged_attention(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor | Sequence[int],
+    *,
+    is_causal: bool = True,
+    scale: float | None = None,  # None: 1 / sqrt(D)
+    backend: str = "auto",
+    window: int | None = None,  # None: unlimited
+    alibi_slopes: Tensor | None = None,  # None: no ALiBi bias
+    softcap: float | None = None,  # None: no logit soft-capping
+    sinks: Tensor | None = None,  # None: no attention sinks
+    sink_tokens: int = 0,  # 0: none; n: the first n keys stay visible under the window
+    share_prefix: bool | str = "auto",  # "auto": where it saves SHARED_PREFIX_MIN_KEYS reads; True: always; False
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of T new queries per sequence over each sequence's keys, read through its pages.
+
+    The result equals ``headwise.attention(q[b:b+1], k_b, v_b, ...)`` for each b, where
+    ``k_b`` (1, Hkv, seq_lens[b], D) is the sequence's first ``seq_lens[b]`` keys gathered
+    through ``block_table[b]``: the T queries are its last T positions (bottom-right causal,
+    which covers decoding, chunked prefill and speculative verification with T > 1).
+
+    Args:
+        q: queries (B, H, T, D) of the T new tokens of each sequence.
+        k_pages: (N, Hkv, P, D) the key pool; ``H % Hkv == 0`` (grouped-query attention).
+        v_pages: (N, Hkv, P, Dv) the value pool; Dv may differ from D.
+        block_table: (B, max_pages) integer page ids; only the first
+            ``ceil(seq_lens[b] / P)`` of row b are read (the rest may be anything, e.g. -1).
+        seq_lens: (B,) integer tensor or ints: each sequence's keys, its T new ones included.
+        is_causal, scale, backend, window, alibi_slopes, softcap, sinks, sink_tokens: as
+            :func:`headwise.attention` takes them, positions counted from each sequence's start.
+        share_prefix: attend the pages that several sequences' block tables begin with once
+            for all of them (``"auto"``: where it saves at least :data:`SHARED_PREFIX_MIN_KEYS`
+            key reads; True: wherever one full page before every query is shared; False:
+            never). Without ``window`` and ``alibi_slopes`` only (those depend on each query's
+            distance to the prefix keys); the result is the same either way.
+        return_lse: also return the (B, H, T) log-sum-exp, as :func:`headwise.attention` does.
+
+    Returns:
+        (B, H, T, Dv), and with ``return_lse`` the (B, H, T) lse after it.
+
+    Raises:
+        TypeError: non-tensor or non-integer tables and lengths, dtypes that differ.
+        ValueError: shapes that do not fit, a length outside ``T..max_pages * P``, a page id
+            outside the pool, and what :func:`headwise.attention` refuses.
+
+    >>> import torch, headwise
+    >>> k_pages, v_pages = torch.randn(8, 2, 4, 16), torch.randn(8, 2, 4, 16)  # 8 pages of 4 keys
+    >>> table = torch.tensor([[0, 1, 2], [5, 3, -1]])
+    >>> out = headwise.paged_attention(torch.randn(2, 4, 1, 16), k_pages, v_pages, table, torch.tensor([10, 6]))
+    >>> out.shape
+    torch.Size([2, 4, 1, 16])
+    """
+    lens, tables = _check(q, k_pages, v_pages, block_table, seq_lens, share_prefix)
+    options = _Options(bool(is_causal), scale, backend, window, alibi_slopes, softcap, sinks, sink_tokens)
+    if trace.ACTIVE:
+        trace.begin_call()
+    B, T, P = q.shape[0], q.shape[2], k_pages.shape[2]
+    pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
+    shareable = window is None and alibi_slopes is None and share_prefix is not False
+    groups = shared_prefixes(tables, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
+        if shareable else []
+    outs: list[Tensor | None] = [None] * B
+    lses: list[Tensor | None] = [None] * B
+    for members, shared in groups:
+        out, lse = _attend_shared(q, pools, tables, lens, members, shared, options)
+        for n, b in enumerate(members):
+            outs[b], lses[b] = out[n:n + 1], lse[n:n + 1]
+    for b in range(B):
+        if outs[b] is None:
+            keys = _keys(pools, tables[b], 0, lens[b])
+            outs[b], lses[b] = _attend(q[b:b + 1], keys, options, sinks=True, lse=return_lse)  # (1, H, T, Dv)
+    out = torch.cat(cast(list[Tensor], outs))  # (B, H, T, Dv)
+    if trace.ACTIVE:
+        trace.record("paged attention", out, f"{B} sequences of {T} queries over their pages ({P} keys a page); "
+                     + (f"{len(groups)} shared prefixes attended once" if groups else "no shared prefix"))
+    if not return_lse:
+        return out
+    return out, torch.cat(cast(list[Tensor], lses))  # (B, H, T)
+
+
+def _attend(q: Tensor, keys: tuple[Tensor, Tensor], options: _Options, *, sinks: bool, lse: bool = True,
+            is_causal: bool | None = None) -> tuple[Tensor, Tensor | None]:
+    """``attend`` over one set of keys: ``(out (.., H, S, Dv), lse (.., H, S))``, the lse None
+    unless asked (a kernel's lse path may cost more); ``sinks``: count the sink logits here."""
+    k, v = keys
+    result = attend(q, k, v, is_causal=options.is_causal if is_causal is None else is_causal,
+                    scale=options.scale, backend=options.backend, window=options.window,
+                    alibi_slopes=options.alibi_slopes, softcap=options.softcap,
+                    sinks=options.sinks if sinks else None, sink_tokens=options.sink_tokens, return_lse=lse)
+    if not lse:
+        return cast(Tensor, result), None
+    out, row_lse = cast(tuple[Tensor, Tensor], result)
+    return out, row_lse
+
+
+def _attend_lse(q: Tensor, keys: tuple[Tensor, Tensor], options: _Options,
+                is_causal: bool | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`_attend` with the lse and without the sinks (the shared path merges them in once)."""
+    out, lse = _attend(q, keys, options, sinks=False, is_causal=is_causal)
+    return out, cast(Tensor, lse)
+
+
+def _attend_shared(q: Tensor, pools: tuple[Tensor, Tensor], tables: list[list[int]], lens: list[int],
+                   members: list[int], shared: int, options: _Options) -> tuple[Tensor, Tensor]:
+    """The members' attention: their shared prefix of ``shared`` pages once, each suffix on
+    its own, merged by lse: ``(out (n, H, T, Dv), lse (n, H, T))`` in the order of ``members``.
+
+    The prefix call folds the query heads of a kv head and all the members' queries into
+    one block of rows per kv head, (1, Hkv, G*n*T, D): one pass over the prefix keys, as a
+    matrix product. The sink logits, per query head, are then a part of their own in the
+    merge (a part with no output and lse ``sinks[h]``)."""
+    _, H, T, D = q.shape
+    Hkv, _, P, _ = pools[0].shape
+    n, G = len(members), H // Hkv
+    index = torch.tensor(members, device=q.device)
+    rows = q.index_select(0, index).reshape(n, Hkv, G, T, D)  # (n, H, T, D) -> (n, Hkv, G, T, D)
+    rows = rows.permute(1, 2, 0, 3, 4).reshape(1, Hkv, G * n * T, D)  # -> (Hkv, G, n, T, D) -> (1, Hkv, G*n*T, D)
+    prefix = _keys(pools, tables[members[0]][:shared], 0, shared * P)
+    # Every prefix key precedes every query of every member: nothing causal to mask there.
+    out_p, lse_p = _attend_lse(rows, prefix, options, is_causal=False)  # (1, Hkv, G*n*T, Dv), (1, Hkv, G*n*T)
+    out_p = out_p.reshape(Hkv, G, n, T, -1).permute(2, 0, 1, 3, 4).reshape(n, H, T, -1)  # -> (n, H, T, Dv)
+    lse_p = lse_p.reshape(Hkv, G, n, T).permute(2, 0, 1, 3).reshape(n, H, T)  # -> (n, H, T)
+    suffixes = [_attend_lse(q[b:b + 1], _keys(pools, tables[b], shared, lens[b]), options)
+                for b in members]  # each (1, H, T, Dv), (1, H, T): bottom-right causal over its own keys
+    outs, lses = [out_p, torch.cat([o for o, _ in suffixes])], [lse_p, torch.cat([s for _, s in suffixes])]
+    if options.sinks is not None:  # (H,) logits: probability mass that adds nothing to the output
+        outs.append(torch.zeros_like(out_p))
+        lses.append(options.sinks.to(lse_p.dtype).reshape(1, H, 1).expand(n, H, T))
+    if trace.ACTIVE:
+        trace.record("shared prefix", out_p, f"{n} sequences attend their {shared * P} shared prefix keys once "
+                     f"({G * n * T} rows a kv head), their suffixes apart; merged by log-sum-exp")
+    return merge_attentions(outs, lses)
+
+
+def _keys(pools: tuple[Tensor, Tensor], pages: list[int], first: int, end: int) -> tuple[Tensor, Tensor]:
+    """Keys ``first * P .. end - 1`` of a sequence whose pages are ``pages``: (1, Hkv, L, D)
+    and (1, Hkv, L, Dv). A view of the pools where those pages are consecutive ids (and the
+    pool's pages of one head are adjacent in memory); else one ``index_select`` of them."""
+    k_pool, v_pool = pools  # (Hkv, N, P, D), (Hkv, N, P, Dv)
+    P = k_pool.shape[2]
+    used = pages[first:-(-end // P)]  # the pages holding keys first * P .. end - 1
+    start, count = used[0], len(used)
+    one_run = used[-1] - start == count - 1 and used == list(range(start, start + count))
+    index = None if one_run else torch.tensor(used, device=k_pool.device)
+    keys = []
+    for pool in (k_pool, v_pool):
+        pages_of = pool[:, start:start + count] if index is None else pool.index_select(1, index)  # (Hkv, n, P, D)
+        flat = pages_of.reshape(pool.shape[0], count * P, pool.shape[-1])  # (Hkv, n*P, D): a view for one run
+        keys.append(flat[:, :end - first * P].unsqueeze(0))  # (1, Hkv, L, D): slots past the length never read
+    return keys[0], keys[1]
+
+
+def shared_prefixes(tables: list[list[int]], lens: list[int], T: int, P: int,
+                    min_keys: int = SHARED_PREFIX_MIN_KEYS) -> list[tuple[list[int], int]]:
+    """The groups of sequences whose block tables begin with the same pages: ``(members,
+    pages shared)``, two members or more, where every shared page is full and precedes
+    every query of every member, and the sharing saves ``(members - 1) x keys >= min_keys``.
+
+    >>> shared_prefixes([[7, 8, 1], [7, 8, 2], [3, 4, 5]], [12, 10, 12], T=1, P=4, min_keys=1)
+    [([0, 1], 2)]
+    """
+    by_first: dict[int, list[int]] = defaultdict(list)
+    for b, pages in enumerate(tables):
+        if (lens[b] - T) // P >= 1:  # a full page before its first query
+            by_first[pages[0]].append(b)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        shared = min((lens[b] - T) // P for b in members)
+        first = tables[members[0]]
+        for b in members[1:]:
+            other = tables[b]
+            shared = next((i for i in range(1, shared) if other[i] != first[i]), shared)
+        if (len(members) - 1) * shared * P >= min_keys:
+            groups.append((members, shared))
+    return groups
+
+
+def _check(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor | Sequence[int],
+           share_prefix: bool | str) -> tuple[list[int], list[list[int]]]:
+    """Check the pools and tables (the options are :func:`headwise.attention`'s to check):
+    ``(lengths, pages read per sequence)``."""
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D tensor {'(B, H, T, D)' if name == 'q' else '(N, Hkv, P, D)'}, "
+                             f"got {shape}")
+    if k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"k_pages {tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)} must agree on (N, Hkv, "
+                         "P): pages, kv heads and page size; only the head dim may differ")
+    if k_pages.shape[2] < 1:
+        raise ValueError(f"page_size must be >= 1, got pools of shape {tuple(k_pages.shape)}")
+    if share_prefix not in (True, False, "auto"):
+        raise ValueError(f"share_prefix must be 'auto', True or False, got {share_prefix!r}")
+    lens = _lengths(seq_lens, q.shape[0])
+    if not isinstance(block_table, Tensor) or block_table.is_floating_point() or block_table.is_complex() \
+            or block_table.dtype == torch.bool:
+        raise TypeError(f"block_table must be an integer tensor (B, max_pages) of page ids, got "
+                        f"{block_table.dtype if isinstance(block_table, Tensor) else type(block_table).__name__}")
+    B, T = q.shape[0], q.shape[2]
+    if T < 1:
+        raise ValueError(f"q must hold at least one new token per sequence, (B, H, T, D) with T >= 1, got "
+                         f"{tuple(q.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"block_table must be (B, max_pages) = ({B}, max_pages), one row per sequence of q, got "
+                         f"{tuple(block_table.shape)}")
+    N, P = k_pages.shape[0], k_pages.shape[2]
+    rows = block_table.tolist()
+    tables = []
+    for b, L in enumerate(lens):
+        if not T <= L <= len(rows[b]) * P:
+            raise ValueError(f"seq_lens[{b}] = {L} must lie in T..max_pages * page_size = {T}..{len(rows[b]) * P}: "
+                             "a sequence holds its T new keys, in at most the pages its block_table row names")
+        pages = rows[b][:-(-L // P)]
+        bad = [p for p in pages if not 0 <= p < N]
+        if bad:
+            raise ValueError(f"block_table[{b}] names page {bad[0]} among the {len(pages)} pages its {L} keys fill, "
+                             f"outside the pool's 0..{N - 1}")
+        tables.append(pages)
+    return lens, tables
+
+
+def _lengths(seq_lens: Tensor | Sequence[int], B: int) -> list[int]:
+    """``seq_lens`` as B ints (a host read of a tensor)."""
+    if isinstance(seq_lens, Tensor):
+        if seq_lens.is_floating_point() or seq_lens.is_complex() or seq_lens.dtype == torch.bool:
+            raise TypeError(f"seq_lens must be an integer tensor (B,), got {seq_lens.dtype}")
+        lens = seq_lens.tolist()
+    elif isinstance(seq_lens, Sequence) and all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
+                                                for n in seq_lens):
+        lens = [int(n) for n in seq_lens]
+    else:
+        raise TypeError(f"seq_lens must be an integer tensor (B,) or a sequence of ints, got "
+                        f"{type(seq_lens).__name__}")
+    if not isinstance(lens, list) or len(lens) != B:
+        raise ValueError(f"seq_lens must hold one length per sequence of q, (B,) = ({B},), got "
+                         f"{tuple(seq_lens.shape) if isinstance(seq_lens, Tensor) else len(lens)}")
+    return lens

@@ -1,0 +1,111 @@
+"""MultiHeadAttention through a PagedKVCache: ragged batches decoded together equal each
+sequence's own full causal forward, in float64, for every option the module has.
+
+Legend: B sequences, T new positions, E embed dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+
+E = 32
+MODULES = {
+    "GQA + rope": dict(num_kv_heads=2, rope=True),
+    "MQA + qk norm": dict(num_kv_heads=1, qk_norm="rms", rope=True),
+    "window + sink tokens": dict(num_kv_heads=2, window=4, sink_tokens=2),
+    "alibi": dict(alibi=True),
+    "softcap + sinks": dict(num_kv_heads=2, softcap=2.0, sinks=True),
+    "value head dim": dict(num_kv_heads=2, v_head_dim=6),
+}
+
+
+def module(**kwargs) -> headwise.MultiHeadAttention:
+    mha = headwise.MultiHeadAttention(E, 4, is_causal=True, dtype=torch.float64, **kwargs).eval()
+    if mha.sinks is not None:
+        with torch.no_grad():
+            mha.sinks.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    return mha
+
+
+def nan_cache(mha, num_pages=64, page_size=4) -> headwise.PagedKVCache:
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=num_pages, page_size=page_size)
+    cache.k_pages.fill_(float("nan"))  # free pages and slots past the lengths: NaN, never read
+    cache.v_pages.fill_(float("nan"))
+    return cache
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_ragged_decoding_equals_each_sequences_full_forward(name):
+    mha = module(**MODULES[name])
+    cache = nan_cache(mha)
+    prompts = [3, 9, 6]
+    xs = [torch.randn(1, n + 4, E, dtype=torch.float64) for n in prompts]
+    seqs = [cache.add() for _ in prompts]
+    with torch.no_grad():
+        for s, x, n in zip(seqs, xs, prompts, strict=True):  # chunked prefill: two calls of its own
+            mha(x[:, :n - 2], cache=cache.batch([s]))
+            mha(x[:, n - 2:n], cache=cache.batch([s]))
+        steps = [mha(torch.cat([x[:, n:n + 1] for x, n in zip(xs, prompts, strict=True)]), cache=cache)]
+        steps.append(mha(torch.cat([x[:, n + 1:n + 4] for x, n in zip(xs, prompts, strict=True)]), cache=cache))
+        for b, (x, n) in enumerate(zip(xs, prompts, strict=True)):  # T = 3 (speculative verification)
+            full = mha(x, is_causal=True)
+            got = torch.cat([y[b:b + 1] for y in steps], dim=1)
+            torch.testing.assert_close(got, full[:, n:], rtol=0, atol=1e-12)
+    assert cache.seq_lens(seqs).tolist() == [n + 4 for n in prompts]
+
+
+@pytest.mark.parametrize("name", ["GQA + rope", "softcap + sinks"])
+def test_forks_share_the_prompt_and_decode_apart(name, monkeypatch):
+    from headwise import paged
+
+    monkeypatch.setattr(paged, "SHARED_PREFIX_MIN_KEYS", 1)  # share even this small prompt
+    mha = module(**MODULES[name])
+    cache = nan_cache(mha)
+    prompt = torch.randn(1, 10, E, dtype=torch.float64)
+    root = cache.add()
+    with torch.no_grad():
+        mha(prompt, cache=cache.batch([root]))
+        forks = [root] + [cache.fork(root) for _ in range(3)]
+        assert cache.pages_in_use == 3
+        tails = torch.randn(4, 5, E, dtype=torch.float64)
+        steps = [mha(tails[:, t:t + 1], cache=cache.batch(forks)) for t in range(5)]
+        # the shared partial page copied by the first three writers (the last holds it alone), one new page each
+        assert cache.pages_in_use == 3 + 3 + 4
+        for b in range(4):
+            full = mha(torch.cat([prompt, tails[b:b + 1]], dim=1), is_causal=True)
+            torch.testing.assert_close(torch.cat([y[b:b + 1] for y in steps], dim=1), full[:, 10:], rtol=0,
+                                       atol=1e-12)
+
+
+def test_refusals_change_nothing():
+    mha = module(num_kv_heads=2)
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=3, page_size=4)
+    a, b = cache.add(), cache.add()
+    x = torch.randn(2, 1, E, dtype=torch.float64)
+    with torch.no_grad():
+        mha(torch.randn(2, 4, E, dtype=torch.float64), cache=cache)
+        with pytest.raises(ValueError, match="does not take attention_mask"):
+            mha(x, torch.ones(2, 1, dtype=torch.bool), cache=cache)
+        with pytest.raises(ValueError, match="does not take need_weights"):
+            mha(x, cache=cache, need_weights=True)
+        with pytest.raises(ValueError, match=r"does not take context="):
+            mha(x, context=x, cache=cache)
+        with pytest.raises(ValueError, match="does not take mask_mod / score_mod"):
+            mha(x, cache=cache, mask_mod=headwise.masks.causal)
+        with pytest.raises(ValueError, match=r"x has 2 rows but the paged batch names 1 sequences \[0\]"):
+            mha(x, cache=cache.batch([a]))
+        with pytest.raises(ValueError, match="needs 2 free pages for this step"):
+            mha(x, cache=cache)
+        other = headwise.PagedKVCache(4, 4, 1, 8, dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"the paged cache holds kv_heads=1, .* this module needs kv_heads=2"):
+            mha(torch.randn(0, 1, E, dtype=torch.float64), cache=other)
+        mha.backend = "sdpa"
+        mha.softcap = 2.0  # refused by the kernel after the append: rolled back
+        with pytest.raises(ValueError, match="softcap"):
+            mha(torch.randn(1, 1, E, dtype=torch.float64), cache=cache.batch([b]))
+        assert cache.seq_lens([a, b]).tolist() == [4, 4] and cache.pages_in_use == 2
+    with pytest.raises(ValueError, match="autograd"):
+        mha(torch.randn(1, 1, E, dtype=torch.float64), cache=cache.batch([b]))

@@ -1,0 +1,189 @@
+"""headwise.paged_attention against the float64 textbook attention over each sequence's gathered keys.
+
+Legend: B batch, H query heads, Hkv key/value heads, T new tokens, N pages, P page size,
+L a sequence's keys, D head dim of q and k, Dv of v.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+from headwise import paged
+from headwise.masks import alibi_slopes
+from headwise.paged import paged_attention, shared_prefixes
+
+P = 4  # page size
+# Sequences 0, 2 and 3 begin with the same two pages (a forked prompt); 1 is scattered;
+# 3 is one run of consecutive pages; lengths are ragged, last pages partial.
+TABLE = [[0, 1, 2, 3, -1], [9, 5, 11, -1, -1], [0, 1, 7, 8, 12], [0, 1, 13, 14, -1]]
+LENS = [14, 10, 19, 13]
+
+
+def pools(Hkv: int, D: int, Dv: int, *, grad: bool = False):
+    """k_pages (N, Hkv, P, D), v_pages (N, Hkv, P, Dv) in float64: the slots the sequences hold
+    are random, every other slot (free pages, slots past a length) is NaN."""
+    N = 16
+    k, v = torch.full((N, Hkv, P, D), torch.nan, dtype=torch.float64), torch.full((N, Hkv, P, Dv), torch.nan,
+                                                                                dtype=torch.float64)
+    for pages, L in zip(TABLE, LENS, strict=True):
+        for i in range(L):
+            page, slot = pages[i // P], i % P
+            if torch.isnan(k[page, 0, slot, 0]):  # a shared page is written once
+                k[page, :, slot] = torch.randn(Hkv, D, dtype=torch.float64)
+                v[page, :, slot] = torch.randn(Hkv, Dv, dtype=torch.float64)
+    return k.requires_grad_(grad), v.requires_grad_(grad)
+
+
+def gathered(pool, pages: list[int], L: int):
+    """(1, Hkv, L, D|Dv): the sequence's first L keys, page after page (differentiable)."""
+    used = torch.tensor(pages[:-(-L // P)])
+    return pool[used].transpose(0, 1).reshape(1, pool.shape[1], -1, pool.shape[-1])[:, :, :L]
+
+
+def reference(q, k_pages, v_pages, lens=LENS, **options):
+    """Each sequence's textbook (matmul) attention over its gathered keys: (B, H, T, Dv), (B, H, T)."""
+    rows = [headwise.attention(q[b:b + 1], gathered(k_pages, TABLE[b], L), gathered(v_pages, TABLE[b], L),
+                               backend="matmul", return_lse=True, **options) for b, L in enumerate(lens)]
+    return torch.cat([o for o, _ in rows]), torch.cat([s for _, s in rows])
+
+
+OPTIONS = {
+    "plain": {},
+    "not causal": {"is_causal": False},
+    "scale": {"scale": 0.3},
+    "window": {"window": 3},
+    "window + sink tokens": {"window": 3, "sink_tokens": 2},
+    "alibi": {"alibi_slopes": alibi_slopes(4).double()},
+    "softcap": {"softcap": 2.0},
+    "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, float("-inf")], dtype=torch.float64)},
+    "softcap + sinks": {"softcap": 2.0, "sinks": torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)},
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+@pytest.mark.parametrize("Hkv", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("T", [1, 3], ids=["decode", "T=3"])
+@pytest.mark.parametrize("share", [False, True], ids=["apart", "shared"])
+def test_equals_attention_over_the_gathered_keys(name, Hkv, T, share):
+    k_pages, v_pages = pools(Hkv, 8, 8)
+    q = torch.randn(4, 4, T, 8, dtype=torch.float64)
+    out, lse = paged_attention(q, k_pages, v_pages, torch.tensor(TABLE), torch.tensor(LENS), share_prefix=share,
+                               return_lse=True, **OPTIONS[name])
+    ref, ref_lse = reference(q, k_pages, v_pages, is_causal=OPTIONS[name].get("is_causal", True),
+                             **{k: v for k, v in OPTIONS[name].items() if k != "is_causal"})
+    assert out.shape == (4, 4, T, 8) and out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+
+
+def test_value_head_dim_and_the_lse_off():
+    k_pages, v_pages = pools(2, 8, 5)
+    q = torch.randn(4, 4, 2, 8, dtype=torch.float64)
+    out = paged_attention(q, k_pages, v_pages, torch.tensor(TABLE), LENS, share_prefix=True)
+    assert out.shape == (4, 4, 2, 5)
+    torch.testing.assert_close(out, reference(q, k_pages, v_pages, is_causal=True)[0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["plain", "window", "alibi", "softcap + sinks"])
+@pytest.mark.parametrize("share", [False, True], ids=["apart", "shared"])
+def test_gradients_reach_q_the_pages_and_the_sinks(name, share):
+    """Gradients of the pools and q equal the reference's; NaN in unread slots reaches none."""
+    options = {k: (v.clone().requires_grad_() if k == "sinks" else v) for k, v in OPTIONS[name].items()}
+    k_pages, v_pages = pools(2, 8, 8, grad=True)
+    q = torch.randn(4, 4, 2, 8, dtype=torch.float64, requires_grad=True)
+    out, lse = paged_attention(q, k_pages, v_pages, torch.tensor(TABLE), torch.tensor(LENS), share_prefix=share,
+                               return_lse=True, **options)
+    weights = torch.randn_like(out)
+    inputs = [q, k_pages, v_pages] + ([options["sinks"]] if "sinks" in options else [])
+    grads = torch.autograd.grad((out * weights).sum() + lse.sum(), inputs)
+    ref, ref_lse = reference(q, k_pages, v_pages, is_causal=True, **options)
+    ref_grads = torch.autograd.grad((ref * weights).sum() + ref_lse.sum(), inputs)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["apart", "shared"])
+def test_nan_in_free_pages_and_past_the_lengths_changes_nothing(share):
+    k_nan, v_nan = pools(2, 8, 8)
+    k_zero, v_zero = k_nan.nan_to_num(0.0), v_nan.nan_to_num(0.0)
+    assert torch.isnan(k_nan).any() and not torch.isnan(k_zero).any()
+    q = torch.randn(4, 4, 2, 8, dtype=torch.float64)
+    a = paged_attention(q, k_nan, v_nan, torch.tensor(TABLE), torch.tensor(LENS), share_prefix=share)
+    b = paged_attention(q, k_zero, v_zero, torch.tensor(TABLE), torch.tensor(LENS), share_prefix=share)
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_shared_prefixes_are_found_from_the_block_tables():
+    # 0, 2, 3 share pages 0, 1 (8 keys before every query of T=1); 1 shares nothing
+    assert shared_prefixes(TABLE, LENS, T=1, P=P, min_keys=1) == [([0, 2, 3], 2)]
+    # a prefix page must lie before every query: with T=6, sequence 3 (13 keys) has one full page before its first
+    assert shared_prefixes(TABLE, LENS, T=6, P=P, min_keys=1) == [([0, 2, 3], 1)]
+    # "auto" shares where the reads saved, (members - 1) x keys = 16, reach the threshold
+    assert shared_prefixes(TABLE, LENS, T=1, P=P, min_keys=17) == []
+
+
+def test_auto_shares_above_the_threshold_and_equals_no_sharing(monkeypatch):
+    k_pages, v_pages = pools(2, 8, 8)
+    q = torch.randn(4, 4, 1, 8, dtype=torch.float64)
+    calls = []
+    real = paged._attend_shared
+    monkeypatch.setattr(paged, "_attend_shared", lambda *a: calls.append(a[4]) or real(*a))
+    args = (q, k_pages, v_pages, torch.tensor(TABLE), torch.tensor(LENS))
+    apart = paged_attention(*args, share_prefix=False)
+    assert calls == []
+    monkeypatch.setattr(paged, "SHARED_PREFIX_MIN_KEYS", 16)
+    auto = paged_attention(*args)
+    assert calls == [[0, 2, 3]]
+    torch.testing.assert_close(auto, apart, rtol=0, atol=1e-12)
+    calls.clear()
+    paged_attention(*args, window=4)  # a window depends on each query's distance to the prefix: not shared
+    assert calls == []
+
+
+def test_one_run_of_pages_is_read_as_a_view_of_the_pool():
+    cache = headwise.PagedKVCache(16, P, 2, 8, dtype=torch.float64)
+    seq = cache.add()
+    cache.append([seq], torch.randn(1, 2, 10, 8, dtype=torch.float64), torch.randn(1, 2, 10, 8, dtype=torch.float64))
+    pools_t = (cache.k_pages.transpose(0, 1), cache.v_pages.transpose(0, 1))
+    k, v = paged._keys(pools_t, cache.pages(seq), 0, 10)
+    assert k.shape == (1, 2, 10, 8) and k.untyped_storage().data_ptr() == cache.k_pages.untyped_storage().data_ptr()
+    scattered = paged._keys(pools_t, [5, 2, 9], 0, 10)[0]
+    assert scattered.untyped_storage().data_ptr() != cache.k_pages.untyped_storage().data_ptr()
+
+
+def test_refusals_name_the_values():
+    k_pages, v_pages = pools(2, 8, 8)
+    q = torch.randn(4, 4, 1, 8, dtype=torch.float64)
+    table, lens = torch.tensor(TABLE), torch.tensor(LENS)
+    with pytest.raises(ValueError, match=r"k_pages must be a 4-D tensor \(N, Hkv, P, D\), got \(16, 2, 4\)"):
+        paged_attention(q, k_pages[..., 0], v_pages, table, lens)
+    with pytest.raises(ValueError, match=r"must agree on \(N, Hkv, P\)"):
+        paged_attention(q, k_pages, v_pages[:8], table, lens)
+    with pytest.raises(TypeError, match="block_table must be an integer tensor"):
+        paged_attention(q, k_pages, v_pages, table.double(), lens)
+    with pytest.raises(ValueError, match=r"block_table must be \(B, max_pages\) = \(4, max_pages\)"):
+        paged_attention(q, k_pages, v_pages, table[:2], lens)
+    with pytest.raises(TypeError, match="seq_lens must be an integer tensor"):
+        paged_attention(q, k_pages, v_pages, table, lens.float())
+    with pytest.raises(ValueError, match=r"seq_lens must hold one length per sequence of q, \(B,\) = \(4,\)"):
+        paged_attention(q, k_pages, v_pages, table, [3, 4])
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 21 must lie in T..max_pages \* page_size = 1..20"):
+        paged_attention(q, k_pages, v_pages, table, [14, 21, 19, 13])
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 0 must lie in T"):
+        paged_attention(q, k_pages, v_pages, table, [0, 10, 19, 13])
+    bad = table.clone()
+    bad[1, 2] = 16
+    with pytest.raises(ValueError, match=r"block_table\[1\] names page 16 .* outside the pool's 0..15"):
+        paged_attention(q, k_pages, v_pages, bad, lens)
+    with pytest.raises(ValueError, match="share_prefix must be 'auto', True or False, got 'yes'"):
+        paged_attention(q, k_pages, v_pages, table, lens, share_prefix="yes")
+    with pytest.raises(ValueError, match="at least one new token"):
+        paged_attention(q[:, :, :0], k_pages, v_pages, table, lens)
+    with pytest.raises(ValueError, match="sink_tokens=1 keeps the first keys visible under a sliding window"):
+        paged_attention(q, k_pages, v_pages, table, lens, sink_tokens=1)  # headwise.attention's own checks
+    with pytest.raises(TypeError, match="q, k, v dtypes differ"):
+        paged_attention(q.float(), k_pages, v_pages, table, lens)
