@@ -10,7 +10,7 @@ side once, medians reported), CPU fp32:
   >= 4x faster than the materialised mask; <= 1.3x packed_attention. The ``chunked``
   kernel (tile skipping) is shown too.
 * **T5 bias as a score_mod**, forward + backward with the bias table learned: peak memory
-  above the process's baseline (each side in a subprocess of its own: ``ru_maxrss``) of
+  above the process's level before the run (each side in a subprocess of its own) of
   ``score_mod=relative_position_bias(table)`` against SDPA with the same bias materialised
   as a (1, H, S, S) float mask. Target: <= 10%.
 * **Tile map** of document-causal at S = Sk = 32768, 128 x 128 tiles: build time. Target:
@@ -25,18 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import headwise
 from headwise import mask_mods as mm
-from headwise.bench import cpu_name
+from headwise.bench import cpu_name, peak_rise_mib, round_robin_ms
 from headwise.rules import tile_map
 
 
@@ -50,16 +47,8 @@ def documents(S: int, n: int, seed: int = 0) -> tuple[torch.Tensor, list[int]]:
 
 
 def paired(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each function, timed in turns."""
-    for fn in fns.values():
-        fn()  # warm up
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median seconds of each function, timed in turns (:func:`headwise.bench.round_robin_ms`)."""
+    return dict(zip(fns, (ms / 1e3 for ms in round_robin_ms(list(fns.values()), repeats)), strict=True))
 
 
 def document_causal(S: int, H: int, D: int, repeats: int) -> list[tuple[str, float, str]]:
@@ -99,7 +88,7 @@ def document_causal(S: int, H: int, D: int, repeats: int) -> list[tuple[str, flo
 
 
 def _peak_child(side: str, S: int, H: int) -> float:
-    """Peak RSS (MiB) of one fresh process running ``side`` ("baseline", "score_mod" or "materialised")."""
+    """Peak resident-set rise (MiB) of one fresh process running ``side`` ("score_mod" or "materialised")."""
     command = [sys.executable, __file__, "--peak-side", side, "--peak-S", str(S), "--peak-H", str(H)]
     out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
@@ -109,24 +98,25 @@ def _peak_side(side: str, S: int, H: int) -> None:
     """Run one side of the T5 table in this process and print its peak RSS (MiB)."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, H, S, 64, generator=gen, requires_grad=True) for _ in range(3))
     table = torch.randn(32, H, generator=gen, requires_grad=True)
     rule = mm.relative_position_bias(table)
-    if side == "score_mod":
-        out = headwise.attention(q, k, v, score_mod=rule)
-        out.sum().backward()
-    elif side == "materialised":
-        b, h, i, j = headwise.rules.grid(1, H, (0, S), (0, S), None)
-        bias = rule.bias(b, h, i, j)  # (1, H, S, S) float32, from the table: gradients reach it
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        out.sum().backward()
-    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+    def run(n: int) -> None:
+        q, k, v = (torch.randn(1, H, n, 64, generator=gen, requires_grad=True) for _ in range(3))
+        if side == "score_mod":
+            headwise.attention(q, k, v, score_mod=rule).sum().backward()
+        else:
+            b, h, i, j = headwise.rules.grid(1, H, (0, n), (0, n), None)
+            bias = rule.bias(b, h, i, j)  # (1, H, S, S) float32, from the table: gradients reach it
+            F.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum().backward()
+
+    run(256)  # warm-up: lazy initialisation and thread pools are not the run's memory
+    print(json.dumps({"peak_mib": peak_rise_mib(lambda: run(S))}))
 
 
 def t5_memory(S: int, H: int) -> list[tuple[str, float, str]]:
-    base = _peak_child("baseline", S, H)
-    ours = _peak_child("score_mod", S, H) - base
-    theirs = _peak_child("materialised", S, H) - base
+    ours = _peak_child("score_mod", S, H)
+    theirs = _peak_child("materialised", S, H)
     return [("score_mod=relative_position_bias", ours, f"{ours / theirs:.1%} of the materialised run (target <= 10%)"),
             ("sdpa, materialised bias", theirs, f"the bias alone is {H * S * S * 4 / 2**30:.2f} GiB")]
 

@@ -82,3 +82,11 @@ def test_paged_benchmark_pairs_each_target_with_its_baseline():
                                              "ragged batch step"]
     assert all(value > 0 for _, value, _ in rows)
     assert rows[2][1] == 1.0  # 32 + 3 x 16 tokens in pages of 16: every slot holds a unique token
+
+
+def test_pieces_benchmark_pairs_weights_and_the_lse_with_the_plain_forward():
+    pieces = _load("pieces")
+    times = pieces.weights_time(64, 2, 16, repeats=1)
+    assert set(times) == set(pieces.SIDES) and all(ms > 0 for ms in times.values())
+    rows = pieces.lse_overhead(64, 2, 16, repeats=1)
+    assert set(rows) == {"sdpa", "chunked"} and all(a > 0 and b > 0 for a, b in rows.values())

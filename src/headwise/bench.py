@@ -456,6 +456,14 @@ def _peak_rss_kib() -> int:
     return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def peak_rise_mib(fn: Callable[[], object]) -> float:
+    """How far the process's resident set peaks above its level before ``fn()`` (MiB). Run it in
+    a fresh process per measurement: memory an earlier run freed to the allocator hides a rise."""
+    base = _reset_peak_rss_kib()
+    fn()
+    return (_peak_rss_kib() - base) / 1024
+
+
 def attention_core(S: int, backends: list[str], repeats: int, causal: bool = False,
                    B: int = 1, H: int = 8, D: int = 64, matmul_n: int = 2048, max_repeats: int | None = None,
                    tolerance: float = TOLERANCE) -> list[dict]:
