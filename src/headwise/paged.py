@@ -202,11 +202,17 @@ def _keys(pools: tuple[Tensor, Tensor], pages: list[int], first: int, end: int) 
     start, count = used[0], len(used)
     one_run = used[-1] - start == count - 1 and used == list(range(start, start + count))
     index = None if one_run else torch.tensor(used, device=k_pool.device)
+    L = end - first * P
     keys = []
     for pool in (k_pool, v_pool):
+        Hkv, _, _, D = pool.shape
+        s_h, s_n, s_p, s_d = pool.stride()
+        if index is None and s_n == P * s_p:  # one run, its slots evenly spaced: the keys in one view
+            keys.append(pool.as_strided((1, Hkv, L, D), (0, s_h, s_p, s_d), pool.storage_offset() + start * s_n))
+            continue
         pages_of = pool[:, start:start + count] if index is None else pool.index_select(1, index)  # (Hkv, n, P, D)
-        flat = pages_of.reshape(pool.shape[0], count * P, pool.shape[-1])  # (Hkv, n*P, D): a view for one run
-        keys.append(flat[:, :end - first * P].unsqueeze(0))  # (1, Hkv, L, D): slots past the length never read
+        flat = pages_of.reshape(Hkv, count * P, D)  # (Hkv, n, P, D) -> (Hkv, n*P, D)
+        keys.append(flat[:, :L].unsqueeze(0))  # (1, Hkv, L, D): slots past the length never read
     return keys[0], keys[1]
 
 
