@@ -219,3 +219,15 @@ def test_the_equivalences_table_wraps_its_forms_instead_of_cutting_them(monkeypa
     column = "".join(cells[2] for line in lines if len(cells := line.split("│")) > 3).replace(" ", "")
     for row in measure():
         assert row.form.replace(" ", "") in column, row.form
+
+
+def test_explain_draws_a_rules_tile_map(tmp_path, capsys):
+    path = tmp_path / "tiles.png"
+    assert main(["explain", "--seq", "12", "--batch", "1", "--heads", "2", "--dim", "32", "--rule", "prefix:3",
+                 "--tiles", str(path), "--tile", "3"]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "tile map: prefix_lm([3]): 4 x 4 tiles of 3 x 3" in out and f"wrote {path}" in out
+    assert main(["explain", "--tiles", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert f"--tiles {path} draws a rule's tile map: give --rule too" in captured.out + captured.err

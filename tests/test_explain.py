@@ -73,3 +73,21 @@ def test_a_size_explain_cannot_hold_is_refused_with_the_limit(size, limit_seq):
                        rf"{limit_seq} at"):
         ExplainConfig(**size).validate()
     ExplainConfig(**{**size, "seq": limit_seq}).validate()  # the size it names fits
+
+
+def test_a_rule_is_traced_drawn_in_the_mask_and_mapped_in_tiles():
+    config = ExplainConfig(batch=2, seq=12, dim=32, heads=2, causal=True, rule="document:4,5,3", backend="auto")
+    e = explain(config)
+    ids = torch.tensor([0] * 4 + [1] * 5 + [2] * 3)
+    want = (ids[:, None] == ids[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    assert torch.equal(e.allowed, want.expand(2, 12, 12))
+    assert (e.weights.masked_fill(want, 0) == 0).all()  # no weight outside the rule
+    torch.testing.assert_close(e.weights.sum(-1), torch.ones(2, 2, 12))
+    assert e.tiles is not None and e.tiles.states[0, 0].tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    assert "rules" in e.trace.names() and command(config).endswith("--causal --rule document:4,5,3")
+    for rule, message in (("document:4,4", "lengths summing to --seq 12"), ("prefix:13", "prefix:N"),
+                          ("window:0", "window:W"), ("tiles:3", "is not a rule explain knows")):
+        with pytest.raises(ValueError, match=message):
+            explain(ExplainConfig(seq=12, rule=rule))
+    with pytest.raises(ValueError, match="--tile must be >= 1"):
+        explain(ExplainConfig(rule="window:2", tile=0))

@@ -22,7 +22,7 @@ from headwise.apps.checks import positive_float, positive_int, writable_file
 from headwise.apps.embed import add_embed_parser
 from headwise.equivalences import measure
 from headwise.explain import ExplainConfig, explain, markdown_page
-from headwise.plot import plot_attention
+from headwise.plot import plot_attention, plot_tile_map
 from headwise.reference import MultiHeadAttentionFormal, to_headwise_state_dict
 
 
@@ -102,7 +102,11 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
     config = ExplainConfig(batch=args.batch, seq=args.seq, dim=args.dim, heads=args.heads,
                            lengths=_lengths(spec) if spec else None, causal=args.causal,
                            kv_heads=args.kv_heads, backend=args.backend, seed=args.seed,
-                           softcap=args.softcap, sinks=args.sinks)
+                           softcap=args.softcap, sinks=args.sinks, rule=args.rule, tile=args.tile)
+    if args.tiles:
+        if args.rule is None:
+            raise ValueError(f"--tiles {args.tiles} draws a rule's tile map: give --rule too, e.g. --rule document:4,6")
+        writable_file("--tiles", args.tiles)  # checked before the work
     config.validate()  # sizes included: refused here, before anything is allocated
     row = _plot_row(args, config)  # checked before the work, as the path is
     explained = explain(config)
@@ -115,7 +119,14 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
         + (f" lengths={list(config.lengths)}" if config.lengths else "")
         + (" causal" if config.causal else "")
         + (f" softcap={config.softcap:g}" if config.softcap is not None else "")
-        + (" sinks" if config.sinks else "") + f", backend {config.backend!r}"))
+        + (" sinks" if config.sinks else "") + (f" rule {config.rule}" if config.rule else "")
+        + f", backend {config.backend!r}"))
+    if explained.tiles is not None:
+        console.print(f"tile map: {explained.tiles.describe()}")
+        if args.tiles:
+            width, height = plot_tile_map(explained.tiles.states[0, 0], args.tiles, block=explained.tiles.block,
+                                          title=explained.tiles.describe().split(": ")[0])
+            console.print(f"wrote {args.tiles} ({width} x {height} px, batch row 0, head 0)")
     if args.plot:
         width, height = plot_attention(explained.allowed[row], explained.weights[row], args.plot,
                                        title=f"batch row {row}: mask and attention weights per head")
@@ -306,6 +317,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="logit soft-capping: scores -> softcap * tanh(scores / softcap), as in Gemma 2")
     ex.add_argument("--sinks", action="store_true",
                     help="attention sinks: one random sink logit per head (from --seed), as in gpt-oss")
+    ex.add_argument("--rule", metavar="KIND:SPEC", default=None,
+                    help="a mask_mod: document:4,6 (document lengths summing to --seq), prefix:3 or window:4")
+    ex.add_argument("--tiles", metavar="FILE.png", help="with --rule, draw its tile map (empty, partial, full)")
+    ex.add_argument("--tile", type=int, default=4, help="the tile map's tile size, with --rule (default 4)")
     ex.set_defaults(run=_explain)
 
     eq = sub.add_parser("equivalences", help="measure the documents' equivalent forms side by side",

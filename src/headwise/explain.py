@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from headwise.mask_mods import MaskMod, and_masks, causal, document, prefix_lm, sliding_window
 from headwise.masks import causal_mask, key_padding_mask
 from headwise.module import MultiHeadAttention
+from headwise.rules import TileMap, evaluate_mask, tile_map
 from headwise.tracing import Trace, trace
 
 __all__ = ["MEMORY_LIMIT_GIB", "ExplainConfig", "Explained", "command", "explain", "markdown_page",
@@ -70,6 +72,8 @@ class ExplainConfig:
     seed: int = 0
     softcap: float | None = None  # None: no soft-capping
     sinks: bool = False
+    rule: str | None = None  # None: no mask_mod; "document:4,6", "prefix:3" or "window:4"
+    tile: int = 4  # the tile map's (tile, tile) tiles, with a rule
 
     def validate(self) -> None:
         """Raise ValueError with the values and the remedy for a configuration that cannot run."""
@@ -85,6 +89,10 @@ class ExplainConfig:
             bad = [n for n in self.lengths if not 0 <= n <= self.seq]
             if bad:
                 raise ValueError(f"mask lengths {bad} are outside [0, --seq {self.seq}]")
+        if self.rule is not None:
+            self.mask_mod()  # raises on a rule that cannot be read
+        if self.tile < 1:
+            raise ValueError(f"--tile must be >= 1 (rows and keys of one tile), got {self.tile}")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"--softcap must be > 0 (Gemma 2 uses 50), got {self.softcap}")
         need = memory_estimate_gib(self.batch, self.seq, self.dim, self.heads)
@@ -97,6 +105,30 @@ class ExplainConfig:
             )
 
 
+    def mask_mod(self) -> MaskMod | None:
+        """The ``rule`` as a mask_mod (None: no rule).
+
+        Raises:
+            ValueError: a rule that is not ``document:L1,L2,...`` (lengths summing to --seq),
+                ``prefix:N`` or ``window:W``.
+        """
+        if self.rule is None:
+            return None
+        kind, _, spec = self.rule.partition(":")
+        try:
+            numbers = [int(n) for n in spec.split(",")]
+        except ValueError:
+            numbers = []
+        if kind == "document" and numbers and sum(numbers) == self.seq and min(numbers) > 0:
+            return document(torch.repeat_interleave(torch.arange(len(numbers)), torch.tensor(numbers)))
+        if kind == "prefix" and len(numbers) == 1 and 0 <= numbers[0] <= self.seq:
+            return prefix_lm(numbers[0])
+        if kind == "window" and len(numbers) == 1 and numbers[0] >= 1:
+            return sliding_window(numbers[0])
+        raise ValueError(f"--rule {self.rule!r} is not a rule explain knows: give document:L1,L2,... (document "
+                         f"lengths summing to --seq {self.seq}), prefix:N (0 <= N <= {self.seq}) or window:W (W >= 1)")
+
+
 @dataclass(frozen=True)
 class Explained:
     """What :func:`explain` found.
@@ -105,8 +137,9 @@ class Explained:
         config: the configuration.
         trace: the recorded stages of the traced forward.
         weights: (B, H, S, S) attention probabilities (from an untraced second pass).
-        allowed: (B, S, S) bool, True where a query may attend a key (padding and causal).
+        allowed: (B, S, S) bool, True where a query may attend a key (padding, causal, the rule).
         output: (B, S, E) the traced forward's output.
+        tiles: with a rule, the tile map of the rule (causal included) at (tile, tile) tiles.
     """
 
     config: ExplainConfig
@@ -114,6 +147,7 @@ class Explained:
     weights: Tensor
     allowed: Tensor
     output: Tensor
+    tiles: TileMap | None = None
 
 
 def explain(config: ExplainConfig) -> Explained:
@@ -139,20 +173,24 @@ def explain(config: ExplainConfig) -> Explained:
         with torch.no_grad():
             mha.sinks.copy_(torch.randn(config.heads, generator=gen))  # (H,)
     mask = None if config.lengths is None else key_padding_mask(list(config.lengths), config.seq)
+    rule = config.mask_mod()
     with torch.no_grad():
         with trace() as t:
-            output = mha(x, mask)
-        weights_mha = MultiHeadAttention(config.dim, config.heads, num_kv_heads=config.kv_heads,
-                                         is_causal=config.causal, backend="matmul", softcap=config.softcap,
-                                         sinks=config.sinks).eval()
-        weights_mha.load_state_dict(mha.state_dict())
-        _, weights = weights_mha(x, mask, need_weights=True)  # (B, H, S, S)
+            output = mha(x, mask, mask_mod=rule)
+        # the weights from the same backend: exp(scores - lse), from its log-sum-exp (headwise.weights)
+        _, weights = mha(x, mask, need_weights=True, mask_mod=rule)  # (B, H, S, S)
     allowed = torch.ones(config.batch, config.seq, config.seq, dtype=torch.bool)  # (B, S, Sk)
     if mask is not None:
         allowed = allowed & mask[:, None, :]  # the documents' unsqueeze + expand
     if config.causal:
         allowed = allowed & causal_mask(config.seq, config.seq)
-    return Explained(config, t, weights, allowed, output)
+    tiles = None
+    if rule is not None:
+        S = config.seq
+        allowed = allowed & evaluate_mask(rule, config.batch, 1, (0, S), (0, S), None)[:, 0]  # (B|1, S, S)
+        structure = and_masks(causal, rule) if config.causal else rule
+        tiles = tile_map(structure, config.batch, config.heads, S, S, block=(config.tile, config.tile))
+    return Explained(config, t, weights, allowed, output, tiles)
 
 
 def command(config: ExplainConfig) -> str:
@@ -171,6 +209,10 @@ def command(config: ExplainConfig) -> str:
         parts.append(f"--softcap {config.softcap:g}")
     if config.sinks:
         parts.append("--sinks")
+    if config.rule is not None:
+        parts.append(f"--rule {config.rule}")
+    if config.tile != default.tile:
+        parts.append(f"--tile {config.tile}")
     return " ".join(parts)
 
 

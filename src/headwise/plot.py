@@ -9,7 +9,7 @@ import math
 
 from torch import Tensor
 
-__all__ = ["figure_size", "plot_attention", "DPI"]
+__all__ = ["figure_size", "plot_attention", "plot_tile_map", "DPI"]
 
 DPI = 100
 _PANEL_INCHES = 2.6
@@ -79,6 +79,51 @@ def plot_attention(allowed: Tensor, weights: Tensor, path: str, *, title: str = 
         bar.ax.tick_params(labelsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return width, height
+
+
+def plot_tile_map(states: Tensor, path: str, *, block: tuple[int, int], title: str = "") -> tuple[int, int]:
+    """Draw a tile map's states (nq, nk) into a PNG: empty tiles white, partial grey, full black.
+
+    Args:
+        states: (nq, nk) int8 tile states of one (b, h): 0 empty, 1 partial, 2 full
+            (:class:`headwise.rules.TileMap`'s ``states``).
+        path: where to write the PNG.
+        block: the (bq, bk) tile, for the axis labels.
+        title: the figure's title.
+
+    Returns:
+        The image's (width, height) in pixels.
+
+    Raises:
+        ImportError: matplotlib is missing (``pip install headwise[plot]``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import ListedColormap
+        from matplotlib.patches import Patch
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("plots need matplotlib: pip install 'headwise[plot]'") from exc
+    width = height = round(2 * _PANEL_INCHES * DPI)
+    fig, ax = plt.subplots(figsize=(width / DPI, height / DPI), dpi=DPI, layout="constrained")
+    colours = ListedColormap(["white", "darkgrey", "black"])
+    ax.imshow(states.cpu().numpy(), cmap=colours, vmin=0, vmax=2)
+    nq, nk = states.shape
+    ax.set_xticks(range(0, nk, max(1, nk // 8)))
+    ax.set_yticks(range(0, nq, max(1, nq // 8)))
+    ax.set_xlabel(f"key tile ({block[1]} keys)", fontsize=8)
+    ax.set_ylabel(f"query tile ({block[0]} queries)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(handles=[Patch(facecolor=c, edgecolor="grey", label=n) for c, n in
+                       (("white", "empty: skipped"), ("darkgrey", "partial: masked"), ("black", "full: no mask"))],
+              loc="upper right", fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=9)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return width, height

@@ -27,7 +27,7 @@ choice per call signature, ``report`` says what :meth:`dispatch` would run.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -358,8 +358,9 @@ class MultiHeadAttention(nn.Module):
             return paged_path.forward(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod,
                                       score_mod)
         if need_weights or weights_heads is not None or weights_rows is not None:
-            need_weights = select_weights(need_weights, weights_heads, weights_rows, self.num_heads,
-                                          x.shape[-2] if isinstance(x, Tensor) and x.dim() == 3 else 0) or False
+            # a Selection is truthy: the paths read it as need_weights=True and hand it on to attend
+            need_weights = cast(bool, select_weights(need_weights, weights_heads, weights_rows, self.num_heads,
+                                                     x.shape[-2] if isinstance(x, Tensor) and x.dim() == 3 else 0))
         if mask_mod is not None or score_mod is not None or self.mask_mod is not None or self.score_mod is not None:
             mask_mod, score_mod = ruled.rules_of(self, mask_mod, score_mod)
             return ruled.forward(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod, score_mod)
