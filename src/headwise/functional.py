@@ -34,8 +34,8 @@ from headwise.rules import (
     knows_tiles,
     score_mod_needs_grad,
 )
+from headwise.weights import Selection, weights_from_lse
 from headwise.weights import select as select_weights
-from headwise.weights import weights_from_lse
 
 __all__ = ["attention", "available_backends", "choose_backend"]
 
@@ -543,23 +543,11 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     if attention_mask is not None and mask is not None:
         check_mask_values(attention_mask)
     B, H, S, D = q.shape
-    selection = select_weights(need_weights, weights_heads, weights_rows, H, S)
+    selection = select_weights(need_weights, weights_heads, weights_rows, H, S)  # None: no weights asked
     if trace.ACTIVE and trace.recording():
-        if attention_mask is not None:
-            trace.record("mask layout", mask, f"{attention_mask.dim()}-D {tuple(attention_mask.shape)} "
-                         f"{str(attention_mask.dtype).removeprefix('torch.')} -> {tuple(mask.shape)}: "
-                         "broadcasts over (B, H, S, Sk), no copy")
-        trace.record("kernel", q, f"backend {dispatch.backend!r}: {dispatch.reason}")
-        if rules.mask_mod is not None or rules.score_mod is not None:
-            trace.record("rules", q, _rules_note(rules, B, H, S, k.shape[2], q.device))
+        _record_call(q, k, attention_mask, mask, rules, dispatch)
     if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
-        also = [] if sinks is None else [sinks]
-        out = attached_zeros(q, k, v, *also, size=v.shape[-1])  # (B, H, S, Dv), in q's graph: zero gradients
-        if trace.ACTIVE:
-            trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
-        lse = torch.full((B, H, S), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-        weights = None if selection is None else selection.pick(q.new_zeros(B, H, S, 0))
-        return _results(out, weights, lse if return_lse else None)
+        return _no_keys(q, k, v, sinks, selection, return_lse)
     args = _arguments(dropout_p, scale, D, selection is not None and not via_lse)
     if return_lse or via_lse:
         args["return_lse"] = True
@@ -573,12 +561,44 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
                     need_weights=args["need_weights"], scale_given=scale is not None)
         _record_kernel_stages(dispatch.kernel, call, out)
     if selection is not None:  # (B, h, s, Sk): only what was asked for
-        weights = (weights_from_lse(q, k, mask, rules, lse[0], args["scale"], selection) if via_lse
+        weights = (_weights(q, k, mask, rules, lse[0], args["scale"], selection) if via_lse
                    else selection.pick(weights))
-        if via_lse and trace.ACTIVE and trace.recording():
-            trace.record("weights", weights, "exp(scores - lse) for the heads and rows asked for, "
-                         f"{tuple(weights.shape)}: the kernel's log-sum-exp, no (B, H, S, Sk) softmax kept")
     return _results(out, weights, lse[0] if return_lse else None)
+
+
+def _record_call(q: Tensor, k: Tensor, attention_mask: Tensor | None, mask: Tensor | None, rules: Rules,
+                 dispatch: Dispatch) -> None:
+    """Explain mode: the mask's layout, the kernel chosen and why, and the rule functions."""
+    if attention_mask is not None and mask is not None:
+        trace.record("mask layout", mask, f"{attention_mask.dim()}-D {tuple(attention_mask.shape)} "
+                     f"{str(attention_mask.dtype).removeprefix('torch.')} -> {tuple(mask.shape)}: "
+                     "broadcasts over (B, H, S, Sk), no copy")
+    trace.record("kernel", q, f"backend {dispatch.backend!r}: {dispatch.reason}")
+    if rules.mask_mod is not None or rules.score_mod is not None:
+        B, H, S, _ = q.shape
+        trace.record("rules", q, _rules_note(rules, B, H, S, k.shape[2], q.device))
+
+
+def _no_keys(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, selection: Selection | None,
+             return_lse: bool) -> Tensor | tuple[Tensor, ...]:
+    """Sk = 0: the contract's zero rows (B, H, S, Dv) in the graph of the inputs, without a kernel."""
+    B, H, S, _ = q.shape
+    out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]), size=v.shape[-1])  # zero gradients
+    if trace.ACTIVE:
+        trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
+    lse = torch.full((B, H, S), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    weights = None if selection is None else selection.pick(q.new_zeros(B, H, S, 0))
+    return _results(out, weights, lse if return_lse else None)
+
+
+def _weights(q: Tensor, k: Tensor, mask: Tensor | None, rules: Rules, lse: Tensor, scale: float,
+             selection: Selection) -> Tensor:
+    """The weights asked for, from the kernel's log-sum-exp (:func:`headwise.weights.weights_from_lse`)."""
+    weights = weights_from_lse(q, k, mask, rules, lse, scale, selection)  # (B, h, s, Sk)
+    if trace.ACTIVE and trace.recording():
+        trace.record("weights", weights, "exp(scores - lse) for the heads and rows asked for, "
+                     f"{tuple(weights.shape)}: the kernel's log-sum-exp, no (B, H, S, Sk) softmax kept")
+    return weights
 
 
 def _results(out: Tensor, weights: Tensor | None, lse: Tensor | None) -> Tensor | tuple[Tensor, ...]:
