@@ -38,7 +38,7 @@ from headwise.deprecation import warn_once
 from headwise.dispatch import Dispatch
 from headwise.kernels.registry import get_kernel
 from headwise.masks import alibi_slopes
-from headwise.module import cached, checks, context_parallel, dense, fused, packed, report, torch_mha
+from headwise.module import cached, checks, context_parallel, dense, fused, packed, qkv, report, torch_mha
 from headwise.module import memo as memos
 from headwise.module import plan as planning
 from headwise.module.plan import Plan
@@ -164,6 +164,7 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * D, bias=bias, **factory)  # (Hkv*D, E)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * Dv, bias=bias, **factory)  # (Hkv*Dv, E)
         self.out_proj = nn.Linear(num_heads * Dv, embed_dim, bias=bias, **factory)  # (E, H*Dv)
+        qkv.pack(self)  # q, k, v weights in adjacent memory: one GEMM without gradients (module/qkv.py)
         self.rope = None
         if rope or rope_base is not None or rope_parameters is not None or rotary_dim is not None:
             self.rope = RotaryEmbedding(D, rope_base, rotary_dim=rotary_dim, scaling=rope_parameters)
@@ -182,6 +183,7 @@ class MultiHeadAttention(nn.Module):
         else:
             self.register_parameter("sinks", None)
         self.register_load_state_dict_pre_hook(_load_hook)
+        self.register_load_state_dict_post_hook(qkv.after_load)
 
     def reset_parameters(self) -> None:
         """Initialise every parameter as a new module would: each projection as ``nn.Linear``
@@ -230,7 +232,11 @@ class MultiHeadAttention(nn.Module):
         """``to()``, ``double()``, ``to_empty()``, ...: the parameters' dtype or device changes
         without an attribute being assigned, so the memo (keyed on x's) starts over too."""
         self._repeats.clear()
-        return super()._apply(fn, recurse)
+        repack = qkv.is_packed(self) or qkv.on_meta(self)  # weights of its own, which fn replaces
+        out = super()._apply(fn, recurse)
+        if repack:  # each weight was converted on its own: back into rows (module/qkv.py)
+            qkv.pack(self)
+        return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

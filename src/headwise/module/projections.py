@@ -2,7 +2,9 @@
 rotary positions, then merging the heads, the output projection and zeroing the padding.
 
 Every projection is the module's own submodule call (``mha.q_proj(x)``), so a hook, a PEFT
-wrapper or a replaced module runs as on any PyTorch layer.
+wrapper or a replaced module runs as on any PyTorch layer. Where nothing hooks or wraps
+them, the call is ``F.linear`` on their weights, and, where no gradient reaches the weights,
+one GEMM over the q, k and v weights, which lie in adjacent memory (``module/qkv.py``).
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim, Dv value head dim, E embed dim, T packed tokens.
@@ -20,6 +22,7 @@ from torch.nn.modules import module as torch_module
 
 from headwise import policy
 from headwise import tracing as trace
+from headwise.module import qkv
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -60,9 +63,14 @@ def project(mha: MultiHeadAttention, x: Tensor, context: Tensor | None) -> tuple
     or of packed (T, E) tokens: (.., E), (.., Hkv*D), (.., Hkv*Dv)."""
     src = x if context is None else context
     plain = plain_linears(mha)
-    q = linear(mha.q_proj, x, plain)  # (.., E) -> (.., H*D)
-    k = linear(mha.k_proj, src, plain)  # (.., E) -> (.., Hkv*D)
-    v = linear(mha.v_proj, src, plain)  # (.., E) -> (.., Hkv*Dv)
+    pack = qkv.packed(mha, torch.is_grad_enabled()) if plain and context is None else None
+    if pack is not None:  # one GEMM over the adjacent q, k, v weights (no copy)
+        qkv_out = F.linear(x, pack.weight, pack.bias)  # (.., E) -> (.., H*D + Hkv*D + Hkv*Dv)
+        q, k, v = qkv_out.split_with_sizes(pack.rows, -1)  # views: (.., H*D), (.., Hkv*D), (.., Hkv*Dv)
+    else:
+        q = linear(mha.q_proj, x, plain)  # (.., E) -> (.., H*D)
+        k = linear(mha.k_proj, src, plain)  # (.., E) -> (.., Hkv*D)
+        v = linear(mha.v_proj, src, plain)  # (.., E) -> (.., Hkv*Dv)
     if trace.ACTIVE:
         record_projections(q, k, v, x.dim() == 3, context is None)
     return q, k, v
