@@ -254,17 +254,20 @@ class KVCache:
                              f"({self.batch_size}, {new}), or all of them, (B, len(cache) + T) = "
                              f"({self.batch_size}, {seen}); got shape {tuple(mask.shape)}")
 
-    def savepoint(self, new: int) -> tuple:
+    def savepoint(self, new: int, masked: bool = True) -> tuple:
         """What a step of ``new`` positions may change, copied, for :meth:`rollback`: the
         lengths and flags, the key mask and the slots the step (and its eviction) may write.
-        Cheap: ``new`` slots, or ``window - 1 + new`` for an evicting cache."""
+        Cheap: ``new`` slots, or ``window - 1 + new`` for an evicting cache. ``masked=False``:
+        the step gives no mask, so only eviction could change the key mask (it is not copied
+        otherwise)."""
+        keep_mask = masked or self.evicts
         if self.static:
             slots = (self.position + torch.arange(new, device=self.position.device)).clamp(0, self.max_seq_len - 1)
-            return (self.position.clone(), self.key_mask.clone(), slots, self.k.index_select(2, slots),
-                    self.v.index_select(2, slots))
+            return (self.position.clone(), self.key_mask.clone() if keep_mask else None, slots,
+                    self.k.index_select(2, slots), self.v.index_select(2, slots))
         lo = self.kept()[0] if self.evicts else self._length  # eviction moves the recent slots to the sinks
         hi = min(self._length + new, self.max_seq_len)
-        return (self._length, self.evicted, self.padded, self.key_mask[:, :hi].clone(), lo,
+        return (self._length, self.evicted, self.padded, self.key_mask[:, :hi].clone() if keep_mask else None, lo,
                 self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone())
 
     def rollback(self, saved: tuple) -> None:
@@ -272,12 +275,14 @@ class KVCache:
         if self.static:
             position, key_mask, slots, k, v = saved
             self.position.copy_(position)
-            self.key_mask.copy_(key_mask)
+            if key_mask is not None:
+                self.key_mask.copy_(key_mask)
             self.k.index_copy_(2, slots, k)
             self.v.index_copy_(2, slots, v)
             return
         self._length, self.evicted, self.padded, key_mask, lo, k, v = saved
-        self.key_mask[:, :key_mask.shape[1]] = key_mask
+        if key_mask is not None:
+            self.key_mask[:, :key_mask.shape[1]] = key_mask
         self.k[:, :, lo:lo + k.shape[2]] = k
         self.v[:, :, lo:lo + v.shape[2]] = v
 

@@ -33,7 +33,7 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, p
     """One step, undone if it is refused after the cache changed."""
     if torch.compiler.is_compiling():  # a compiled step raises no refusal at run time
         return _step(mha, x, attention_mask, plan, need_weights, cache)
-    saved = cache.savepoint(x.shape[1])
+    saved = cache.savepoint(x.shape[1], masked=attention_mask is not None)
     try:
         return _step(mha, x, attention_mask, plan, need_weights, cache)
     except BaseException:
