@@ -105,7 +105,7 @@ def forward(mha: MultiHeadAttention, x: Tensor) -> Tensor:
     if pack is not None and pack.bias is not None:
         qkv_weight, qkv_bias = pack.weight, pack.bias  # (3E, E), (3E,): the weights' own rows
     else:
-        q, k, v = (modules[name]._parameters for name in qkv.NAMES)
+        q, k, v = (modules[name]._parameters for name in _LINEARS[:3])
         qkv_weight = torch.cat([q["weight"], k["weight"], v["weight"]])  # (3E, E): q, k, v rows stacked
         qkv_bias = torch.cat([q["bias"], k["bias"], v["bias"]])  # (3E,)
     return torch._native_multi_head_attention(  # (B, S, E); its weights output: None

@@ -39,11 +39,11 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
 
-NAMES = ("q_proj", "k_proj", "v_proj")
+_NAMES = ("q_proj", "k_proj", "v_proj")
 _PLAIN = (nn.Parameter, Tensor)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Pack:
     """The rows the q, k and v weights and biases lie in.
 
@@ -153,7 +153,10 @@ def pack(mha: MultiHeadAttention) -> bool:
     if parts is None or torch.compiler.is_compiling():
         return False
     rows = (parts[0].shape[0], parts[1].shape[0], parts[2].shape[0])
-    mha.__dict__["_qkv"] = _put_in_rows(parts, rows)  # not an attribute change: the memo stays
+    pack = _put_in_rows(parts, rows)
+    if pack is None:
+        return False
+    mha.__dict__["_qkv"] = pack  # not an attribute change: the memo stays
     return True
 
 
@@ -165,18 +168,21 @@ def after_load(mha: MultiHeadAttention, incompatible_keys) -> None:
         del mha.__dict__["_qkv"]
 
 
-def _put_in_rows(params: tuple[nn.Parameter, ...], rows: tuple[int, int, int]) -> Pack:
+def _put_in_rows(params: tuple[nn.Parameter, ...], rows: tuple[int, int, int]) -> Pack | None:
     """Copy the three weights (then the three biases, if given) into one new tensor each,
-    and point each parameter at its rows through a storage of its own."""
+    and point each parameter at its rows through a storage of its own; None (nothing
+    changed) where a dtype has no DLPack form."""
     weights, biases = params[:3], params[3:]
     with torch.no_grad():
         weight = torch.cat(weights)  # (Nq + Nk + Nv, E): q, k, v rows stacked
         bias = torch.cat(biases) if biases else None  # (Nq + Nk + Nv,)
-    for p, part in zip(weights, weight.split(rows), strict=True):
-        p.data = torch.from_dlpack(part)  # (n, E): a storage of exactly these rows, over weight's memory
-    if bias is not None:
-        for p, part in zip(biases, bias.split(rows), strict=True):
-            p.data = torch.from_dlpack(part)  # (n,)
+    parts = list(weight.split(rows)) + (list(bias.split(rows)) if bias is not None else [])  # (n, E) x 3, (n,) x 3
+    try:  # a storage of exactly each part, over the whole tensor's memory
+        aliases = [torch.from_dlpack(part) for part in parts]
+    except (RuntimeError, TypeError, BufferError):
+        return None
+    for p, alias in zip(params, aliases, strict=True):
+        p.data = alias  # the same Parameter, now over its rows
     return Pack(weight, bias, rows, tuple(params), tuple(w.shape for w in weights))
 
 
@@ -192,7 +198,7 @@ def _with_biases(params: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
 def _parts(mha: MultiHeadAttention, device_type: str = "cpu") -> tuple[nn.Parameter, ...] | None:
     """The three weights, then the three biases (where all have one), where :func:`pack` may
     put them in rows (on ``device_type``); else None."""
-    modules = [mha._modules.get(name) for name in NAMES]
+    modules = [mha._modules.get(name) for name in _NAMES]
     if not all(type(m) is nn.Linear for m in modules):
         return None
     weights = [m._parameters["weight"] for m in modules]
