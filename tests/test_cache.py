@@ -376,7 +376,7 @@ def test_rollback_restores_every_slot_a_step_wrote(history, masked):
     assert not torch.equal(cache.k, before[2])
     cache.rollback(saved)
     assert (len(cache), cache.padded) == before[:2]
-    for got, want in zip((cache.k, cache.v, cache.key_mask), before[2:]):
+    for got, want in zip((cache.k, cache.v, cache.key_mask), before[2:], strict=True):
         assert torch.equal(got, want)
     cache.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))  # and the next step appends where it should
     assert len(cache) == 4 and torch.equal(cache.k[:, :, 3], torch.ones(2, 2, 4))

@@ -65,7 +65,7 @@ def rows_of(mha) -> bool:
         ts = [getattr(mha, n)._parameters[kind] for n in names]
         if ts[0] is None:  # bias=False
             continue
-        for a, b in zip(ts, ts[1:]):
+        for a, b in zip(ts, ts[1:], strict=False):
             if a.data_ptr() + a.numel() * a.element_size() != b.data_ptr():
                 return False
     return qkv.packed(mha, False) is not None

@@ -20,7 +20,7 @@ Legend: B batch, S query length, E embed dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -42,11 +42,11 @@ def global_module_hooks() -> bool:
                 or getattr(torch_module, "_global_forward_pre_hooks", None))
 
 
-def _plain(m: nn.Module) -> bool:
+def _plain(m: nn.Module | None) -> bool:
     """A plain ``nn.Linear`` with a bias, no hooks, no parametrization (whose class differs) and
     plain weights (not a tensor subclass, as quantisation makes them). Reads the parameter dict
     itself: ``nn.Module.__getattr__`` costs about a microsecond a name, on every call."""
-    if (type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+    if (m is None or type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
             or m._backward_pre_hooks):
         return False
     params = m._parameters
@@ -63,10 +63,7 @@ def allowed(mha: MultiHeadAttention) -> bool:
     if mha._forward_hooks or mha._forward_pre_hooks or global_module_hooks():
         return False
     modules = mha._modules
-    for name in _LINEARS:
-        if not _plain(modules[name]):
-            return False
-    return True
+    return all(_plain(modules[name]) for name in _LINEARS)
 
 
 def why(mha: MultiHeadAttention, x: Tensor, padded: bool, context: Tensor | None, cache: KVCache | None,
@@ -99,7 +96,7 @@ def why(mha: MultiHeadAttention, x: Tensor, padded: bool, context: Tensor | None
 
 def forward(mha: MultiHeadAttention, x: Tensor) -> Tensor:
     """(B, S, E) -> (B, S, E) in one op (the caller checked :func:`why` and :func:`allowed`)."""
-    modules = mha._modules
+    modules: dict[str, Any] = mha._modules
     out = modules["out_proj"]._parameters
     pack = qkv.packed(mha, False)
     if pack is not None and pack.bias is not None:

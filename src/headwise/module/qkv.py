@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -61,7 +61,7 @@ class Pack:
     params: tuple[nn.Parameter, ...]
     shapes: tuple[torch.Size, ...]
 
-    def holds(self, params: tuple[Tensor | None, ...], grad: bool = False) -> bool:
+    def holds(self, params: tuple[Any, ...], grad: bool = False) -> bool:
         """Whether ``params`` (three weights, then three biases or Nones) lie in the rows, in
         order, as plain tensors of the rows' shapes (the weights contiguous); with ``grad``,
         also that none requires grad (the parameters are autograd's leaves, not the rows).
@@ -112,11 +112,13 @@ def packed(mha: MultiHeadAttention, grad: bool) -> Pack | None:
     if pack is None or torch.compiler.is_compiling() or torch._C._get_tracing_state():
         return None
     modules = mha._modules
-    q, k, v = modules["q_proj"], modules["k_proj"], modules["v_proj"]
+    q: Any = modules["q_proj"]
+    k: Any = modules["k_proj"]
+    v: Any = modules["v_proj"]
     if type(q) is not nn.Linear or type(k) is not nn.Linear or type(v) is not nn.Linear:
         return None
-    q, k, v = q._parameters, k._parameters, v._parameters
-    params = (q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"])
+    pq, pk, pv = q._parameters, k._parameters, v._parameters
+    params = (pq["weight"], pk["weight"], pv["weight"], pq["bias"], pk["bias"], pv["bias"])
     return pack if pack.holds(params, grad) else None
 
 
@@ -198,11 +200,11 @@ def _with_biases(params: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
 def _parts(mha: MultiHeadAttention, device_type: str = "cpu") -> tuple[nn.Parameter, ...] | None:
     """The three weights, then the three biases (where all have one), where :func:`pack` may
     put them in rows (on ``device_type``); else None."""
-    modules = [mha._modules.get(name) for name in _NAMES]
+    modules: list[Any] = [mha._modules.get(name) for name in _NAMES]
     if not all(type(m) is nn.Linear for m in modules):
         return None
-    weights = [m._parameters["weight"] for m in modules]
-    biases = [m._parameters["bias"] for m in modules]
+    weights: list[Any] = [m._parameters["weight"] for m in modules]
+    biases: list[Any] = [m._parameters["bias"] for m in modules]
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
     params = tuple(weights + ([] if biases[0] is None else biases))
