@@ -211,11 +211,15 @@ def test_a_cache_step_reads_a_write_in_place():
 # ---------------------------------------------------------------- conversions and copies
 
 
-@pytest.mark.parametrize("convert", ["double", "to", "deepcopy", "pickle", "to_empty"])
+@pytest.mark.parametrize("convert", ["double", "to", "deepcopy", "pickle", "to_empty", "meta and back"])
 def test_conversions_and_copies_put_the_weights_in_rows_again(convert):
     torch.manual_seed(6)
-    if convert == "to_empty":
-        mha = headwise.MultiHeadAttention(E, H, device="meta")
+    if convert in ("to_empty", "meta and back"):
+        if convert == "to_empty":
+            mha = headwise.MultiHeadAttention(E, H, device="meta")
+        else:
+            mha = headwise.MultiHeadAttention(E, H).to("meta")
+            assert "_qkv" not in mha.__dict__  # no rows kept alive for weights elsewhere
         mha.to_empty(device="cpu")
         mha.reset_parameters()
     else:
@@ -251,6 +255,7 @@ def test_a_copy_of_a_module_whose_weight_left_the_rows_is_read():
 def test_share_memory_keeps_the_weights_in_shared_memory():
     mha = headwise.MultiHeadAttention(E, H).eval().share_memory()
     assert all(p.is_shared() for p in mha.parameters())
+    assert "_qkv" not in mha.__dict__
     check(mha, SMALL)
     check(mha, LARGE)
 
@@ -275,6 +280,11 @@ def test_load_state_dict_assign_keeps_the_users_tensors_and_drops_the_rows():
     assert "_qkv" not in mha.__dict__  # the old rows are not kept alive
     check(mha, SMALL)
     check(mha, LARGE)
+    mha.float()  # an _apply that changes nothing: still the user's memory
+    assert mha.q_proj.weight.data_ptr() == state["q_proj.weight"].data_ptr()
+    mha.double()  # a conversion makes new weights: they go in rows
+    assert rows_of(mha)
+    check(mha, LARGE, atol=1e-10)
 
 
 def test_safetensors_save_file_of_the_state_dict_round_trips(tmp_path):

@@ -232,10 +232,9 @@ class MultiHeadAttention(nn.Module):
         """``to()``, ``double()``, ``to_empty()``, ...: the parameters' dtype or device changes
         without an attribute being assigned, so the memo (keyed on x's) starts over too."""
         self._repeats.clear()
-        repack = qkv.is_packed(self) or qkv.on_meta(self)  # weights of its own, which fn replaces
+        before = qkv.before_apply(self)
         out = super()._apply(fn, recurse)
-        if repack:  # each weight was converted on its own: back into rows (module/qkv.py)
-            qkv.pack(self)
+        qkv.after_apply(self, before)  # weights converted one by one: back into rows (module/qkv.py)
         return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -18,8 +18,8 @@ replaced, wrapped or quantised projection, ``load_state_dict(assign=True)``,
 ``share_memory()``) takes it out of the rows, and :func:`packed`, which runs on every call,
 sees that from the pointers: the projections then run as three calls, as before packing.
 
-:func:`pack` puts the weights in rows at construction, after an ``_apply`` that converted
-packed weights (``to()``, ``double()``) or the ``meta`` device's (``to_empty()``), after
+:func:`pack` puts the weights in rows at construction, after an ``_apply`` that gave each
+of them new memory (``to()`` of another dtype or device, ``double()``, ``to_empty()``), after
 ``copy.deepcopy`` and after unpickling (both give each weight its own memory). It never
 moves a weight the user gave other memory: that memory may be shared, memory-mapped or
 tied elsewhere. CPU only: the fused path and the GEMMs whose count matters are there.
@@ -132,11 +132,25 @@ def is_packed(mha: MultiHeadAttention) -> bool:
             and pack.holds(_with_biases(parts)))
 
 
-def on_meta(mha: MultiHeadAttention) -> bool:
-    """Whether the q, k, v weights are on the ``meta`` device (no memory: ``to_empty`` gives
-    them their first)."""
-    parts = _parts(mha, device_type="meta")
-    return parts is not None
+def before_apply(mha: MultiHeadAttention) -> tuple[int, ...] | None:
+    """The q, k, v parameters' pointers before an ``_apply`` (``to()``, ``double()``,
+    ``to_empty()``, ``share_memory()``, ...), for :func:`after_apply`."""
+    parts = _parts(mha, device_type=None)
+    return None if parts is None else tuple(p.data_ptr() for p in parts)
+
+
+def after_apply(mha: MultiHeadAttention, before: tuple[int, ...] | None) -> None:
+    """After an ``_apply``: where it gave every q, k, v parameter new memory (a conversion,
+    which makes each weight on its own), put them in rows again; where they are not in rows
+    then, drop the pack (its rows live on only in the parameters still there). An
+    ``_apply`` that changed no pointer (``to()`` of the same dtype and device) moves no
+    memory the user gave a weight."""
+    parts = _parts(mha, device_type=None)
+    if (before is not None and parts is not None and len(parts) == len(before)
+            and all(p.data_ptr() != ptr for p, ptr in zip(parts, before, strict=True))):
+        pack(mha)
+    if not is_packed(mha):
+        mha.__dict__.pop("_qkv", None)
 
 
 def pack(mha: MultiHeadAttention) -> bool:
@@ -197,9 +211,9 @@ def _with_biases(params: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
     return params if len(params) == 6 else (*params, None, None, None)
 
 
-def _parts(mha: MultiHeadAttention, device_type: str = "cpu") -> tuple[nn.Parameter, ...] | None:
+def _parts(mha: MultiHeadAttention, device_type: str | None = "cpu") -> tuple[nn.Parameter, ...] | None:
     """The three weights, then the three biases (where all have one), where :func:`pack` may
-    put them in rows (on ``device_type``); else None."""
+    put them in rows (on ``device_type``; None: on any device, shared memory included); else None."""
     modules: list[Any] = [mha._modules.get(name) for name in _NAMES]
     if not all(type(m) is nn.Linear for m in modules):
         return None
@@ -209,8 +223,9 @@ def _parts(mha: MultiHeadAttention, device_type: str = "cpu") -> tuple[nn.Parame
         return None
     params = tuple(weights + ([] if biases[0] is None else biases))
     first = weights[0]
-    if (any(type(p) is not nn.Parameter or p.device.type != device_type or p.dtype != first.dtype
-            for p in params) or len({id(p) for p in params}) != len(params)
+    if (any(type(p) is not nn.Parameter or p.device != first.device or p.dtype != first.dtype for p in params)
+            or (device_type is not None and first.device.type != device_type)
+            or len({id(p) for p in params}) != len(params)
             or any(w.dim() != 2 or w.shape[1] != first.shape[1] for w in weights)
             or any(b is not None and b.shape != (w.shape[0],) for w, b in zip(weights, biases, strict=True))):
         return None
