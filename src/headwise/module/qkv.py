@@ -6,10 +6,12 @@ tensor of its own storage (safetensors, PEFT, optimizers and ``state_dict`` see 
 weights, exactly as before), but the three weights lie one after another in the memory of
 one (Nq + Nk + Nv, E) tensor, and the biases in one (Nq + Nk + Nv,) tensor: the layout of
 ``nn.MultiheadAttention``'s ``in_proj_weight``. (Each weight's storage is a DLPack alias of
-its rows: a storage that covers exactly the weight, as safetensors wants, over memory the
-whole tensor owns.) A call without gradients then projects x with one GEMM over the whole
-tensor (the dense, packed and cached paths), and the fused path hands it to its op as it
-is (it used to concatenate the three weights on every call).
+its rows: a storage that covers exactly the weight, over memory the whole tensor owns. Plain
+views of one storage would not do: safetensors' ``save_model`` refuses tensors that share a
+storage none of them covers. Such a storage cannot be resized in place.) A call without
+gradients then projects x with one GEMM over the whole tensor (the dense, packed and cached
+paths), and the fused path hands it to its op as it is (it used to concatenate the three
+weights on every call).
 
 Nothing is remembered that could go stale: the rows are the weights' own memory. A write
 in place, through ``.data`` too (``w.data.copy_(t)``, as PEFT's ``merge_and_unload`` may
