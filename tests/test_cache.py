@@ -355,3 +355,28 @@ def test_eviction_errors_name_the_values_and_the_remedy():
         KVCache(1, 4, 1, 2, window=0)
     with pytest.raises(ValueError, match=r"sink_tokens must be an int >= 0, got -1"):
         KVCache(1, 4, 1, 2, window=2, sink_tokens=-1)
+
+
+@pytest.mark.parametrize("history", ["fresh", "after reset", "after a longer sequence"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_rollback_restores_every_slot_a_step_wrote(history, masked):
+    # savepoint copies nothing for slots no step has written (they hold zeros) and copies the
+    # others (stale keys after reset(), a longer earlier sequence): either way rollback is exact
+    gen = torch.Generator().manual_seed(11)
+    cache = KVCache(2, 8, 2, 4)
+    if history != "fresh":
+        cache.update(torch.randn(2, 2, 6 if history == "after a longer sequence" else 3, 4, generator=gen),
+                     torch.randn(2, 2, 6 if history == "after a longer sequence" else 3, 4, generator=gen))
+        cache.reset()
+    cache.update(torch.randn(2, 2, 3, 4, generator=gen), torch.randn(2, 2, 3, 4, generator=gen))
+    before = (len(cache), cache.padded, cache.k.clone(), cache.v.clone(), cache.key_mask.clone())
+    mask = torch.tensor([[1, 0], [1, 1]]) if masked else None
+    saved = cache.savepoint(2, masked=masked)
+    cache.update(torch.randn(2, 2, 2, 4, generator=gen), torch.randn(2, 2, 2, 4, generator=gen), mask)
+    assert not torch.equal(cache.k, before[2])
+    cache.rollback(saved)
+    assert (len(cache), cache.padded) == before[:2]
+    for got, want in zip((cache.k, cache.v, cache.key_mask), before[2:], strict=True):
+        assert torch.equal(got, want)
+    cache.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))  # and the next step appends where it should
+    assert len(cache) == 4 and torch.equal(cache.k[:, :, 3], torch.ones(2, 2, 4))

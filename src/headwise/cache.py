@@ -62,6 +62,8 @@ class KVCache:
     6
     """
 
+    _written = 1 << 62  # a cache pickled before the attribute existed: every slot may hold data
+
     def __init__(self, batch_size: int, max_seq_len: int, kv_heads: int, head_dim: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  static: bool = False,
@@ -90,6 +92,7 @@ class KVCache:
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
         self._length = 0
+        self._written = 0  # dynamic: the buffers' slots from here on hold zeros (never written by a step)
         self.padded = False  # True once a padding mask was given: masks are passed on
         self.static = bool(static)
         self.position = torch.zeros((), dtype=torch.int64, device=self.key_mask.device)
@@ -254,32 +257,46 @@ class KVCache:
                              f"({self.batch_size}, {new}), or all of them, (B, len(cache) + T) = "
                              f"({self.batch_size}, {seen}); got shape {tuple(mask.shape)}")
 
-    def savepoint(self, new: int) -> tuple:
+    def savepoint(self, new: int, masked: bool = True) -> tuple:
         """What a step of ``new`` positions may change, copied, for :meth:`rollback`: the
         lengths and flags, the key mask and the slots the step (and its eviction) may write.
-        Cheap: ``new`` slots, or ``window - 1 + new`` for an evicting cache."""
+        Cheap: ``new`` slots, or ``window - 1 + new`` for an evicting cache; none where a
+        dynamic cache's step writes only slots no step has written (they hold zeros: the
+        usual decoding step; slots written around the cache's methods are not tracked).
+        ``masked=False``: the step gives no mask, so only eviction could change the key
+        mask (it is not copied otherwise)."""
+        keep_mask = masked or self.evicts
         if self.static:
             slots = (self.position + torch.arange(new, device=self.position.device)).clamp(0, self.max_seq_len - 1)
-            return (self.position.clone(), self.key_mask.clone(), slots, self.k.index_select(2, slots),
-                    self.v.index_select(2, slots))
+            return (self.position.clone(), self.key_mask.clone() if keep_mask else None, slots,
+                    self.k.index_select(2, slots), self.v.index_select(2, slots))
         lo = self.kept()[0] if self.evicts else self._length  # eviction moves the recent slots to the sinks
         hi = min(self._length + new, self.max_seq_len)
-        return (self._length, self.evicted, self.padded, self.key_mask[:, :hi].clone(), lo,
-                self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone())
+        k = v = None  # zeros: slots lo..hi were never written
+        if lo < self._written:
+            k, v = self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone()
+        return (self._length, self._written, self.evicted, self.padded,
+                self.key_mask[:, :hi].clone() if keep_mask else None, lo, hi, k, v)
 
     def rollback(self, saved: tuple) -> None:
         """Undo a step: back to what :meth:`savepoint` copied (after a refused call)."""
         if self.static:
             position, key_mask, slots, k, v = saved
             self.position.copy_(position)
-            self.key_mask.copy_(key_mask)
+            if key_mask is not None:
+                self.key_mask.copy_(key_mask)
             self.k.index_copy_(2, slots, k)
             self.v.index_copy_(2, slots, v)
             return
-        self._length, self.evicted, self.padded, key_mask, lo, k, v = saved
-        self.key_mask[:, :key_mask.shape[1]] = key_mask
-        self.k[:, :, lo:lo + k.shape[2]] = k
-        self.v[:, :, lo:lo + v.shape[2]] = v
+        self._length, self._written, self.evicted, self.padded, key_mask, lo, hi, k, v = saved
+        if key_mask is not None:
+            self.key_mask[:, :key_mask.shape[1]] = key_mask
+        if k is None:  # the slots held zeros
+            self.k[:, :, lo:hi].zero_()
+            self.v[:, :, lo:hi].zero_()
+        else:
+            self.k[:, :, lo:hi] = k
+            self.v[:, :, lo:hi] = v
 
     def update_static(self, k: Tensor, v: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """A static cache's step: write T new positions at ``position`` with the same shapes every step.
@@ -393,4 +410,5 @@ class KVCache:
         self.k[:, :, start:end] = k  # (B, Hkv, T, D) into (B, Hkv, L_max, D)
         self.v[:, :, start:end] = v
         self._length = end
+        self._written = max(self._written, end)
         return self.k[:, :, :end], self.v[:, :, :end]  # (B, Hkv, L, D), (B, Hkv, L, Dv)

@@ -35,7 +35,7 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, p
     (mask_mod, score_mod), their queries already at their positions."""
     if torch.compiler.is_compiling():  # a compiled step raises no refusal at run time
         return _step(mha, x, attention_mask, plan, need_weights, cache, rules)
-    saved = cache.savepoint(x.shape[1])
+    saved = cache.savepoint(x.shape[1], masked=attention_mask is not None)
     try:
         return _step(mha, x, attention_mask, plan, need_weights, cache, rules)
     except BaseException:

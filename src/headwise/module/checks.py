@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from headwise.cache import KVCache
 from headwise.masks import normalize_mask
@@ -106,10 +106,19 @@ def autocast_on(device: torch.device) -> bool:
         return False
 
 
+def reference_weight(mha: MultiHeadAttention) -> Tensor:
+    """:meth:`~headwise.MultiHeadAttention.reference_weight`, read from the parameter dict
+    where ``out_proj`` is a plain ``nn.Linear`` (``nn.Module.__getattr__`` costs about a
+    microsecond a name, and every call reads it two or three times)."""
+    out = mha._modules.get("out_proj")
+    w = out._parameters.get("weight") if type(out) is nn.Linear else None
+    return w if isinstance(w, Tensor) else mha.reference_weight()
+
+
 def check_tensor(mha: MultiHeadAttention, name: str, t: Tensor) -> None:
     """``t`` (x or context) must be floating, on the parameters' device, and of their dtype
     (under autocast, any floating dtype: autocast casts the projections' inputs)."""
-    w = mha.reference_weight()
+    w = reference_weight(mha)
     if not t.is_floating_point():
         raise TypeError(f"{name} has dtype {t.dtype}; the module takes floating inputs (its parameters are "
                         f"{w.dtype}): pass {name}.to({w.dtype})")
@@ -153,7 +162,7 @@ def check_cache(mha: MultiHeadAttention, cache: Any, x: Any, context: Any) -> No
     if context is not None:
         raise ValueError("cache is for self-attention; cross-attention (context=...) takes no cache")
     _, Hkv, _, D = cache.k.shape
-    Dv, w = cache.v.shape[-1], mha.reference_weight()
+    Dv, w = cache.v.shape[-1], reference_weight(mha)
     want = (mha.num_kv_heads, mha.head_dim, mha.v_head_dim, w.dtype, w.device)
     if (Hkv, D, Dv, cache.k.dtype, cache.k.device) != want:
         raise ValueError(f"the cache holds kv_heads={Hkv}, head_dim={D}, value_dim={Dv}, {cache.k.dtype} on "
@@ -183,7 +192,7 @@ def check_mask(mha: MultiHeadAttention, x: Tensor, mask: Any, context: Tensor | 
             if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[-1] in (S, len(cache) + S):
                 Sk = mask.shape[-1]  # the new positions' padding, or every position's (remembered)
     normalize_mask(mask, batch=B, heads=mha.num_heads, q_len=S, k_len=Sk, device=x.device,
-                   dtype=mha.reference_weight().dtype)
+                   dtype=reference_weight(mha).dtype)
 
 
 def check_no_grad(mha: MultiHeadAttention, x: Tensor, cache: KVCache | None) -> None:

@@ -10,22 +10,26 @@ none of the module's extras.
 The op reads the projections' weights instead of calling the modules, so it runs only
 while all four are plain ``nn.Linear`` with biases, no hooks (theirs or global) and nothing
 wrapping them; :func:`allowed` checks that on every call, remembered or not. The q, k and v
-weights are concatenated on each call (no cached copy that a write through ``.data``, as
-PEFT's ``merge_and_unload`` does, could leave stale).
+weights are rows of one storage (``module/qkv.py``), which the op takes as its (3E, E)
+weight without a copy; where they no longer are (a weight given other memory), they are
+concatenated for the call (never a cached copy, which a write through ``.data``, as PEFT's
+``merge_and_unload`` does, could leave stale).
 
 Legend: B batch, S query length, E embed dim.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
 from headwise import policy
 from headwise import tracing as trace
 from headwise.cache import KVCache
+from headwise.module import qkv
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -34,27 +38,32 @@ if TYPE_CHECKING:
 def global_module_hooks() -> bool:
     """Whether global nn.Module hooks (``register_module_forward_hook``) are set: the fused path
     would skip them for the projections."""
-    from torch.nn.modules import module as torch_module
-
     return bool(getattr(torch_module, "_global_forward_hooks", None)
                 or getattr(torch_module, "_global_forward_pre_hooks", None))
 
 
-def _plain(m: nn.Module) -> bool:
+def _plain(m: nn.Module | None) -> bool:
     """A plain ``nn.Linear`` with a bias, no hooks, no parametrization (whose class differs) and
-    plain weights (not a tensor subclass, as quantisation makes them)."""
-    return (type(m) is nn.Linear and m.bias is not None and not m._forward_hooks and not m._forward_pre_hooks
-            and not m._backward_hooks and not m._backward_pre_hooks
-            and type(m.weight) in _PLAIN and type(m.bias) in _PLAIN)
+    plain weights (not a tensor subclass, as quantisation makes them). Reads the parameter dict
+    itself: ``nn.Module.__getattr__`` costs about a microsecond a name, on every call."""
+    if (m is None or type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+            or m._backward_pre_hooks):
+        return False
+    params = m._parameters
+    bias = params["bias"]
+    return bias is not None and type(params["weight"]) in _PLAIN and type(bias) in _PLAIN
 
 
 _PLAIN = (nn.Parameter, torch.Tensor)
+_LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 def allowed(mha: MultiHeadAttention) -> bool:
     """Whether the op may read the projections' weights in place of calling them."""
-    return (all(_plain(m) for m in (mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj))
-            and not mha._forward_hooks and not mha._forward_pre_hooks and not global_module_hooks())
+    if mha._forward_hooks or mha._forward_pre_hooks or global_module_hooks():
+        return False
+    modules = mha._modules
+    return all(_plain(modules[name]) for name in _LINEARS)
 
 
 def why(mha: MultiHeadAttention, x: Tensor, padded: bool, context: Tensor | None, cache: KVCache | None,
@@ -87,8 +96,14 @@ def why(mha: MultiHeadAttention, x: Tensor, padded: bool, context: Tensor | None
 
 def forward(mha: MultiHeadAttention, x: Tensor) -> Tensor:
     """(B, S, E) -> (B, S, E) in one op (the caller checked :func:`why` and :func:`allowed`)."""
-    q, k, v, out = mha.q_proj, mha.k_proj, mha.v_proj, mha.out_proj
-    qkv_weight = torch.cat([q.weight, k.weight, v.weight])  # (3E, E): q, k, v rows stacked
-    qkv_bias = torch.cat([q.bias, k.bias, v.bias])  # (3E,)
+    modules: dict[str, Any] = mha._modules
+    out = modules["out_proj"]._parameters
+    pack = qkv.packed(mha, False)
+    if pack is not None and pack.bias is not None:
+        qkv_weight, qkv_bias = pack.weight, pack.bias  # (3E, E), (3E,): the weights' own rows
+    else:
+        q, k, v = (modules[name]._parameters for name in _LINEARS[:3])
+        qkv_weight = torch.cat([q["weight"], k["weight"], v["weight"]])  # (3E, E): q, k, v rows stacked
+        qkv_bias = torch.cat([q["bias"], k["bias"], v["bias"]])  # (3E,)
     return torch._native_multi_head_attention(  # (B, S, E); its weights output: None
-        x, x, x, mha.embed_dim, mha.num_heads, qkv_weight, qkv_bias, out.weight, out.bias, None, False)[0]
+        x, x, x, mha.embed_dim, mha.num_heads, qkv_weight, qkv_bias, out["weight"], out["bias"], None, False)[0]

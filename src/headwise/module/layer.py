@@ -39,7 +39,7 @@ from headwise.dispatch import Dispatch
 from headwise.kernels.registry import get_kernel
 from headwise.mask_mods import MaskMod, ScoreMod
 from headwise.masks import alibi_slopes
-from headwise.module import cached, checks, context_parallel, dense, fused, packed, report, ruled, torch_mha
+from headwise.module import cached, checks, context_parallel, dense, fused, packed, qkv, report, ruled, torch_mha
 from headwise.module import memo as memos
 from headwise.module import paged as paged_path
 from headwise.module import plan as planning
@@ -170,6 +170,7 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * D, bias=bias, **factory)  # (Hkv*D, E)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * Dv, bias=bias, **factory)  # (Hkv*Dv, E)
         self.out_proj = nn.Linear(num_heads * Dv, embed_dim, bias=bias, **factory)  # (E, H*Dv)
+        qkv.pack(self)  # q, k, v weights in adjacent memory: one GEMM without gradients (module/qkv.py)
         self.rope = None
         if rope or rope_base is not None or rope_parameters is not None or rotary_dim is not None:
             self.rope = RotaryEmbedding(D, rope_base, rotary_dim=rotary_dim, scaling=rope_parameters)
@@ -188,6 +189,7 @@ class MultiHeadAttention(nn.Module):
         else:
             self.register_parameter("sinks", None)
         self.register_load_state_dict_pre_hook(_load_hook)
+        self.register_load_state_dict_post_hook(qkv.after_load)
 
     def reset_parameters(self) -> None:
         """Initialise every parameter as a new module would: each projection as ``nn.Linear``
@@ -236,7 +238,10 @@ class MultiHeadAttention(nn.Module):
         """``to()``, ``double()``, ``to_empty()``, ...: the parameters' dtype or device changes
         without an attribute being assigned, so the memo (keyed on x's) starts over too."""
         self._repeats.clear()
-        return super()._apply(fn, recurse)
+        before = qkv.before_apply(self)
+        out = super()._apply(fn, recurse)
+        qkv.after_apply(self, before)  # weights converted one by one: back into rows (module/qkv.py)
+        return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

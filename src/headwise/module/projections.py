@@ -2,7 +2,9 @@
 rotary positions, then merging the heads, the output projection and zeroing the padding.
 
 Every projection is the module's own submodule call (``mha.q_proj(x)``), so a hook, a PEFT
-wrapper or a replaced module runs as on any PyTorch layer.
+wrapper or a replaced module runs as on any PyTorch layer. Where nothing hooks or wraps
+them, the call is ``F.linear`` on their weights, and, where no gradient reaches the weights,
+one GEMM over the q, k and v weights, which lie in adjacent memory (``module/qkv.py``).
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim, Dv value head dim, E embed dim, T packed tokens.
@@ -11,7 +13,7 @@ D head dim, Dv value head dim, E embed dim, T packed tokens.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from torch.nn.modules import module as torch_module
 
 from headwise import policy
 from headwise import tracing as trace
+from headwise.module import qkv
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -48,21 +51,40 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 def linear(m: nn.Module, x: Tensor, plain: bool) -> Tensor:
-    """``m(x)``; ``plain``: :func:`plain_linears` holds, so F.linear on its weights is the same call."""
+    """``m(x)``; ``plain``: :func:`plain_linears` holds, so F.linear on its weights is the same
+    call (read from the parameter dict: ``nn.Module.__getattr__`` costs about a microsecond a
+    name)."""
     if plain:
-        m = cast(nn.Linear, m)
-        return F.linear(x, m.weight, m.bias)
+        params: Any = m._parameters
+        return F.linear(x, params["weight"], params["bias"])
     return m(x)
+
+
+def rows_for(mha: MultiHeadAttention, context: Tensor | None, plain: bool) -> qkv.Pack | None:
+    """The q, k, v rows one GEMM may project with (:func:`headwise.module.qkv.packed`):
+    self-attention whose projections nothing hooks or wraps (``plain``); else None."""
+    return qkv.packed(mha, torch.is_grad_enabled()) if plain and context is None else None
 
 
 def project(mha: MultiHeadAttention, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The three projections of (B, S, E) inputs (keys and values from ``context`` if given),
     or of packed (T, E) tokens: (.., E), (.., Hkv*D), (.., Hkv*Dv)."""
-    src = x if context is None else context
     plain = plain_linears(mha)
-    q = linear(mha.q_proj, x, plain)  # (.., E) -> (.., H*D)
-    k = linear(mha.k_proj, src, plain)  # (.., E) -> (.., Hkv*D)
-    v = linear(mha.v_proj, src, plain)  # (.., E) -> (.., Hkv*Dv)
+    return _project(mha, x, context, plain, rows_for(mha, context, plain))
+
+
+def _project(mha: MultiHeadAttention, x: Tensor, context: Tensor | None, plain: bool,
+             pack: qkv.Pack | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`project` with :func:`plain_linears` and :func:`rows_for` read."""
+    if pack is not None:  # one GEMM over the adjacent q, k, v weights (no copy)
+        qkv_out = F.linear(x, pack.weight, pack.bias)  # (.., E) -> (.., H*D + Hkv*D + Hkv*Dv)
+        q, k, v = qkv_out.split_with_sizes(pack.rows, -1)  # views: (.., H*D), (.., Hkv*D), (.., Hkv*Dv)
+    else:
+        src = x if context is None else context
+        modules: dict[str, Any] = mha._modules
+        q = linear(modules["q_proj"], x, plain)  # (.., E) -> (.., H*D)
+        k = linear(modules["k_proj"], src, plain)  # (.., E) -> (.., Hkv*D)
+        v = linear(modules["v_proj"], src, plain)  # (.., E) -> (.., Hkv*Dv)
     if trace.ACTIVE:
         record_projections(q, k, v, x.dim() == 3, context is None)
     return q, k, v
@@ -81,7 +103,11 @@ def record_projections(q: Tensor, k: Tensor, v: Tensor, batched: bool, self_atte
 
 def project_heads(mha: MultiHeadAttention, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """(B, S, E) inputs -> q (B, H, S, D), k (B, Hkv, Sk, D) and v (B, Hkv, Sk, Dv)."""
-    q, k, v = project(mha, x, context)
+    plain = plain_linears(mha)
+    pack = rows_for(mha, context, plain)
+    if pack is not None and mha.v_head_dim == mha.head_dim and not trace.ACTIVE:
+        return heads_from_rows(mha, x, pack)
+    q, k, v = _project(mha, x, context, plain, pack)
     # Plain views, not einops.rearrange: its recipe lookup costs ~20 us a call, a quarter of
     # a small forward (measured at B=1, S=8, E=64); `headwise equivalences` checks they agree.
     q = q.unflatten(-1, (mha.num_heads, -1)).transpose(1, 2)  # (B, S, E) -> (B, S, H, D) -> (B, H, S, D)
@@ -93,6 +119,18 @@ def project_heads(mha: MultiHeadAttention, x: Tensor, context: Tensor | None) ->
         trace.record("split heads k, v", k, "the same with H = Hkv" if v.shape[-1] == k.shape[-1] else
                      f"the same with H = Hkv; v: (B, Hkv, Sk, Dv) = {tuple(v.shape)}")
     return q, k, v
+
+
+def heads_from_rows(mha: MultiHeadAttention, x: Tensor, pack: qkv.Pack) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`project_heads` in three ops where one GEMM over the q, k, v rows serves and v
+    has head dim D: the (B, S, (H + 2 Hkv) D) result split into heads at once, as after a
+    fused qkv ``nn.Linear`` (five view ops fewer than per projection, each a microsecond or
+    two from Python)."""
+    B, S, _ = x.shape
+    heads = F.linear(x, pack.weight, pack.bias)  # (B, S, E) -> (B, S, (H + 2 Hkv) D)
+    heads = heads.view(B, S, -1, mha.head_dim).transpose(1, 2)  # -> (B, S, H + 2 Hkv, D) -> (B, H + 2 Hkv, S, D)
+    q, k, v = heads.split_with_sizes((mha.num_heads, mha.num_kv_heads, mha.num_kv_heads), 1)
+    return q, k, v  # (B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, D)
 
 
 def normalize(mha: MultiHeadAttention, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
@@ -125,7 +163,8 @@ def output(mha: MultiHeadAttention, out: Tensor, padding: Tensor | None, finite:
     if trace.ACTIVE:
         trace.record("merge heads", out, "transpose(1, 2).flatten(2) = rearrange 'b h s d -> b s (h d)' "
                      "= transpose(1, 2).contiguous().view(B, S, " + ("E)" if same else "H * Dv)"))
-    out = linear(mha.out_proj, out, plain_linears(mha))  # (B, S, H*Dv) -> (B, S, E)
+    out_proj: Any = mha._modules["out_proj"]
+    out = linear(out_proj, out, plain_linears(mha))  # (B, S, H*Dv) -> (B, S, E)
     if trace.ACTIVE:
         trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b"
                      if same else "out_proj: (B, S, H*Dv) x (E, H*Dv)^T + b")

@@ -1,0 +1,320 @@
+"""The q, k, v weights in adjacent memory (src/headwise/module/qkv.py): one GEMM without
+gradients, never a stale weight, and every tool still sees three ordinary weights.
+
+Each output is compared with a float64 plain-math reference of the module's weights as they
+are after the change under test (never with the module itself).
+
+Legend: B batch, H query heads, Hkv key/value heads, S query length, D head dim, E embed dim.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import headwise
+from headwise.module import qkv
+
+E, H = 32, 4
+D = E // H
+SMALL = (2, 3)  # (B, S): the fused path (B x S x E <= policy.FUSED_MAX_ELEMENTS, no gradients)
+LARGE = (4, 300)  # (B, S): past FUSED_MAX_ELEMENTS, the dense path
+
+
+def reference(mha, x, padding=None):
+    """(B, S, E) float64: self-attention of ``mha``'s current weights written out, GQA and
+    ``v_head_dim`` included; ``padding`` (B, S) bool, True at tokens: padded keys are not
+    attended and padded positions output zeros."""
+    w = {n: t.detach().double() for n, t in mha.state_dict().items()}
+    x = x.double()  # not detached: the frozen-weights test takes its gradient
+    B, S, _ = x.shape
+    Hkv = mha.num_kv_heads
+
+    def linear(t, name):
+        out = t @ w[f"{name}.weight"].T  # (B, S, in) x (in, out) -> (B, S, out)
+        return out + w[f"{name}.bias"] if f"{name}.bias" in w else out
+
+    q = linear(x, "q_proj").reshape(B, S, H, -1).transpose(1, 2)  # (B, H, S, D)
+    k = linear(x, "k_proj").reshape(B, S, Hkv, -1).transpose(1, 2).repeat_interleave(H // Hkv, 1)  # (B, H, S, D)
+    v = linear(x, "v_proj").reshape(B, S, Hkv, -1).transpose(1, 2).repeat_interleave(H // Hkv, 1)  # (B, H, S, Dv)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, S, D) x (B, H, D, S) -> (B, H, S, S)
+    if padding is not None:
+        scores = scores.masked_fill(~padding[:, None, None, :], -math.inf)
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, S, -1)  # (B, H, S, Dv) -> (B, S, H*Dv)
+    out = linear(out, "out_proj")
+    return out if padding is None else out * padding[..., None]
+
+
+def inputs(shape, seed=1, dtype=torch.float32):
+    return torch.randn(*shape, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def new_weight(like: torch.Tensor, seed: int) -> torch.Tensor:
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(seed), dtype=like.dtype) / math.sqrt(E)
+
+
+def rows_of(mha) -> bool:
+    """Whether q, k, v weights and biases lie one after another, each in a storage of its own."""
+    names = ("q_proj", "k_proj", "v_proj")
+    for kind in ("weight", "bias"):
+        ts = [getattr(mha, n)._parameters[kind] for n in names]
+        if ts[0] is None:  # bias=False
+            continue
+        for a, b in zip(ts, ts[1:], strict=False):
+            if a.data_ptr() + a.numel() * a.element_size() != b.data_ptr():
+                return False
+    return qkv.packed(mha, False) is not None
+
+
+def check(mha, shape, padding=None, atol=1e-5):
+    x = inputs(shape, dtype=mha.out_proj.weight.dtype)
+    with torch.no_grad():
+        got = mha(x, padding)
+    torch.testing.assert_close(got.double(), reference(mha, x, padding), atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------- the layout
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"bias": False}, {"num_kv_heads": 2, "v_head_dim": 4}],
+                         ids=["mha", "no bias", "gqa, v_head_dim"])
+def test_the_weights_lie_in_rows_each_in_a_storage_of_exactly_itself(kwargs):
+    mha = headwise.MultiHeadAttention(E, H, **kwargs)
+    assert rows_of(mha)
+    pack = qkv.packed(mha, False)
+    assert pack.rows == (mha.q_proj.weight.shape[0], mha.k_proj.weight.shape[0], mha.v_proj.weight.shape[0])
+    for p in mha.parameters():  # what safetensors asks of a tensor it saves: its storage is itself
+        assert p.data_ptr() == p.untyped_storage().data_ptr()
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        assert type(p) is nn.Parameter and p.is_leaf
+    torch.testing.assert_close(pack.weight, torch.cat([mha.q_proj.weight, mha.k_proj.weight, mha.v_proj.weight]),
+                               atol=0, rtol=0)
+    check(mha, SMALL)
+    check(mha, LARGE)
+
+
+def test_gradients_reach_the_three_weights_as_separate_parameters():
+    torch.manual_seed(3)
+    mha = headwise.MultiHeadAttention(E, H, dtype=torch.float64)
+    x = inputs(SMALL, dtype=torch.float64)
+    mha(x).square().sum().backward()
+    params = dict(mha.named_parameters())
+    w = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    ref = headwise.MultiHeadAttention(E, H, dtype=torch.float64)
+    out = torch.func.functional_call(ref, w, (x,))  # the same weights, each given other memory
+    out.square().sum().backward()
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad, w[name].grad, atol=1e-12, rtol=0, msg=name)
+
+
+def test_frozen_weights_and_an_input_that_takes_gradients_use_the_rows():
+    mha = headwise.MultiHeadAttention(E, H, dtype=torch.float64).requires_grad_(False)
+    assert qkv.packed(mha, True) is not None  # no parameter takes a gradient
+    x = inputs(LARGE, dtype=torch.float64).requires_grad_()
+    (mha(x) * 3).sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    (reference(mha, xr) * 3).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-10, rtol=0)
+
+
+# ---------------------------------------------------------------- never stale
+
+
+@pytest.mark.parametrize("proj", ["q_proj", "k_proj", "v_proj"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["fused", "dense"])
+def test_a_write_in_place_through_data_is_seen_by_the_next_call(proj, shape):
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    check(mha, shape)
+    check(mha, shape)  # a remembered signature too
+    w, b = getattr(mha, proj).weight, getattr(mha, proj).bias
+    w.data.copy_(new_weight(w, 5))  # as merge_and_unload writes: no version bump
+    b.data.mul_(-3)
+    assert rows_of(mha)  # written in place: still the rows
+    check(mha, shape)
+
+
+@pytest.mark.parametrize("proj", ["q_proj", "v_proj"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["fused", "dense"])
+def test_a_weight_given_other_memory_leaves_the_rows_and_is_read(proj, shape):
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    check(mha, shape)
+    w = getattr(mha, proj).weight
+    w.data = new_weight(w, 6)  # other memory: the rows no longer hold it
+    assert qkv.packed(mha, False) is None
+    check(mha, shape)
+
+
+def test_a_replaced_parameter_or_projection_leaves_the_rows_and_is_read():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    check(mha, LARGE)
+    mha.k_proj.weight = nn.Parameter(new_weight(mha.k_proj.weight, 7))
+    assert qkv.packed(mha, False) is None
+    check(mha, LARGE)
+    check(mha, SMALL)
+    mha.v_proj = nn.Linear(E, E)
+    check(mha, LARGE)
+
+
+def test_a_bias_added_to_a_module_built_without_biases_is_read():
+    mha = headwise.MultiHeadAttention(E, H, bias=False).eval()
+    check(mha, LARGE)
+    mha.q_proj.bias = nn.Parameter(torch.full((E,), 0.5))
+    assert qkv.packed(mha, False) is None
+    check(mha, LARGE)
+
+
+def test_an_optimizer_step_writes_the_rows():
+    torch.manual_seed(4)
+    mha = headwise.MultiHeadAttention(E, H)
+    opt = torch.optim.Adam(mha.parameters(), lr=0.1)
+    mha(inputs(SMALL)).square().mean().backward()
+    opt.step()
+    assert rows_of(mha)
+    check(mha.eval(), SMALL)
+    check(mha, LARGE)
+
+
+def test_a_tied_weight_is_read_and_never_moved():
+    mha = headwise.MultiHeadAttention(E, H)
+    mha.k_proj.weight = mha.q_proj.weight  # the same parameter twice
+    mha.double()  # _apply: the weights are not the module's rows any more, nothing is repacked
+    assert mha.k_proj.weight is mha.q_proj.weight and qkv.packed(mha, False) is None
+    check(mha.eval(), LARGE, atol=1e-10)
+
+
+def test_a_cache_step_reads_a_write_in_place():
+    torch.manual_seed(5)
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True).eval()
+    x = inputs((2, 6))
+    with torch.no_grad():
+        cache = mha.new_cache(2, 8)
+        mha(x[:, :5], cache=cache)
+        mha.v_proj.weight.data.copy_(new_weight(mha.v_proj.weight, 8))
+        cache = mha.new_cache(2, 8)
+        mha(x[:, :5], cache=cache)
+        got = mha(x[:, 5:], cache=cache)  # (2, 1, E)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    w = {n: t.double() for n, t in mha.state_dict().items()}
+    xd = x.double()
+    q, k, v = (xd @ w[f"{n}.weight"].T + w[f"{n}.bias"] for n in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = (t.reshape(2, 6, H, D).transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(~causal, -math.inf)  # (B, H, S, S)
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 6, E) @ w["out_proj.weight"].T + w["out_proj.bias"]
+    torch.testing.assert_close(got.double(), out[:, 5:], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- conversions and copies
+
+
+@pytest.mark.parametrize("convert", ["double", "to", "deepcopy", "pickle", "to_empty", "meta and back"])
+def test_conversions_and_copies_put_the_weights_in_rows_again(convert):
+    torch.manual_seed(6)
+    if convert in ("to_empty", "meta and back"):
+        if convert == "to_empty":
+            mha = headwise.MultiHeadAttention(E, H, device="meta")
+        else:
+            mha = headwise.MultiHeadAttention(E, H).to("meta")
+            assert "_qkv" not in mha.__dict__  # no rows kept alive for weights elsewhere
+        mha.to_empty(device="cpu")
+        mha.reset_parameters()
+    else:
+        mha = headwise.MultiHeadAttention(E, H)
+        before = {n: t.clone() for n, t in mha.state_dict().items()}
+        if convert == "double":
+            mha = mha.double()
+        elif convert == "to":
+            mha = mha.to(torch.float64).to(torch.float32)
+        elif convert == "deepcopy":
+            original, mha = mha, copy.deepcopy(mha)
+            original.q_proj.weight.data.zero_()  # the copy holds its own rows
+        else:
+            buffer = io.BytesIO()
+            torch.save(mha, buffer)
+            buffer.seek(0)
+            mha = torch.load(buffer, weights_only=False)
+        for name, t in mha.state_dict().items():
+            torch.testing.assert_close(t.float(), before[name], atol=0, rtol=0, msg=name)
+    assert rows_of(mha)
+    check(mha.eval(), SMALL)
+    check(mha, LARGE)
+
+
+def test_a_copy_of_a_module_whose_weight_left_the_rows_is_read():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    mha.q_proj.weight.data = new_weight(mha.q_proj.weight, 9)
+    twin = copy.deepcopy(mha)
+    assert qkv.packed(twin, False) is None
+    check(twin, LARGE)
+
+
+def test_share_memory_keeps_the_weights_in_shared_memory():
+    mha = headwise.MultiHeadAttention(E, H).eval().share_memory()
+    assert all(p.is_shared() for p in mha.parameters())
+    assert "_qkv" not in mha.__dict__
+    check(mha, SMALL)
+    check(mha, LARGE)
+
+
+# ---------------------------------------------------------------- state dicts and files
+
+
+def test_load_state_dict_copies_into_the_rows():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    state = {n: -t for n, t in mha.state_dict().items()}
+    mha.load_state_dict(state)
+    assert rows_of(mha)
+    check(mha, SMALL)
+    check(mha, LARGE)
+
+
+def test_load_state_dict_assign_keeps_the_users_tensors_and_drops_the_rows():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    state = {n: -t for n, t in mha.state_dict().items()}
+    mha.load_state_dict(state, assign=True)
+    assert mha.q_proj.weight.data_ptr() == state["q_proj.weight"].data_ptr()  # the user's memory, not moved
+    assert "_qkv" not in mha.__dict__  # the old rows are not kept alive
+    check(mha, SMALL)
+    check(mha, LARGE)
+    mha.float()  # an _apply that changes nothing: still the user's memory
+    assert mha.q_proj.weight.data_ptr() == state["q_proj.weight"].data_ptr()
+    mha.double()  # a conversion makes new weights: they go in rows
+    assert rows_of(mha)
+    check(mha, LARGE, atol=1e-10)
+
+
+def test_safetensors_save_file_of_the_state_dict_round_trips(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    mha = headwise.MultiHeadAttention(E, H, num_kv_heads=2)
+    path = tmp_path / "attn.safetensors"
+    st.save_file(mha.state_dict(), str(path))
+    fresh = headwise.MultiHeadAttention(E, H, num_kv_heads=2).eval()
+    fresh.load_state_dict(st.load_file(str(path)))
+    assert rows_of(fresh)
+    for name, t in mha.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], t), name
+    check(fresh, LARGE)
+
+
+def test_torch_save_of_one_projection_writes_that_projection_only():
+    mha = headwise.MultiHeadAttention(E, H)
+    buffer = io.BytesIO()
+    torch.save(mha.q_proj.state_dict(), buffer)
+    assert len(buffer.getvalue()) < 2 * (E * E + E) * 4  # not the three weights' rows
+
+
+# ---------------------------------------------------------------- outside eager mode
+
+
+def test_torch_jit_trace_reads_the_parameters():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    x = inputs(LARGE)
+    with torch.no_grad():
+        traced = torch.jit.trace(mha, (x,), check_trace=False)
+        mha.k_proj.weight.data.copy_(new_weight(mha.k_proj.weight, 10))  # traced graphs read the parameters
+        got = traced(x)
+    torch.testing.assert_close(got.double(), reference(mha, x), atol=1e-5, rtol=0)
