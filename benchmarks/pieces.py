@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
 import torch
 
 import headwise
-from headwise.bench import cpu_name, peak_rise_mib, round_robin_ms
+from headwise.bench import PEAK_CHILD_ENV, cpu_name, peak_rise_mib, round_robin_ms
 
 SIDES = {
     "without weights": dict(),
@@ -63,7 +64,8 @@ def weights_memory(S: int, H: int, D: int) -> dict[str, dict[str, float]]:
     peaks = {}
     for side in SIDES:
         command = [sys.executable, __file__, "--peak-side", side, "--size", f"{S},{H},{D}"]
-        out = subprocess.run(command, capture_output=True, text=True, check=True)
+        out = subprocess.run(command, capture_output=True, text=True, check=True,
+                         env={**os.environ, **PEAK_CHILD_ENV})
         peaks[side] = json.loads(out.stdout.strip().splitlines()[-1])
     return peaks
 

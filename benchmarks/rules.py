@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 import headwise
 from headwise import mask_mods as mm
-from headwise.bench import cpu_name, peak_rise_mib, round_robin_ms
+from headwise.bench import PEAK_CHILD_ENV, cpu_name, peak_rise_mib, round_robin_ms
 from headwise.rules import tile_map
 
 
@@ -90,7 +91,8 @@ def document_causal(S: int, H: int, D: int, repeats: int) -> list[tuple[str, flo
 def _peak_child(side: str, S: int, H: int) -> float:
     """Peak resident-set rise (MiB) of one fresh process running ``side`` ("score_mod" or "materialised")."""
     command = [sys.executable, __file__, "--peak-side", side, "--peak-S", str(S), "--peak-H", str(H)]
-    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    out = subprocess.run(command, capture_output=True, text=True, check=True,
+                         env={**os.environ, **PEAK_CHILD_ENV})
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
 
 

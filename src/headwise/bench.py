@@ -456,9 +456,17 @@ def _peak_rss_kib() -> int:
     return _status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+# For a child that measures peaks: glibc's mmap threshold fixed at 64 KiB, so every buffer of
+# a tensor is mapped and unmapped on its own and the resident set follows the live memory
+# (glibc otherwise raises the threshold after the first large free and keeps later buffers in
+# a heap whose freed pages stay resident, so the first large call's peak counts its cache).
+PEAK_CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
 def peak_rise_mib(fn: Callable[[], object]) -> float:
     """How far the process's resident set peaks above its level before ``fn()`` (MiB). Run it in
-    a fresh process per measurement: memory an earlier run freed to the allocator hides a rise."""
+    a fresh process per measurement, with :data:`PEAK_CHILD_ENV` in its environment: memory an
+    earlier run freed to the allocator hides a rise, and glibc's own cache adds one."""
     base = _reset_peak_rss_kib()
     fn()
     return (_peak_rss_kib() - base) / 1024

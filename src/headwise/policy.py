@@ -263,6 +263,14 @@ SINKS_CHUNKED_MIN_SCORES = 768 * 768
 # benchmarks/rules.py prints both for document-causal masks.
 RULES_CHUNKED_MIN_EMPTY = 0.5
 RULES_CHUNKED_MIN_SCORES = 1024 * 1024
+# chunked runs a score_mod a block of query rows at a time under autograd; the block holds a
+# handful of (B, H, rows, keys) tensors while its backward runs (the scores, the function's
+# intermediates, the probabilities and their gradients), so its rows are as many as keep one
+# such tensor within this many bytes (at least 1, at most CHUNKED_BLOCK_Q). A learned T5
+# bias at S = 8192, H = 8, forward + backward, peaked at 347 MiB with 16 MiB (64 rows a block)
+# and 597 MiB with 64 MiB (256 rows), against 8.6 GiB with the bias materialised for SDPA
+# (AMD EPYC, live memory: benchmarks/rules.py prints both sides).
+SCORE_MOD_BLOCK_BYTES = 16 * 2**20
 
 # ---- length buckets (packing.py, kernels/varlen.py) -------------------------------------
 # A length bucket takes sequences down to (1 - BUCKET_SLACK) of its longest one, so at most

@@ -6,7 +6,8 @@ of ``bq`` query rows runs the plain formula on its keys, from the first to the l
 the mask rules leave non-empty, under ``torch.utils.checkpoint`` (non-reentrant) when
 gradients are needed: forward keeps only the inputs, backward recomputes the block and lets
 autograd carry the gradient through the user's function to whatever it read. Memory is one
-block's (B, H, bq, L) scores at a time: linear in S, never the (S, Sk) matrix. Dropout
+block's (B, H, bq, L) scores at a time, bq from ``policy.SCORE_MOD_BLOCK_BYTES``: linear in S,
+never the (S, Sk) matrix. Dropout
 draws the same mask in the recomputation (checkpoint restores the RNG state).
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv, S query length,
@@ -22,10 +23,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from headwise import policy
 from headwise.kernels.common import lse_dtype, row_lse
 from headwise.mask_mods import EMPTY, Bounds
 from headwise.masks import masked_scores, safe_softmax
 from headwise.rules import Rules, evaluate_mask, mask_tile_states
+
+
+def rows_per_block(B: int, H: int, Sk: int, itemsize: int, most: int) -> int:
+    """Query rows a block takes: one (B, H, rows, Sk) tensor within ``policy.SCORE_MOD_BLOCK_BYTES``
+    (at least 1, at most ``most``)."""
+    return max(1, min(most, policy.SCORE_MOD_BLOCK_BYTES // max(1, B * H * Sk * itemsize)))
 
 
 def _key_spans(rules: Rules, B: int, H: int, S: int, Sk: int, bq: int, bk: int,
@@ -82,6 +90,7 @@ def rows_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: 
     """
     B, H, S, _ = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    bq = rows_per_block(B, H, Sk, q.element_size(), bq)
     if Hkv != H:  # the score_mod reads query heads: k, v per query head (a copy, O(S) memory)
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, D) -> (B, H, Sk, D)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, Hkv, Sk, Dv) -> (B, H, Sk, Dv)
