@@ -106,3 +106,14 @@ def test_weights_selections_that_cannot_be_served_are_refused():
         headwise.attention(q, k, v, need_weights=True, weights_rows=[])
     with pytest.raises(TypeError, match="weights_rows must be an int, a sequence of ints, a slice or an integer"):
         headwise.attention(q, k, v, need_weights=True, weights_rows=[0.5])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_without_gradients_the_weights_are_computed_in_place_and_equal(case):
+    kwargs = dict(CASES[case])
+    mask = kwargs.pop("attention_mask", None)
+    q, k, v = (t.detach() for t in inputs(3))
+    with torch.no_grad():
+        _, weights = headwise.attention(q, k, v, mask, need_weights=True, weights_rows=[0, 2, 4], **kwargs)
+        _, want = headwise.attention(q, k, v, mask, backend="matmul", need_weights=True, **kwargs)
+    torch.testing.assert_close(weights, want[:, :, [0, 2, 4]], atol=1e-10, rtol=1e-10)

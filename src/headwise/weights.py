@@ -110,11 +110,19 @@ def weights_from_lse(q: Tensor, k: Tensor, mask: Tensor | None, rules: Rules, ls
     b, h, i, j = grid_at(B, heads, rows, Sk)
     for mod in rules.score_rules(S, Sk):  # softcap, ALiBi, score_mod at the selected positions
         s = evaluate_score_at(mod, s, b, h, i, j)
-    structure = rules.structure(S, Sk)
-    if structure is not None:
-        s = masked_scores(s, evaluate_mask(structure, B, H, (0, 0), (0, 0), q.device, at=(b, h, i, j)))
-    if mask is not None:
-        s = masked_scores(s, selection.pick(mask))  # (B|1, h|1, s|1, Sk)
     row_lse = lse.index_select(1, heads).index_select(2, rows).unsqueeze(-1).to(s.dtype)  # (B, h, s, 1)
     dead = torch.isinf(row_lse)  # a row that attends nothing: zeros
-    return torch.where(dead, 0.0, torch.exp(s - torch.where(dead, 0.0, row_lse)))  # (B, h, s, Sk)
+    shift = torch.where(dead, float("inf"), row_lse)  # exp(s - inf) = 0 for every key of a dead row
+    structure = rules.structure(S, Sk)
+    allowed = None if structure is None else evaluate_mask(structure, B, H, (0, 0), (0, 0), q.device,
+                                                           at=(b, h, i, j))  # (B|1, h|1, s|1, Sk|1)
+    keep = None if mask is None else selection.pick(mask)  # (B|1, h|1, s|1, Sk)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, lse)):
+        s = masked_scores(masked_scores(s, allowed), keep)
+        return torch.exp(s - shift)  # (B, h, s, Sk), differentiable
+    # Without gradients every step works in place: the weights are the one (B, h, s, Sk) tensor held.
+    if allowed is not None:
+        s.masked_fill_(~allowed, float("-inf"))
+    if keep is not None:
+        s = s.masked_fill_(~keep, float("-inf")) if keep.dtype == torch.bool else s.add_(keep)
+    return s.sub_(shift).exp_()  # (B, h, s, Sk)
