@@ -11,6 +11,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -21,7 +22,7 @@ from headwise.dispatch import Dispatch, select
 from headwise.dispatch import logger as dispatch_logger
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros, lse_dtype
-from headwise.kernels.registry import Call, Kernel, Request, call_kernel, find_kernel, takes
+from headwise.kernels.registry import Call, Kernel, Request, call_kernel, find_kernel, kernel_arguments, takes
 from headwise.mask_mods import Document, MaskMod, ScoreMod, and_masks
 from headwise.masks import _canonical, check_mask_values, hide_excluded, normalize_mask
 from headwise.rules import (
@@ -404,7 +405,7 @@ class Prepared:
 
     kernel: Kernel
     rules: Rules
-    args: dict
+    args: dict  # every keyword of the kernel's call but the mask, rules included (kernel_arguments)
 
     def current(self) -> bool:
         """Whether the kernel is still the one registered under its name."""
@@ -419,7 +420,7 @@ class Prepared:
             check_mask_values(mask)
         if not excluded_finite:
             q, k, v = hide_excluded(q, k, v, mask, is_causal=self.rules.is_causal)  # the NaN contract
-        return call_kernel(self.kernel.fn, q, k, v, mask, self.rules, self.args)[0]  # (B, H, S, Dv)
+        return cast(Tensor, self.kernel.fn(q, k, v, attention_mask=mask, **self.args)[0])  # (B, H, S, Dv)
 
 
 def logs_choices() -> bool:
@@ -493,7 +494,7 @@ def prepare(q, k, v, attention_mask=None, mask_4d=None, *, is_causal=False, drop
         args["known_live"] = True
     if len(_REPEATS) >= _REPEATS_LIMIT:
         _REPEATS.clear()
-    _REPEATS[key] = prepared = Prepared(dispatch.kernel, rules, args)
+    _REPEATS[key] = prepared = Prepared(dispatch.kernel, rules, kernel_arguments(dispatch.kernel.fn, rules, args))
     return prepared
 
 
@@ -533,8 +534,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
                     check_mask_values(attention_mask)
                 if not excluded_finite:  # the NaN contract
                     q, k, v = hide_excluded(q, k, v, mask_4d, is_causal=prepared.rules.is_causal)
-                return call_kernel(prepared.kernel.fn, q, k, v, mask_4d, prepared.rules,
-                                   prepared.args)[0]  # (B, H, S, Dv)
+                return prepared.kernel.fn(q, k, v, attention_mask=mask_4d, **prepared.args)[0]  # (B, H, S, Dv)
     mask, rules, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                                      backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale,
                                      mask_mod, score_mod, return_lse)

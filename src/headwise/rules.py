@@ -26,7 +26,7 @@ of one tile, nq / nk the tiles along S / Sk, P partial tiles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -267,6 +267,13 @@ class Rules:
     sinks: Tensor | None = None  # None: no sink logits
     mask_mod: MaskMod | None = None  # None: no mask rule beyond the keywords
     score_mod: ScoreMod | None = None  # None: no score rule beyond the keywords
+
+    def __post_init__(self) -> None:
+        # Read on every call of the fast paths (SDPA's own arguments): computed once.
+        object.__setattr__(self, "plain", self.window is None and self.alibi_slopes is None and self.softcap is None
+                           and self.sinks is None and self.mask_mod is None and self.score_mod is None)
+
+    plain: bool = field(default=False, init=False, compare=False)  # no rule but (bottom-right) causal
 
     def structure(self, S: int, Sk: int) -> MaskMod | None:
         """The mask rules as one mask_mod (the causal / window rule AND ``mask_mod``); None: none."""

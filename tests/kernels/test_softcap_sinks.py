@@ -136,7 +136,7 @@ def test_refusals_name_the_feature_and_auto_routes_around_them(monkeypatch):
     sinks_only = {**kwargs, "softcap": None}
     assert headwise.choose_backend(q, k, v, mask, **sinks_only).backend == "sdpa"  # exact with one zero key
     weights = headwise.choose_backend(q, k, v, mask, need_weights=True, **kwargs)
-    assert weights.backend == "matmul"
+    assert weights.backend == "chunked" and "log-sum-exp" in weights.reason  # soft-capping skips sdpa
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the CPU request is then one triton could serve
     request = dataclasses.replace(dispatch.request, dtype=torch.float32)
     assert get_kernel("triton").refuses(request) is None  # triton takes both (tests/kernels/test_triton.py)

@@ -274,16 +274,22 @@ def takes_rules(fn: KernelFn) -> bool:
     return takes(fn, "rules")
 
 
-def call_kernel(fn: KernelFn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: Rules, args: dict):
-    """``fn(q, k, v, attention_mask=mask, rules=rules, **args)``, or with the keywords before rules
-    for a kernel written for them (``softcap``, ``sinks``, ``sink_tokens`` only where set)."""
+def kernel_arguments(fn: KernelFn, rules: Rules, args: dict) -> dict:
+    """The keywords ``fn`` takes besides q, k, v and the mask: ``rules=rules`` and ``args``, or for
+    a kernel written before rules their keywords (``softcap``, ``sinks``, ``sink_tokens`` only
+    where set) and ``args``."""
     if takes_rules(fn):
-        return fn(q, k, v, attention_mask=mask, rules=rules, **args)
+        return {"rules": rules, **args}
     old = rules.keywords()
     for name, unset in (("softcap", None), ("sinks", None), ("sink_tokens", 0)):
         if old[name] == unset:
             del old[name]
-    return fn(q, k, v, attention_mask=mask, **old, **args)
+    return {**old, **args}
+
+
+def call_kernel(fn: KernelFn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: Rules, args: dict):
+    """``fn(q, k, v, attention_mask=mask, **kernel_arguments(fn, rules, args))``."""
+    return fn(q, k, v, attention_mask=mask, **kernel_arguments(fn, rules, args))
 
 
 _KERNELS: dict[str, Kernel] = {}

@@ -167,8 +167,7 @@ def _grouped(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, dict]:
 def _own_arguments(attention_mask: Tensor | None, rules: Rules, S: int, Sk: int) -> bool:
     """True when SDPA's own arguments express the call: no mask, no rule but plain causal,
     and causal only where S == Sk (SDPA's causal is top-left aligned, ours bottom-right)."""
-    return (attention_mask is None and rules.window is None and rules.alibi_slopes is None and rules.sinks is None
-            and rules.mask_mod is None and rules.score_mod is None and (not rules.is_causal or S == Sk))
+    return attention_mask is None and rules.plain and (not rules.is_causal or S == Sk)
 
 
 def with_sink(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
@@ -221,10 +220,6 @@ def sdpa_attention(
     known_live: bool = False,  # the caller read the mask: every query row may attend a key
     return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S); CPU only, no dropout
 ) -> tuple[Tensor | None, ...]:
-    if not rules.additive:
-        raise ValueError(f"the sdpa kernel cannot apply softcap={rules.softcap} or a general score_mod "
-                         f"({rules.describe() or 'none'}): F.scaled_dot_product_attention takes only an additive "
-                         "mask; use backend 'chunked' or 'matmul'")
     if return_lse:
         return _with_lse(q, k, v, attention_mask, rules, dropout_p, scale)
     if _own_arguments(attention_mask, rules, q.shape[-2], k.shape[-2]):
@@ -233,7 +228,11 @@ def sdpa_attention(
             q, k, v, dropout_p=dropout_p, is_causal=rules.is_causal, scale=scale, **extra
         )  # (B, H, S, Dv)
         return keep_nan_rows(out, q), None
-    if known_live and _own_arguments(None, rules, 1, 1) and not rules.is_causal:
+    if not rules.additive:
+        raise ValueError(f"the sdpa kernel cannot apply softcap={rules.softcap} or a general score_mod "
+                         f"({rules.describe() or 'none'}): F.scaled_dot_product_attention takes only an additive "
+                         "mask; use backend 'chunked' or 'matmul'")
+    if known_live and rules.plain and not rules.is_causal:
         # the mask alone, every row with a key: SDPA as is, without the dead-row guard's reduction
         # over the mask (~4 us a call on the CPU); with a rule folded in, the guard runs
         k, v, extra = _grouped(q, k, v)
@@ -248,6 +247,9 @@ def sdpa_attention(
 def _with_lse(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, rules: Rules, dropout_p: float,
               scale: float) -> tuple[Tensor, None, Tensor]:
     """:func:`sdpa_attention` with ``return_lse``: ``(out, None, lse)`` from the CPU flash kernel."""
+    if not rules.additive:
+        raise ValueError(f"the sdpa kernel cannot apply softcap={rules.softcap} or a general score_mod "
+                         f"({rules.describe() or 'none'}); use backend 'chunked' or 'matmul'")
     if q.device.type != "cpu" or _FLASH_CPU is None or dropout_p > 0:
         raise ValueError(f"the sdpa kernel returns the log-sum-exp only on the CPU without dropout (device "
                          f"{q.device.type}, dropout_p={dropout_p}); use backend 'chunked'")
