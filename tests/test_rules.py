@@ -293,3 +293,18 @@ def test_the_module_takes_rules_per_call_and_in_its_constructor():
     with torch.no_grad(), refused:
         for i in range(6):
             sliding(x[:, i:i + 1], cache=evicting)
+
+
+def test_the_modules_plan_and_dispatch_say_what_a_call_with_rules_runs():
+    mha = headwise.MultiHeadAttention(32, 4, is_causal=True, packing=True, mask_mod=mm.prefix_lm(2))
+    x = torch.randn(8, 64, 32)
+    padding = torch.ones(8, 64, dtype=torch.bool)
+    padding[:, 20:] = False
+    assert headwise.MultiHeadAttention(32, 4, is_causal=True, packing=True).plan(x, padding).path == "packed"
+    plan = mha.plan(x, padding)
+    assert plan.path == "dense" and "mask_mod / score_mod: the dense path" in plan.why
+    ids = torch.arange(2048) // 256
+    wide = headwise.MultiHeadAttention(32, 4, is_causal=True)
+    d = wide.dispatch(torch.randn(1, 2048, 32), mask_mod=mm.document(ids))
+    assert d.path == "dense" and d.backend == "varlen" and "a document mask over contiguous documents" in d.reason
+    assert d.request.mask_mod and mha.dispatch(x, padding, score_mod=lambda s, *a: s * 2).backend == "chunked"

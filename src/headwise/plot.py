@@ -28,6 +28,18 @@ def figure_size(heads: int) -> tuple[int, int]:
     return round(cols * _PANEL_INCHES * DPI), round(rows * _PANEL_INCHES * DPI)
 
 
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display); ImportError with the remedy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("plots need matplotlib: pip install 'headwise[plot]'") from exc
+    return plt
+
+
 def plot_attention(allowed: Tensor, weights: Tensor, path: str, *, title: str = "") -> tuple[int, int]:
     """Draw the expanded mask and every head's weights for one batch row into a PNG.
 
@@ -43,14 +55,9 @@ def plot_attention(allowed: Tensor, weights: Tensor, path: str, *, title: str = 
     Raises:
         ImportError: matplotlib is missing (``pip install headwise[plot]``).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
-        import numpy as np
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise ImportError("plots need matplotlib: pip install 'headwise[plot]'") from exc
+    plt = _pyplot()
+    import matplotlib
+    import numpy as np
 
     heads = weights.shape[0]
     rows, cols = _grid(heads)
@@ -100,15 +107,10 @@ def plot_tile_map(states: Tensor, path: str, *, block: tuple[int, int], title: s
     Raises:
         ImportError: matplotlib is missing (``pip install headwise[plot]``).
     """
-    try:
-        import matplotlib
+    plt = _pyplot()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import ListedColormap
-        from matplotlib.patches import Patch
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise ImportError("plots need matplotlib: pip install 'headwise[plot]'") from exc
     width = height = round(2 * _PANEL_INCHES * DPI)
     fig, ax = plt.subplots(figsize=(width / DPI, height / DPI), dpi=DPI, layout="constrained")
     colours = ListedColormap(["white", "darkgrey", "black"])

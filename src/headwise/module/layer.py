@@ -402,6 +402,8 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool | None = None,
         need_weights: bool = False,
         cache: KVCache | None = None,
+        mask_mod: MaskMod | None = None,
+        score_mod: ScoreMod | None = None,
     ) -> Plan:
         """Which path :meth:`forward` takes on these inputs, and why (checks them; computes nothing).
 
@@ -415,6 +417,9 @@ class MultiHeadAttention(nn.Module):
         >>> plan.path, plan.lengths  # 8 positions: packing's fixed costs outweigh the 3 it drops
         ('dense', (4, 1))
         """
+        if mask_mod is not None or score_mod is not None or self.mask_mod is not None or self.score_mod is not None:
+            return ruled.plan(self, x, attention_mask, context, is_causal, need_weights, cache,
+                              *ruled.rules_of(self, mask_mod, score_mod))
         return planning.make_plan(self, x, attention_mask, context, is_causal, need_weights, cache)
 
     def dispatch(
@@ -426,6 +431,8 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool | None = None,
         need_weights: bool = False,
         cache: KVCache | None = None,
+        mask_mod: MaskMod | None = None,
+        score_mod: ScoreMod | None = None,
     ) -> Dispatch:
         """Which path and kernel :meth:`forward` would run on these inputs, and why.
 
@@ -437,8 +444,9 @@ class MultiHeadAttention(nn.Module):
         sdpa
         """
         plan = self.plan(x, attention_mask, context=context, is_causal=is_causal, need_weights=need_weights,
-                         cache=cache)
-        return report.dispatch(self, x, attention_mask, context, plan, need_weights, cache)
+                         cache=cache, mask_mod=mask_mod, score_mod=score_mod)
+        rules = ruled.at_positions(cache, *ruled.rules_of(self, mask_mod, score_mod))
+        return report.dispatch(self, x, attention_mask, context, plan, need_weights, cache, rules)
 
     def forward_packed(
         self,

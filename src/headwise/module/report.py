@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 
 
 def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
-             plan: Plan, need_weights: bool, cache: KVCache | None) -> Dispatch:
+             plan: Plan, need_weights: bool, cache: KVCache | None, rules: tuple = (None, None)) -> Dispatch:
     """The kernel inside the planned path (on the packed path: the kernel of the bucket with
-    the most tokens; the reason lists every bucket's)."""
+    the most tokens; the reason lists every bucket's); ``rules``: the call's (mask_mod,
+    score_mod), queries at their positions."""
     if plan.path == "context parallel":
         return context_parallel.dispatch(mha, attention_mask, plan)
     if plan.path == "packed":
@@ -56,7 +57,8 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, 
     v = _shaped(mha, x, B, mha.num_kv_heads, Sk, mha.v_head_dim)
     d = choose_backend(q, k, v, attention_mask, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
                        need_weights=need_weights, backend=mha.backend, window=window, alibi_slopes=slopes,
-                       softcap=mha.softcap, sinks=mha.sinks, sink_tokens=sink_tokens)
+                       softcap=mha.softcap, sinks=mha.sinks, sink_tokens=sink_tokens, mask_mod=rules[0],
+                       score_mod=rules[1])
     return Dispatch(d.backend, d.reason, d.passed_over, d.request, path="dense", path_reason=plan.why)
 
 

@@ -22,6 +22,7 @@ from headwise.cache import KVCache
 from headwise.mask_mods import Shifted, ShiftedScore, combine_rules
 from headwise.module import cached, dense
 from headwise.module import plan as planning
+from headwise.module.plan import Plan
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -44,19 +45,33 @@ def _check(mha: MultiHeadAttention, cache: KVCache | None, mask_mod: Any, score_
                          "keys are no longer at their positions; use a cache without evict=True")
 
 
-def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
-            is_causal: bool | None, need_weights: bool, cache: KVCache | None, mask_mod: Any,
-            score_mod: Any) -> Tensor | tuple[Tensor, Tensor]:
-    """One call with rules: checked, planned on the dense path, and run."""
+def plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+         is_causal: bool | None, need_weights: bool, cache: KVCache | None, mask_mod: Any, score_mod: Any) -> Plan:
+    """The checked plan of a call with rules: the dense path (or the cached step)."""
     _check(mha, cache, mask_mod, score_mod)
     plan = planning.make_plan(mha, x, attention_mask, context, is_causal, need_weights, cache)
     if plan.path in ("fused", "packed"):
         plan = replace(plan, path="dense", why="mask_mod / score_mod: the dense path, where the rules read every "
                                                f"(query, key) position (was: {plan.path})")
+    return plan
+
+
+def at_positions(cache: KVCache | None, mask_mod: Any, score_mod: Any) -> tuple[Any, Any]:
+    """The rules with a cached step's queries at their positions in the sequence."""
+    offset = 0 if cache is None else int(cache.position) if cache.static else len(cache)
+    if not offset:
+        return mask_mod, score_mod
+    return (None if mask_mod is None else Shifted(mask_mod, offset),
+            None if score_mod is None else ShiftedScore(score_mod, offset))
+
+
+def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+            is_causal: bool | None, need_weights: bool, cache: KVCache | None, mask_mod: Any,
+            score_mod: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """One call with rules: checked, planned on the dense path, and run."""
+    planned = plan(mha, x, attention_mask, context, is_causal, need_weights, cache, mask_mod, score_mod)
     if cache is None:
-        return dense.forward(mha, x, attention_mask, context, plan, need_weights, None, rules=(mask_mod, score_mod))
-    offset = int(cache.position) if cache.static else len(cache)  # the first new token's position
-    if offset:
-        mask_mod = None if mask_mod is None else Shifted(mask_mod, offset)
-        score_mod = None if score_mod is None else ShiftedScore(score_mod, offset)
-    return cached.forward(mha, x, attention_mask, plan, need_weights, cache, rules=(mask_mod, score_mod))
+        return dense.forward(mha, x, attention_mask, context, planned, need_weights, None,
+                             rules=(mask_mod, score_mod))
+    return cached.forward(mha, x, attention_mask, planned, need_weights, cache,
+                          rules=at_positions(cache, mask_mod, score_mod))
