@@ -102,8 +102,9 @@ def test_weights_selections_that_cannot_be_served_are_refused():
     with pytest.raises(ValueError, match=r"weights_heads \[4\] must name at least one of the 4 query heads .* out of "
                                          r"range: \[4\]"):
         headwise.attention(q, k, v, need_weights=True, weights_heads=[4])
-    with pytest.raises(ValueError, match=r"weights_rows \[\] must name at least one of the 5 query rows"):
-        headwise.attention(q, k, v, need_weights=True, weights_rows=[])
+    for nothing in ([], slice(3, 3)):
+        with pytest.raises(ValueError, match=r"weights_rows \[\] must name at least one of the 5 query rows"):
+            headwise.attention(q, k, v, need_weights=True, weights_rows=nothing)
     with pytest.raises(TypeError, match="weights_rows must be an int, a sequence of ints, a slice or an integer"):
         headwise.attention(q, k, v, need_weights=True, weights_rows=[0.5])
 

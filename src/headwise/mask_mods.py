@@ -368,12 +368,14 @@ class Alibi(ScoreRule):
     def __init__(self, slopes: Tensor, offset: int):
         self.slopes, self.offset = slopes, offset
 
-    def bias(self, b, h, q_idx, kv_idx):
-        distance = (q_idx + self.offset - kv_idx).abs()  # (1, 1, S, Sk)
-        return -self.slopes[h] * distance.to(self.slopes.dtype)  # (1, H, 1, 1) x (1, 1, S, Sk) -> (1, H, S, Sk)
+    def bias(self, b, h, q_idx, kv_idx, dtype: torch.dtype | None = None):
+        """``-slope[h] * |q_idx + offset - kv_idx|`` (1, H, S, Sk), in ``dtype`` (None: the slopes')."""
+        dtype = self.slopes.dtype if dtype is None else dtype
+        distance = (q_idx + self.offset - kv_idx).abs().to(dtype)  # (1, 1, S, Sk)
+        return -self.slopes.to(dtype)[h] * distance  # (1, H, 1, 1) x (1, 1, S, Sk) -> (1, H, S, Sk)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        return score + self.bias(b, h, q_idx, kv_idx).to(score.dtype)
+        return score + self.bias(b, h, q_idx, kv_idx, score.dtype)  # the product in the scores' precision
 
     def __repr__(self) -> str:
         return f"alibi({self.slopes.numel()} slopes)"

@@ -320,7 +320,7 @@ class Rules:
         total = None
         for mod in self.score_rules(S, Sk):
             b, h, q, kv = grid(B, H, (0, S), (0, Sk), device)
-            part = as_4d(mod.bias(b, h, q, kv)).to(dtype)
+            part = as_4d(mod.bias(b, h, q, kv, dtype) if isinstance(mod, Alibi) else mod.bias(b, h, q, kv)).to(dtype)
             total = part if total is None else total + part
         return total
 

@@ -50,7 +50,7 @@ def _indices(name: str, chosen: Any, n: int, what: str) -> tuple[int, ...] | Non
     if chosen is None:
         return None
     if isinstance(chosen, slice):
-        return tuple(range(n))[chosen]
+        chosen = list(range(n))[chosen]
     if isinstance(chosen, Tensor):
         chosen = chosen.flatten().tolist() if not chosen.is_floating_point() else chosen
     if isinstance(chosen, int) and not isinstance(chosen, bool):
