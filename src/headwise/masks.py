@@ -37,7 +37,16 @@ import torch
 from torch import Tensor
 
 from headwise import policy
-from headwise.mask_mods import and_masks, causal, document, or_masks, prefix_lm, relative_position_bias, sliding_window
+from headwise.mask_mods import (
+    AlignedCausal,
+    and_masks,
+    causal,
+    document,
+    or_masks,
+    prefix_lm,
+    relative_position_bias,
+    sliding_window,
+)
 from headwise.rules import TileMap, tile_map
 
 __all__ = [
@@ -194,13 +203,8 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | None = None,
     >>> causal_mask(4, 4, window=2, sink_tokens=1).int().tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 1, 1]]
     """
-    i = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)  # (S, 1) aligned position
-    j = torch.arange(k_len, device=device)[None, :]  # (1, Sk)
-    allowed = j <= i  # (S, Sk)
-    if window is not None:
-        near = j > i - window  # (S, Sk)
-        allowed = allowed & (near | (j < sink_tokens) if sink_tokens else near)
-    return allowed
+    rule = AlignedCausal(k_len - q_len, window, sink_tokens)  # the rule every kernel reads (headwise.rules)
+    return rule(None, None, torch.arange(q_len, device=device)[:, None], torch.arange(k_len, device=device)[None, :])
 
 
 def alibi_slopes(num_heads: int) -> Tensor:

@@ -30,6 +30,7 @@ from headwise.kernels import describe
 from headwise.kernels.common import attached_zeros, fold_rules, length_buckets
 from headwise.kernels.registry import Call, Kernel, KernelStage, Request
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages, with_sink
+from headwise.mask_mods import AlignedCausal
 from headwise.rules import Rules, document_lengths, document_rule
 
 
@@ -99,21 +100,25 @@ def varlen_attention(
         attention_mask = fold_rules(attention_mask, replace(rules, is_causal=False, window=None, alibi_slopes=None),
                                     B, H, S, k.shape[2], q.device, q.dtype)  # (B|1, H|1, S, Sk)
         rules = replace(rules, mask_mod=None, score_mod=None)
-    is_causal, window, sink_tokens = rules.is_causal or rules.window is not None, rules.window, rules.sink_tokens
-    alibi_slopes, sinks = rules.alibi_slopes, rules.sinks
     if attention_mask is None:  # no padding to drop: the dense kernel is the same computation
         return sdpa_attention(q, k, v, attention_mask=None, rules=rules, dropout_p=dropout_p, scale=scale,
                               need_weights=False)
+    return _without_padding(q, k, v, attention_mask, rules, dropout_p, scale), None  # (B, H, S, Dv)
+
+
+def _without_padding(q: Tensor, k: Tensor, v: Tensor, m: Tensor, rules: Rules, dropout_p: float,
+                     scale: float) -> Tensor:
+    """Each batch row's real keys only, per row or length bucket (the module docstring); ``m`` the
+    normalised mask (B|1, H|1, S|1, Sk), ``rules`` without mask_mod / score_mod: (B, H, S, Dv)."""
     B, H, S, D = q.shape
     Sk = k.shape[2]
-    m = attention_mask  # (B|1, H|1, S|1, Sk)
     keys, sizes, lengths = _real_keys(m, B, Sk)  # (B, Sk), (B,), list
     # What the kept keys' columns still need beyond dropping the others: nothing for a key
     # padding mask; the mask itself for 3-D / 4-D masks and additive biases.
     rest = None if m.dtype == torch.bool and m.shape[1:3] == (1, 1) else m.expand(B, -1, -1, -1)  # (B, H|1, S|1, Sk)
     groups = _groups(lengths)
     if not groups:  # no row has a key: the contract's zero rows, in the graph of q, k and v
-        return attached_zeros(q, k, v, *([] if sinks is None else [sinks]), size=v.shape[-1]), None  # (B, H, S, Dv)
+        return attached_zeros(q, k, v, *([] if rules.sinks is None else [rules.sinks]), size=v.shape[-1])
     span = torch.arange(Sk, device=q.device)  # (Sk,)
     # Right padding (real keys first, the usual layout) needs no gather: a row reads k[b, :, :L, :].
     prefix = bool((keys == (span[None, :] < sizes[:, None])).all())
@@ -135,38 +140,45 @@ def varlen_attention(
             kb, vb = (torch.stack([t[r].index_select(1, pos[j]) for j, r in enumerate(rows)])
                       for t in (k_rows, v_rows))  # (n, Hkv, L, D)
         qb = torch.stack([q_rows[r] for r in rows]) if len(rows) > 1 else q_rows[rows[0]][None]  # (n, H, S, D)
-        allowed, bias = None, None  # bool (True = attend) and additive parts of the bucket's mask
+        allowed = None  # the bucket's shorter rows: their columns past their real keys
         if any(lengths[r] < L for r in rows):
             allowed = (span[None, :L] < sizes.index_select(0, idx)[:, None])[:, None, None, :]  # (n, 1, 1, L)
-        j = pos[:, None, None, :]  # (n|1, 1, 1, L)
-        if is_causal or window is not None:
-            near = j <= i if window is None else (j <= i) & ((j > i - window) | (j < sink_tokens))  # (n|1, 1, S, L)
-            allowed = near if allowed is None else allowed & near
+        cols = None  # the rest of the caller's mask at the kept keys' columns
         if rest is not None:
             cols = rest.index_select(0, idx)  # (n, H|1, S|1, Sk)
-            cols = cols[..., :L] if prefix else cols.gather(-1, j.expand(*cols.shape[:3], L))  # (n, H|1, S|1, L)
-            if cols.dtype == torch.bool:
-                allowed = cols if allowed is None else allowed & cols
-            else:
-                bias = cols
-        if alibi_slopes is not None:
-            distance = -alibi_slopes.to(q.dtype)[None, :, None, None] * (i - j).abs().to(q.dtype)  # (n|1, H, S, L)
-            bias = distance if bias is None else bias + distance
-        if bias is None:
-            mask = allowed
-        elif allowed is None:
-            mask = bias
-        else:
-            mask = bias.masked_fill(~allowed, float("-inf"))
-        if sinks is not None:
-            kb, vb, mask = with_sink(qb, kb, vb, mask, sinks)  # one more key: (n, .., L + 1, ..)
+            cols = cols[..., :L] if prefix else cols.gather(-1, pos[:, None, None, :].expand(*cols.shape[:3], L))
+        mask = _bucket_mask(rules, i, pos[:, None, None, :], allowed, cols, q.dtype)  # (n|1, H|1, S, L) or None
+        if rules.sinks is not None:
+            kb, vb, mask = with_sink(qb, kb, vb, mask, rules.sinks)  # one more key: (n, .., L + 1, ..)
         ob = sdpa_masked(qb, kb, vb, mask, dropout_p=dropout_p, scale=scale)  # (n, H, S, Dv)
         for r, o in zip(rows, ob.unbind(0), strict=True):
             out_rows[r] = o
     if len(out_rows) < B:  # rows with no real key output zeros (zero gradients reach q through unbind)
         zeros = q.new_zeros(H, S, v.shape[-1])
         out_rows.update({r: zeros for r in range(B) if r not in out_rows})
-    return torch.stack([out_rows[r] for r in range(B)]), None  # (B, H, S, Dv)
+    return torch.stack([out_rows[r] for r in range(B)])  # (B, H, S, Dv)
+
+
+def _bucket_mask(rules: Rules, i: Tensor, j: Tensor, allowed: Tensor | None, cols: Tensor | None,
+                 dtype: torch.dtype) -> Tensor | None:
+    """One bucket's mask for SDPA: the causal / window rule and ALiBi at the kept keys' original
+    positions ``j`` (n|1, 1, 1, L) for the aligned queries ``i`` (S, 1), ANDed with ``allowed``
+    (n, 1, 1, L) and the caller's mask columns ``cols`` (n, H|1, S|1, L), bool or additive."""
+    bias = None
+    if rules.is_causal or rules.window is not None:
+        near = AlignedCausal(0, rules.window, rules.sink_tokens)(None, None, i, j)  # i aligned: (n|1, 1, S, L)
+        allowed = near if allowed is None else allowed & near
+    if cols is not None:
+        if cols.dtype == torch.bool:
+            allowed = cols if allowed is None else allowed & cols
+        else:
+            bias = cols
+    if rules.alibi_slopes is not None:
+        distance = -rules.alibi_slopes.to(dtype)[None, :, None, None] * (i - j).abs().to(dtype)  # (n|1, H, S, L)
+        bias = distance if bias is None else bias + distance
+    if bias is None:
+        return allowed
+    return bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
 
 
 def _refuses(r: Request) -> str | None:
