@@ -58,6 +58,34 @@ def _tile_drop(seed: int, tile: int, shape: tuple[int, ...], dropout_p: float,
     return torch.rand(shape, generator=gen, device=device) < dropout_p
 
 
+def _causal_tile(i0: int, i1: int, j0: int, j1: int, offset: int, window: int | None,
+                 device: torch.device, sink_tokens: int = 0) -> Tensor | None | bool:
+    """The causal (and sliding window, with its sink tokens) rule on rows [i0, i1) x cols [j0, j1).
+
+    Returns False when the whole tile is blocked, None when it is entirely allowed,
+    else a bool (bq, bk) mask (True = may attend). A tile holding a sink key (``j0 <
+    sink_tokens``) is never skipped for lying before the window.
+
+    The same rule as :class:`headwise.mask_mods.AlignedCausal`, decided on Python ints: the
+    built-in rules read no tensor on the host (no device sync, no torch.compile graph break),
+    where a mask_mod's tile map is read back with ``tolist``.
+    """
+    if j0 > i1 - 1 + offset:
+        return False  # every key is after every query
+    if window is not None and j1 - 1 <= i0 + offset - window and j0 >= sink_tokens:
+        return False  # every key is before even the first query's window, and none is a sink
+    inside = j1 - 1 <= i0 + offset and (window is None or j0 > i1 - 1 + offset - window or j1 <= sink_tokens)
+    if inside:
+        return None
+    i = torch.arange(i0, i1, device=device)[:, None] + offset  # (bq, 1) aligned position
+    j = torch.arange(j0, j1, device=device)[None, :]  # (1, bk)
+    allowed = j <= i
+    if window is not None:
+        near = j > i - window
+        allowed = allowed & (near | (j < sink_tokens) if sink_tokens else near)
+    return allowed  # (bq, bk)
+
+
 class _Plan:
     """Shapes, tiling and the mask of one call, shared by forward and backward."""
 
@@ -66,7 +94,10 @@ class _Plan:
         Hkv, Sk = k.shape[1], k.shape[2]
         self.B, self.H, self.Hkv, self.G, self.S, self.Sk, self.D = B, H, Hkv, H // Hkv, S, Sk, D
         self.device = q.device
-        self.offset = Sk - S  # bottom-right alignment of ALiBi's distances
+        self.offset = Sk - S  # bottom-right causal alignment
+        self.is_causal = rules.is_causal or rules.window is not None
+        self.window = rules.window
+        self.sink_tokens = rules.sink_tokens
         self.slopes5 = None  # (1, Hkv, G, 1, 1) ALiBi slopes
         if rules.alibi_slopes is not None:
             self.slopes5 = rules.alibi_slopes.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
@@ -76,15 +107,12 @@ class _Plan:
             self.sinks5 = rules.sinks.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
         self.q_blocks = [(i, min(i + block_q, S)) for i in range(0, S, block_q)]
         self.k_blocks = [(j, min(j + block_k, Sk)) for j in range(0, Sk, block_k)]
-        # The mask rules (causal, window, sink tokens, mask_mod) as one rule, and its tiles' states
-        # over every (b, h), (nq, nk) each: empty tiles are skipped, full ones run without a mask.
-        self.rule = rules.structure(S, Sk)
+        # A mask_mod: its tiles' states over every (b, h), (nq, nk) each: the rule ANDed with causal.
+        self.rule = rules.structure(S, Sk) if rules.mask_mod is not None else None
         self.some: list[list[bool]] = []
         self.every: list[list[bool]] = []
         if self.rule is not None:
-            # read on the host below; a meta tensor has no values, so its tiles' states come from the CPU
-            where = torch.device("cpu") if q.device.type == "meta" else q.device
-            states = mask_tile_states(self.rule, Bounds(S, Sk, block_q, block_k, where), B, H)
+            states = mask_tile_states(self.rule, Bounds(S, Sk, block_q, block_k, q.device), B, H)
             self.some = (states.amax(dim=(0, 1)) != EMPTY).tolist()  # (nq, nk): some pair may attend
             self.every = (states.amin(dim=(0, 1)) == FULL).tolist()  # (nq, nk): every pair may
         self.mask5 = None
@@ -101,19 +129,27 @@ class _Plan:
         n_k = len(self.k_blocks)
         for qi, (i0, i1) in enumerate(self.q_blocks):
             for kj, (j0, j1) in enumerate(self.k_blocks):
-                causal = None
+                causal: Tensor | bool | None = None
                 if self.rule is not None:
                     if not self.some[qi][kj]:
                         continue
                     if not self.every[qi][kj]:
                         causal = self._rule_tile(i0, i1, j0, j1)
+                elif self.is_causal:
+                    causal = _causal_tile(i0, i1, j0, j1, self.offset, self.window, self.device, self.sink_tokens)
+                    if causal is False:
+                        continue
                 yield qi * n_k + kj, (i0, i1), (j0, j1), causal
 
     def live_tiles(self) -> int:
         """How many tiles :meth:`tiles` yields, without building their masks."""
-        if self.rule is None:
+        if self.rule is not None:
+            return sum(live for row in self.some for live in row)
+        if not self.is_causal:
             return len(self.q_blocks) * len(self.k_blocks)
-        return sum(live for row in self.some for live in row)
+        rule = (self.offset, self.window, self.device, self.sink_tokens)
+        return sum(1 for i0, i1 in self.q_blocks for j0, j1 in self.k_blocks
+                   if _causal_tile(i0, i1, j0, j1, *rule) is not False)
 
     def _rule_tile(self, i0: int, i1: int, j0: int, j1: int) -> Tensor:
         """The mask rule on one partial tile: bool (B|1, Hkv|1, G|1, bq, bk), True = may attend."""
