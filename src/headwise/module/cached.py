@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from headwise import functional
 from headwise import tracing as trace
 from headwise.cache import KVCache
-from headwise.functional import attend
+from headwise.functional import Prepared, attend
+from headwise.module import checks, memo
 from headwise.module import projections as proj
 from headwise.module.plan import Plan
 from headwise.positions import apply_rotary
@@ -30,17 +32,69 @@ if TYPE_CHECKING:
 
 
 def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
-            cache: KVCache, rules: tuple = (None, None)) -> Tensor | tuple[Tensor, Tensor]:
+            cache: KVCache, rules: tuple = (None, None), key: tuple | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """One step, undone if it is refused after the cache changed; ``rules``: the call's
-    (mask_mod, score_mod), their queries already at their positions."""
+    (mask_mod, score_mod), their queries already at their positions; ``key``: the call's
+    memo key (None: not remembered), under which the plan (and the prepared attention call
+    where :func:`repeats`) is stored once the step ran."""
+    if key is not None and attention_mask is None and repeats(mha, cache):
+        step, attention = _remembered(mha, x, cache, plan.is_causal, None)
+        mha._repeats.remember(key, memo.Repeat(plan.path, plan.why, plan.is_causal, attention, False))
+        return step
     if torch.compiler.is_compiling():  # a compiled step raises no refusal at run time
         return _step(mha, x, attention_mask, plan, need_weights, cache, rules)
     saved = cache.savepoint(x.shape[1], masked=attention_mask is not None)
     try:
-        return _step(mha, x, attention_mask, plan, need_weights, cache, rules)
+        out = _step(mha, x, attention_mask, plan, need_weights, cache, rules)
     except BaseException:
         cache.rollback(saved)
         raise
+    mha._repeats.remember(key, memo.Repeat(plan.path, plan.why, plan.is_causal, None, False))
+    return out
+
+
+def repeats(mha: MultiHeadAttention, cache: KVCache) -> bool:
+    """Whether a remembered step may take :func:`forward_repeat`: a dynamic cache that neither
+    evicts nor holds a padding mask, and an attention call that
+    :func:`headwise.functional.prepare` remembers."""
+    return not (cache.static or cache.evicts or cache.padded) and memo.preparable(mha)
+
+
+def forward_repeat(mha: MultiHeadAttention, x: Tensor, cache: KVCache, repeat: memo.Repeat) -> Tensor:
+    """A remembered decoding step without a mask, where :func:`repeats` (the module's memo:
+    this signature's checks and plan passed before; the cache's room and batch are checked as
+    it appends). (B, T, E) -> (B, T, E)."""
+    return _remembered(mha, x, cache, repeat.is_causal, repeat.attention)[0]
+
+
+def _remembered(mha: MultiHeadAttention, x: Tensor, cache: KVCache, causal: bool,
+                attention: Prepared | None) -> tuple[Tensor, Prepared | None]:
+    """Project, append, attend, project out; undone if it is refused after the cache changed.
+
+    ``attention``: the call :func:`headwise.functional.prepare` made for this signature's
+    earlier steps, or None (prepared here). Returns the output (B, T, E) and the prepared
+    call where a later step of the signature may reuse it: "auto" without dropout, whose
+    decision reads no key length but Sk > 0 and S == Sk (the memo's key holds whether the
+    cache was empty, so S == Sk is the same on every step of it)."""
+    saved = cache.savepoint(x.shape[1], masked=False)
+    try:
+        plain = proj.plain_linears(mha)  # read once a step: only the kernel runs between the projections
+        q, k, v = proj.project_heads(mha, x, None, plain)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv)
+        if mha.rope is not None or mha.q_norm is not None:
+            q, k = proj.rotate(mha, *proj.normalize(mha, q, k), len(cache))
+        k, v = cache.append(k, v)  # (B, Hkv, L, D), (B, Hkv, L, Dv): every cached position
+        dropout_p = mha.dropout if mha.training else 0.0
+        if attention is None:
+            attention = functional.prepare(q, k, v, is_causal=causal, dropout_p=dropout_p, backend=mha.backend)
+        if attention is None:  # no keys at all: the full path's zeros
+            out = attend(q, k, v, None, is_causal=causal, dropout_p=dropout_p, backend=mha.backend)
+        else:
+            out = attention(q, k, v)  # (B, H, T, Dv)
+        out = proj.output(mha, out, None, plain=plain)  # (B, T, E)
+    except BaseException:
+        cache.rollback(saved)
+        raise
+    return out, attention if mha.backend == "auto" and not dropout_p else None
 
 
 def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
@@ -52,9 +106,10 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
     # (a later mask may declare them tokens), the kernels hide what no query may attend
     # (NaN included), and a step takes no gradients
     padding = plan.padding  # (B, T): the new positions' padding, or None
-    q, k, v = proj.project_heads(mha, x, None)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv)
+    plain = proj.plain_linears(mha)  # read once a step: only the kernel runs between the projections
+    q, k, v = proj.project_heads(mha, x, None, plain)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv)
     q, k = proj.normalize(mha, q, k)
-    causal, window, slopes, sink_tokens = plan.is_causal, mha.window, mha.alibi_slopes, mha.sink_tokens
+    causal, window, slopes, sink_tokens = plan.is_causal, mha.window, checks.slopes(mha), mha.sink_tokens
     if cache.static:  # same shapes every step; positions are tensors
         q, k, v, attention_mask = _static(mha, q, k, v, cache, attention_mask, causal)
         causal, window, slopes, sink_tokens = False, None, None, 0  # all in the mask now
@@ -72,9 +127,10 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
             _record(cache, x.shape[1], k)
     out = attend(q, k, v, attention_mask, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
                  backend=mha.backend, need_weights=need_weights, window=window, alibi_slopes=slopes,
-                 softcap=mha.softcap, sinks=mha.sinks, sink_tokens=sink_tokens, mask_mod=rules[0], score_mod=rules[1])
+                 softcap=mha.softcap, sinks=checks.sinks(mha), sink_tokens=sink_tokens, mask_mod=rules[0],
+                 score_mod=rules[1])
     out, weights = out if need_weights else (out, None)
-    out = proj.output(mha, out, padding)  # (B, T, E)
+    out = proj.output(mha, out, padding, plain=plain)  # (B, T, E)
     if weights is None:
         return out
     if padding is not None:  # a padded query's output is zeros, and so are its weights

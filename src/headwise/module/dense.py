@@ -18,8 +18,9 @@ from headwise import functional
 from headwise import tracing as trace
 from headwise.functional import Prepared, attend
 from headwise.masks import _canonical as canonical_mask
+from headwise.module import checks
 from headwise.module import projections as proj
-from headwise.module.memo import Repeat
+from headwise.module.memo import Repeat, preparable
 from headwise.module.plan import Plan, all_tokens
 from headwise.weights import Selection
 
@@ -53,7 +54,7 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
     hidden = padding is not None and context is None and attention_mask is not None and attention_mask.dim() == 2
     dropout_p = mha.dropout if mha.training else 0.0
     key_lengths = plan.lengths if padding is not None else None  # the mask's, read once
-    if key is not None and _preparable(mha):  # the attention call, checked and dispatched once for the memo
+    if key is not None and preparable(mha):  # the attention call, checked and dispatched once for the memo
         mask_4d = None if padding is None else canonical_mask(padding)  # (B, 1, 1, S)
         attention = functional.prepare(q, k, v, attention_mask, mask_4d, is_causal=plan.is_causal,
                                        dropout_p=dropout_p, backend=mha.backend, key_lengths=key_lengths)
@@ -62,8 +63,8 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
             mha._repeats.remember(key, Repeat(plan.path, plan.why, plan.is_causal, attention, padding is not None))
             return out
     out = attend(q, k, v, attention_mask, is_causal=plan.is_causal, dropout_p=dropout_p, backend=mha.backend,
-                 need_weights=need_weights, window=mha.window, alibi_slopes=mha.alibi_slopes,
-                 softcap=mha.softcap, sinks=mha.sinks, sink_tokens=mha.sink_tokens, key_lengths=key_lengths,
+                 need_weights=need_weights, window=mha.window, alibi_slopes=checks.slopes(mha),
+                 softcap=mha.softcap, sinks=checks.sinks(mha), sink_tokens=mha.sink_tokens, key_lengths=key_lengths,
                  excluded_finite=hidden, mask_mod=rules[0], score_mod=rules[1])
     out, weights = out if need_weights else (out, None)
     out = proj.output(mha, out, padding, finite)  # (B, S, E)
@@ -76,12 +77,6 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
     return out, weights
 
 
-def _preparable(mha: MultiHeadAttention) -> bool:
-    """Whether :func:`headwise.functional.prepare` can remember this module's attention call
-    (it takes no window, ALiBi, soft-capping or sinks)."""
-    return mha.window is None and mha.alibi_slopes is None and mha.softcap is None and mha.sinks is None
-
-
 def forward_repeat(mha: MultiHeadAttention, x: Tensor, padding: Tensor | None, attention: Prepared) -> Tensor:
     """A remembered signature on the dense path: no checks, no plan, the attention call
     :func:`headwise.functional.prepare` made for it. (B, S, E) -> (B, S, E).
@@ -89,9 +84,10 @@ def forward_repeat(mha: MultiHeadAttention, x: Tensor, padding: Tensor | None, a
     finite = False
     if padding is not None:  # what a padded position holds reaches no result and no gradient
         x, finite = proj.hide_padding(x, padding)
-    q, k, v = proj.project_heads(mha, x, None)  # (B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
+    plain = proj.plain_linears(mha)  # read once a call: only the kernel runs between the projections
+    q, k, v = proj.project_heads(mha, x, None, plain)  # (B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
     if mha.rope is not None or mha.q_norm is not None:
         q, k = proj.rotate(mha, *proj.normalize(mha, q, k), 0)
     mask = None if padding is None else canonical_mask(padding)  # (B, 1, 1, S)
     out = attention(q, k, v, mask, excluded_finite=True)  # (B, H, S, Dv): padded x was zeroed, as above
-    return proj.output(mha, out, padding, finite)
+    return proj.output(mha, out, padding, finite, plain)

@@ -29,7 +29,7 @@ from torch.nn.modules import module as torch_module
 from headwise import policy
 from headwise import tracing as trace
 from headwise.cache import KVCache
-from headwise.module import qkv
+from headwise.module import checks, qkv
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -75,8 +75,8 @@ def why(mha: MultiHeadAttention, x: Tensor, padded: bool, context: Tensor | None
     if (causal and x.shape[1] > 1) or padded:
         return None
     if (mha.num_kv_heads != mha.num_heads or mha.v_head_dim != mha.head_dim or mha.rope is not None
-            or mha.q_norm is not None or mha.window is not None or mha.alibi_slopes is not None
-            or mha.softcap is not None or mha.sinks is not None or (mha.training and mha.dropout > 0)):
+            or mha.q_norm is not None or mha.window is not None or checks.slopes(mha) is not None
+            or mha.softcap is not None or checks.sinks(mha) is not None or (mha.training and mha.dropout > 0)):
         return None
     if not allowed(mha):
         return None

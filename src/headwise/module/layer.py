@@ -373,7 +373,9 @@ class MultiHeadAttention(nn.Module):
         key, padding, lengths = (None, None, None) if signature is None else signature
         repeat = None if key is None else self._repeats.get(key)
         if repeat is not None and repeat.current():  # a remembered signature: its checks passed, its plan holds
-            if repeat.attention is not None:
+            if cache is not None and cached.repeats(self, cache):
+                return cached.forward_repeat(self, x, cache, repeat)
+            if repeat.attention is not None and cache is None:
                 return dense.forward_repeat(self, x, padding if repeat.padded else None, repeat.attention)
             plan = Plan(repeat.path, repeat.why, repeat.is_causal, padding, lengths)
             key = None  # remembered already
@@ -387,7 +389,7 @@ class MultiHeadAttention(nn.Module):
         elif plan.path == "context parallel":
             return context_parallel.forward(self, x, attention_mask, context, plan.is_causal, need_weights, cache)
         elif cache is not None:
-            return cached.forward(self, x, attention_mask, plan, need_weights, cache)
+            return cached.forward(self, x, attention_mask, plan, need_weights, cache, key=key)
         else:
             return dense.forward(self, x, attention_mask, context, plan, need_weights, key)
         self._repeats.remember(key, memos.Repeat(plan.path, plan.why, plan.is_causal, None, plan.path == "packed"))

@@ -62,12 +62,16 @@ def signature(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None,
     """The key a self-attention call is remembered under, with x's padding (B, S) and its real
     tokens per row; None where every call plans afresh.
 
-    Not remembered: cross-attention, a cache, weights, context parallelism, 3-D / 4-D /
-    float masks, masks whose values are not read (on an accelerator), a trace,
-    torch.compile, autocast, and "auto" logging its choices.
+    Not remembered: cross-attention, weights, context parallelism, 3-D / 4-D / float masks,
+    masks whose values are not read (on an accelerator), a cache step with a mask, a trace,
+    torch.compile, autocast, and "auto" logging its choices. A cache step without a mask is
+    (a decoding loop): its key holds what the checks read of the cache (its batch, heads,
+    head dims, dtype and device); the step's own checks (room, batch) run on every call.
     """
-    if (context is not None or cache is not None or need_weights or mha.context_parallel is not None
+    if (context is not None or need_weights or mha.context_parallel is not None
             or trace.ACTIVE or torch.compiler.is_compiling() or functional.logs_choices()):
+        return None
+    if cache is not None and (attention_mask is not None or type(cache) is not KVCache):
         return None
     try:
         if checks.autocast_on(x.device):  # q's dtype is autocast's, not x's
@@ -82,10 +86,19 @@ def signature(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None,
         causal = mha.is_causal if is_causal is None else bool(is_causal)
         # 0: no grad mode (the fused path may run); 1: grad mode, none flows; 2: gradients flow
         grads = 0 if not torch.is_grad_enabled() else 1 + (x.requires_grad or mha.trains())
-        key = (x.shape, x.dtype, x.device, masked, causal, grads, mha.training, policy.GENERATION)
+        # what the checks read of a cache, and whether it is empty (then S == Sk: "auto" may choose otherwise)
+        fits = None if cache is None else (cache.k.shape, cache.v.shape[-1], cache.k.dtype, cache.k.device,
+                                           cache._length == 0)
+        key = (x.shape, x.dtype, x.device, masked, causal, grads, mha.training, policy.GENERATION, fits)
         return key, padding, lengths
     except (AttributeError, TypeError):  # not tensors: the plan's checks name the error
         return None
+
+
+def preparable(mha: MultiHeadAttention) -> bool:
+    """Whether :func:`headwise.functional.prepare` can remember this module's attention call
+    (it takes no window, ALiBi, soft-capping or sinks)."""
+    return mha.window is None and checks.slopes(mha) is None and mha.softcap is None and checks.sinks(mha) is None
 
 
 class Memo(dict):

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from headwise import packing, policy
 from headwise import tracing as trace
+from headwise.module import checks
 from headwise.module import projections as proj
 from headwise.module.plan import Plan
 
@@ -67,8 +68,8 @@ def attend(mha: MultiHeadAttention, x: Tensor, cu_seqlens: Tensor, lengths: tupl
             trace.record("rotary positions", q, f"{mha.rope.describe()}, each token's position in its sequence")
     out = packing.attend_packed(
         q, k, v, lengths, lengths, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
-        backend=mha.backend, window=mha.window, alibi_slopes=mha.alibi_slopes, softcap=mha.softcap,
-        sinks=mha.sinks, sink_tokens=mha.sink_tokens,
+        backend=mha.backend, window=mha.window, alibi_slopes=checks.slopes(mha), softcap=mha.softcap,
+        sinks=checks.sinks(mha), sink_tokens=mha.sink_tokens,
     )  # (T, H, Dv), attention within each sequence
     out = cast(Tensor, out).flatten(1)  # (T, H, Dv) -> (T, H*Dv); no return_lse: a tensor
     if trace.ACTIVE:

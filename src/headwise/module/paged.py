@@ -57,7 +57,7 @@ def _step(mha: MultiHeadAttention, x: Tensor, batch: PagedBatch, causal: bool) -
     cache.append(seqs, k, v)
     out = paged_attention(q, cache.k_pages, cache.v_pages, cache.block_table(seqs), cache.seq_lens(seqs),
                                   is_causal=causal, backend=mha.backend, window=mha.window,
-                                  alibi_slopes=mha.alibi_slopes, softcap=mha.softcap, sinks=mha.sinks,
+                                  alibi_slopes=checks.slopes(mha), softcap=mha.softcap, sinks=checks.sinks(mha),
                                   sink_tokens=mha.sink_tokens)  # (B, H, T, Dv)
     return proj.output(mha, cast(Tensor, out), None)  # (B, H, T, Dv) -> (B, T, E)
 

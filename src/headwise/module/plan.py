@@ -107,7 +107,7 @@ def choose_packing(mha: MultiHeadAttention, x: Tensor, padding: Tensor | None, l
         return "dense", "decoding with a cache keeps the (B, S) layout"
     if need_weights:
         return "dense", "need_weights=True returns (B, H, S, Sk) weights over the padded layout"
-    if mha.window is not None or mha.alibi_slopes is not None:
+    if mha.window is not None or checks.slopes(mha) is not None:
         return "dense", "window / ALiBi count positions, which change for tokens after a hole once packed"
     if mha.packing is True:
         return "packed", "packing=True packs the real tokens"

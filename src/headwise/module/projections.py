@@ -101,9 +101,12 @@ def record_projections(q: Tensor, k: Tensor, v: Tensor, batched: bool, self_atte
         trace.record("v projection", v, f"v_proj({src}): ({keys}, E) x (Hkv*Dv, E)^T + b, Hkv*Dv = {v.shape[-1]}")
 
 
-def project_heads(mha: MultiHeadAttention, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """(B, S, E) inputs -> q (B, H, S, D), k (B, Hkv, Sk, D) and v (B, Hkv, Sk, Dv)."""
-    plain = plain_linears(mha)
+def project_heads(mha: MultiHeadAttention, x: Tensor, context: Tensor | None,
+                  plain: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(B, S, E) inputs -> q (B, H, S, D), k (B, Hkv, Sk, D) and v (B, Hkv, Sk, Dv).
+    ``plain``: :func:`plain_linears`, where the caller read it for this call (None: read here)."""
+    if plain is None:
+        plain = plain_linears(mha)
     pack = rows_for(mha, context, plain)
     if pack is not None and mha.v_head_dim == mha.head_dim and not trace.ACTIVE:
         return heads_from_rows(mha, x, pack)
@@ -154,17 +157,18 @@ def rotate(mha: MultiHeadAttention, q: Tensor, k: Tensor, start: int) -> tuple[T
     return q, k
 
 
-def output(mha: MultiHeadAttention, out: Tensor, padding: Tensor | None, finite: bool = False) -> Tensor:
+def output(mha: MultiHeadAttention, out: Tensor, padding: Tensor | None, finite: bool = False,
+           plain: bool | None = None) -> Tensor:
     """Merge the heads of the attention output (B, H, S, Dv), project, and zero the padded
     positions (``padding`` (B, S), False = padded; None: none; ``finite``: the input was
-    finite, see :func:`zero_padding_`): (B, S, E)."""
+    finite, see :func:`zero_padding_`; ``plain``: as :func:`project_heads` takes it): (B, S, E)."""
     out = out.transpose(1, 2).flatten(2)  # (B, H, S, Dv) -> (B, S, H, Dv) -> (B, S, H*Dv), one copy
     same = mha.v_head_dim == mha.head_dim
     if trace.ACTIVE:
         trace.record("merge heads", out, "transpose(1, 2).flatten(2) = rearrange 'b h s d -> b s (h d)' "
                      "= transpose(1, 2).contiguous().view(B, S, " + ("E)" if same else "H * Dv)"))
     out_proj: Any = mha._modules["out_proj"]
-    out = linear(out_proj, out, plain_linears(mha))  # (B, S, H*Dv) -> (B, S, E)
+    out = linear(out_proj, out, plain_linears(mha) if plain is None else plain)  # (B, S, H*Dv) -> (B, S, E)
     if trace.ACTIVE:
         trace.record("output projection", out, "out_proj: (B, S, E) x (E, E)^T + b"
                      if same else "out_proj: (B, S, H*Dv) x (E, H*Dv)^T + b")

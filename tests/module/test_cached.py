@@ -1,0 +1,224 @@
+"""The cached path's remembered step (module/cached.py): a decoding loop's repeated call
+signature skips the checks and the plan, and still equals the full path in float64, sees
+every change a step must see (a padded cache, hooks, weights written in place, a replaced
+kernel) and refuses what the full path refuses, changing nothing.
+
+Legend: B batch, T new positions, E embed dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import headwise
+from headwise.kernels import registry
+from headwise.module import cached
+from headwise.module import plan as planning
+
+E, H = 32, 4
+MODULES = {
+    "plain": {},
+    "GQA + rope": dict(num_kv_heads=2, rope=True),
+    "MQA + qk norm + rope": dict(num_kv_heads=1, qk_norm="rms", rope=True),
+    "value head dim": dict(num_kv_heads=2, v_head_dim=6),
+    "no bias": dict(bias=False),
+    "chunked kernel": dict(backend="chunked"),
+}
+
+
+def module(**kwargs) -> headwise.MultiHeadAttention:
+    torch.manual_seed(0)
+    return headwise.MultiHeadAttention(E, H, is_causal=True, dtype=torch.float64, **kwargs).eval()
+
+
+def counting(monkeypatch) -> tuple[list, list]:
+    """Lists that grow by one per planned call and per remembered step."""
+    planned, repeated = [], []
+    real_plan, real_repeat = planning.make_plan, cached.forward_repeat
+    monkeypatch.setattr(planning, "make_plan", lambda *a, **kw: planned.append(1) or real_plan(*a, **kw))
+    monkeypatch.setattr(cached, "forward_repeat", lambda *a, **kw: repeated.append(1) or real_repeat(*a, **kw))
+    return planned, repeated
+
+
+def decode(mha, x, cache, prompt: int, chunks=(1,)) -> torch.Tensor:
+    """x (B, S, E) fed to ``cache`` as a prompt, then in steps of the sizes in ``chunks`` (cycled)."""
+    outs = [mha(x[:, :prompt], cache=cache)]
+    i, n = prompt, 0
+    while i < x.shape[1]:
+        T = min(chunks[n % len(chunks)], x.shape[1] - i)
+        outs.append(mha(x[:, i:i + T], cache=cache))
+        i, n = i + T, n + 1
+    return torch.cat(outs, dim=1)  # (B, S, E)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_remembered_steps_equal_the_full_causal_forward(name, monkeypatch):
+    planned, repeated = counting(monkeypatch)
+    mha = module(**MODULES[name])
+    x = torch.randn(2, 14, E, dtype=torch.float64)
+    with torch.no_grad():
+        want = mha(x)  # (B, S, E), causal
+        for chunks in ((1,), (1, 3)):  # T = 3: bottom-right causal within a step
+            got = decode(mha, x, mha.new_cache(2, 14), prompt=4, chunks=chunks)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert len(repeated) >= 10  # most steps took the remembered way
+    assert len(planned) <= 6  # the prompts, the first step of each size, the forward
+
+
+def test_a_step_from_an_empty_cache_is_remembered_apart():
+    """The memo's key holds whether the cache is empty: the first step attends with S == Sk,
+    which "auto" may decide otherwise than a later step of the same size."""
+    mha = module()
+    x = torch.randn(1, 3, E, dtype=torch.float64)
+    with torch.no_grad():
+        want = mha(x)
+        for _ in range(2):  # a fresh cache each time: its first step is the remembered empty one
+            torch.testing.assert_close(decode(mha, x, mha.new_cache(1, 3), prompt=1), want, rtol=0, atol=1e-12)
+    empties = {key[-1][-1] for key in mha._repeats if key[-1] is not None}
+    assert empties == {True, False}
+
+
+def test_a_padded_cache_keeps_its_mask_on_a_remembered_step(monkeypatch):
+    """A step without a mask on a cache that holds one (its prompt was padded) attends with
+    it, also where another cache of the same shapes made the signature remembered."""
+    planned, repeated = counting(monkeypatch)
+    mha = module()
+    x = torch.randn(2, 8, E, dtype=torch.float64)
+    x[1, :3] = float("nan")  # row 1: three positions of left padding, never attended
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, :3] = False
+    with torch.no_grad():
+        decode(mha, x.nan_to_num(), mha.new_cache(2, 8), prompt=5)  # remembers the step's signature
+        before = len(repeated)
+        cache = mha.new_cache(2, 8)
+        mha(x[:, :5], mask[:, :5], cache=cache)
+        got = torch.cat([mha(x[:, i:i + 1], cache=cache) for i in range(5, 8)], dim=1)
+        want = mha(x, mask)[:, 5:]
+    assert len(repeated) == before  # the padded cache took the full step
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_full_cache_refuses_a_remembered_step_and_changes_nothing():
+    mha = module()
+    x = torch.randn(1, 6, E, dtype=torch.float64)
+    with torch.no_grad():
+        cache = mha.new_cache(1, 5)
+        decode(mha, x[:, :5], cache, prompt=2)  # steps 3 and 4 remembered; the cache is full
+        k, v = cache.k.clone(), cache.v.clone()
+        with pytest.raises(ValueError, match=re.escape("the cache holds 5 of max_seq_len 5 positions and cannot "
+                                                       "take 1 more")):
+            mha(x[:, 5:6], cache=cache)
+    assert len(cache) == 5
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+
+
+def test_a_remembered_step_refused_by_its_kernel_is_undone(monkeypatch):
+    original = registry.get_kernel("sdpa")
+    fail = []
+
+    def refusing(*args, **kwargs):
+        if fail:
+            raise RuntimeError("refused")
+        return original.fn(*args, **kwargs)
+
+    monkeypatch.setitem(registry._KERNELS, "sdpa", dataclasses.replace(original, fn=refusing))
+    planned, repeated = counting(monkeypatch)
+    mha = module()
+    x = torch.randn(1, 6, E, dtype=torch.float64)
+    with torch.no_grad():
+        cache = mha.new_cache(1, 6)
+        decode(mha, x[:, :4], cache, prompt=2)
+        k, v, before = cache.k.clone(), cache.v.clone(), len(repeated)
+        fail.append(1)
+        with pytest.raises(RuntimeError, match="refused"):
+            mha(x[:, 4:5], cache=cache)
+    assert len(repeated) == before + 1  # refused on the remembered way
+    assert len(cache) == 4
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+
+
+@pytest.mark.parametrize("other", ["kv heads", "dtype", "batch"])
+def test_a_cache_that_does_not_fit_is_refused_after_remembered_steps(other):
+    mha = module(num_kv_heads=2)
+    x = torch.randn(2, 4, E, dtype=torch.float64)
+    with torch.no_grad():
+        decode(mha, x, mha.new_cache(2, 8), prompt=1)
+        if other == "kv heads":
+            cache, match = module().new_cache(2, 8), "the cache holds kv_heads=4"
+        elif other == "dtype":
+            cache, match = module(num_kv_heads=2).float().new_cache(2, 8), "torch.float32 on cpu; this module needs"
+        else:
+            cache, match = mha.new_cache(3, 8), "the cache was made for batch_size 3, got a batch of 2"
+        with pytest.raises(ValueError, match=re.escape(match)):
+            mha(x[:, :1], cache=cache)
+        assert len(cache) == 0
+
+
+def test_hooks_and_weights_changed_after_remembered_steps_are_seen():
+    """Projections are read afresh on every step: a hook registered later runs, and a weight
+    written through ``.data`` (no version bump) is the one used."""
+    mha = module()
+    x = torch.randn(1, 6, E, dtype=torch.float64)
+    seen = []
+    with torch.no_grad():
+        cache = mha.new_cache(1, 6)
+        decode(mha, x[:, :4], cache, prompt=2)
+        handle = mha.out_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+        mha.q_proj.weight.data.mul_(2.0)
+        got = mha(x[:, 4:5], cache=cache)
+        handle.remove()
+        fresh = module()
+        fresh.load_state_dict(mha.state_dict())
+        want = fresh(x[:, :5])[:, 4:5]
+    assert seen == [torch.Size([1, 1, E])]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_replaced_kernel_serves_the_next_remembered_step(monkeypatch):
+    mha = module()
+    x = torch.randn(1, 6, E, dtype=torch.float64)
+    calls = []
+    with torch.no_grad():
+        cache = mha.new_cache(1, 6)
+        decode(mha, x[:, :4], cache, prompt=2)
+        original = registry.get_kernel("sdpa")
+        monkeypatch.setitem(registry._KERNELS, "sdpa",
+                            dataclasses.replace(original, fn=lambda *a, **kw: calls.append(1) or original.fn(*a, **kw)))
+        got = torch.cat([mha(x[:, i:i + 1], cache=cache) for i in (4, 5)], dim=1)
+        want = mha(x)[:, 4:]
+    assert len(calls) >= 2
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_dropout_in_training_mode_is_drawn_afresh_on_every_step():
+    """Without gradients a step may run in training mode: its dropout is the call's own
+    (no remembered call holds a mask or a generator state)."""
+    mha = module()
+    mha.dropout = 0.5
+    mha.train()
+    x = torch.randn(1, 2, E, dtype=torch.float64)
+    with torch.no_grad():
+        cache = mha.new_cache(1, 40)
+        mha(x[:, :1], cache=cache)
+        outs = [mha(x[:, 1:2], cache=cache) for _ in range(20)]  # the same token: each step its own draw
+    assert len({tuple(o.flatten().tolist()) for o in outs}) > 1
+
+
+def test_a_named_kernel_is_asked_again_as_the_cache_grows(monkeypatch):
+    """A named backend's checks read the full shapes: a step is prepared afresh for each
+    length (here a kernel that refuses more than 4 keys refuses the fifth step)."""
+    chunked = registry.get_kernel("chunked")
+    monkeypatch.setitem(registry._KERNELS, "short", dataclasses.replace(
+        chunked, name="short", refuses=lambda r: f"Sk = {r.k_len} > 4" if r.k_len > 4 else None))
+    mha = module(backend="short")
+    x = torch.randn(1, 5, E, dtype=torch.float64)
+    with torch.no_grad():
+        cache = mha.new_cache(1, 5)
+        decode(mha, x[:, :4], cache, prompt=2)  # steps at Sk = 3 and 4
+        with pytest.raises(ValueError, match=re.escape("Sk = 5 > 4")):
+            mha(x[:, 4:5], cache=cache)
+    assert len(cache) == 4
