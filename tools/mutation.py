@@ -42,7 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ["module/layer.py", "module/plan.py", "module/dense.py", "module/packed.py", "module/cached.py",
-          "module/fused.py", "module/memo.py", "module/checks.py", "module/projections.py", "module/report.py"]
+          "module/fused.py", "module/memo.py", "module/checks.py", "module/projections.py", "module/report.py",
+          "module/qkv.py", "module/ruled.py", "module/paged.py", "module/torch_mha.py"]
 FILES = ["masks.py", "functional.py", *MODULE, "cache.py", "positions.py", "kernels/sdpa.py", "kernels/chunked.py"]
 # The tests that exercise those files (explain mode's included: its stages are output too),
 # without the slow Triton interpreter, the Hugging Face models and the benchmark's subprocesses.
@@ -52,7 +53,9 @@ TESTS = ["tests/test_masks.py", "tests/test_functional.py", "tests/test_module.p
          "tests/test_dispatch.py", "tests/test_packing.py", "tests/test_reference.py", "tests/test_tracing.py",
          "tests/test_explain.py",
          "tests/kernels/test_parity.py", "tests/kernels/test_chunked.py",
-         "tests/kernels/test_varlen_kernel.py", "tests/kernels/test_registry.py"]
+         "tests/kernels/test_varlen_kernel.py", "tests/kernels/test_registry.py",
+         "tests/module/test_cached.py", "tests/module/test_qkv.py", "tests/module/test_paged_path.py",
+         "tests/module/test_ecosystem.py", "tests/test_rules.py", "tests/test_module_softcap_sinks.py"]
 EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.txt"
 
 

@@ -14,6 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from headwise.cache import KVCache
+from headwise.deprecation import warn_once
+from headwise.kernels.registry import get_kernel
 from headwise.masks import normalize_mask
 
 if TYPE_CHECKING:
@@ -113,6 +115,20 @@ def reference_weight(mha: MultiHeadAttention) -> Tensor:
     out = mha._modules.get("out_proj")
     w = out._parameters.get("weight") if type(out) is nn.Linear else None
     return w if isinstance(w, Tensor) else mha.reference_weight()
+
+
+def check_backend(backend: str, packing: bool | str) -> tuple[str, bool | str]:
+    """The constructor's (backend, packing): a known backend (ValueError listing them), and
+    the module's old name for its packed path, backend="varlen", read as packing=True."""
+    if backend == "varlen" and packing == "auto":
+        warn_once("MultiHeadAttention(backend='varlen')",
+                  "MultiHeadAttention(backend='varlen') is now packing=True: 'varlen' names the kernel that "
+                  "drops padded keys, and the module's padding-free path is packing=; backend='varlen' keeps "
+                  "meaning packing=True with 'auto' kernels for now (with packing= given, 'varlen' is the kernel)")
+        return "auto", True
+    if backend != "auto":
+        get_kernel(backend)  # ValueError listing the known backends
+    return backend, packing
 
 
 def slopes(mha: MultiHeadAttention) -> Tensor | None:

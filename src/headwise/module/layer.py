@@ -34,9 +34,7 @@ from torch import Tensor, nn
 
 from headwise import tracing as trace
 from headwise.cache import KVCache
-from headwise.deprecation import warn_once
 from headwise.dispatch import Dispatch
-from headwise.kernels.registry import get_kernel
 from headwise.mask_mods import MaskMod, ScoreMod
 from headwise.masks import alibi_slopes
 from headwise.module import cached, checks, context_parallel, dense, fused, packed, qkv, report, ruled, torch_mha
@@ -146,14 +144,7 @@ class MultiHeadAttention(nn.Module):
                              qk_norm_eps=qk_norm_eps, softcap=softcap, sinks=sinks, sink_tokens=sink_tokens)
         checks.check_context_parallel(context_parallel, softcap=softcap, sinks=sinks, sink_tokens=sink_tokens,
                                       v_head_dim=v_head_dim, head_dim=embed_dim // num_heads)
-        if backend == "varlen" and packing == "auto":  # the module's old name for its packed path
-            warn_once("MultiHeadAttention(backend='varlen')",
-                      "MultiHeadAttention(backend='varlen') is now packing=True: 'varlen' names the kernel that "
-                      "drops padded keys, and the module's padding-free path is packing=; backend='varlen' keeps "
-                      "meaning packing=True with 'auto' kernels for now (with packing= given, 'varlen' is the kernel)")
-            backend, packing = "auto", True
-        if backend != "auto":
-            get_kernel(backend)  # ValueError listing the known backends
+        backend, packing = checks.check_backend(backend, packing)
         self._repeats = memos.Memo()  # forward's decisions per call signature; any setting changed clears it
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
@@ -165,31 +156,39 @@ class MultiHeadAttention(nn.Module):
         self.context_parallel = context_parallel
         self.mask_mod, self.score_mod = mask_mod, score_mod
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        D, Dv = self.head_dim, self.v_head_dim
-        self.q_proj = nn.Linear(embed_dim, num_heads * D, bias=bias, **factory)  # (H*D, E)
-        self.k_proj = nn.Linear(embed_dim, num_kv_heads * D, bias=bias, **factory)  # (Hkv*D, E)
-        self.v_proj = nn.Linear(embed_dim, num_kv_heads * Dv, bias=bias, **factory)  # (Hkv*Dv, E)
-        self.out_proj = nn.Linear(num_heads * Dv, embed_dim, bias=bias, **factory)  # (E, H*Dv)
-        qkv.pack(self)  # q, k, v weights in adjacent memory: one GEMM without gradients (module/qkv.py)
-        self.rope = None
-        if rope or rope_base is not None or rope_parameters is not None or rotary_dim is not None:
-            self.rope = RotaryEmbedding(D, rope_base, rotary_dim=rotary_dim, scaling=rope_parameters)
-        self.qk_norm = qk_norm
-        self.q_norm: nn.RMSNorm | None = None
-        self.k_norm: nn.RMSNorm | None = None
-        if qk_norm == "rms":  # one weight of size D, shared by the heads (Qwen3's q_norm / k_norm)
-            self.q_norm = nn.RMSNorm(D, eps=float(qk_norm_eps), **factory)
-            self.k_norm = nn.RMSNorm(D, eps=float(qk_norm_eps), **factory)
+        self._add_projections(bias, factory)
+        rotary = rope or rope_base is not None or rope_parameters is not None or rotary_dim is not None
+        self.rope = RotaryEmbedding(self.head_dim, rope_base, rotary_dim=rotary_dim,
+                                    scaling=rope_parameters) if rotary else None
+        self._add_norms(qk_norm, qk_norm_eps, factory)
         self.alibi_slopes: Tensor | None
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).to(device) if alibi else None,
                              persistent=False)
         self.sinks: nn.Parameter | None
-        if sinks:  # zeros: each row's denominator starts with exp(0) for the sink
-            self.sinks = nn.Parameter(torch.zeros(num_heads, **factory))
-        else:
-            self.register_parameter("sinks", None)
+        # zeros: each row's denominator starts with exp(0) for the sink
+        self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None)
         self.register_load_state_dict_pre_hook(_load_hook)
         self.register_load_state_dict_post_hook(qkv.after_load)
+
+    def _add_projections(self, bias: bool, factory: dict[str, Any]) -> None:
+        """q_proj, k_proj, v_proj and out_proj as ``nn.Linear``, the q, k, v weights in
+        adjacent memory (one GEMM without gradients, module/qkv.py)."""
+        E, H, Hkv, D, Dv = self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        self.q_proj = nn.Linear(E, H * D, bias=bias, **factory)  # (H*D, E)
+        self.k_proj = nn.Linear(E, Hkv * D, bias=bias, **factory)  # (Hkv*D, E)
+        self.v_proj = nn.Linear(E, Hkv * Dv, bias=bias, **factory)  # (Hkv*Dv, E)
+        self.out_proj = nn.Linear(H * Dv, E, bias=bias, **factory)  # (E, H*Dv)
+        qkv.pack(self)
+
+    def _add_norms(self, qk_norm: str | None, eps: float, factory: dict[str, Any]) -> None:
+        """q_norm and k_norm with qk_norm="rms": one weight of size D, shared by the heads
+        (Qwen3's q_norm / k_norm); else None."""
+        self.qk_norm = qk_norm
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
+        if qk_norm == "rms":
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=float(eps), **factory)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=float(eps), **factory)
 
     def reset_parameters(self) -> None:
         """Initialise every parameter as a new module would: each projection as ``nn.Linear``
@@ -369,6 +368,12 @@ class MultiHeadAttention(nn.Module):
         if mask_mod is not None or score_mod is not None or self.mask_mod is not None or self.score_mod is not None:
             mask_mod, score_mod = ruled.rules_of(self, mask_mod, score_mod)
             return ruled.forward(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod, score_mod)
+        return self._route(x, attention_mask, context, is_causal, need_weights, cache)
+
+    def _route(self, x: Tensor, attention_mask: Tensor | None, context: Tensor | None, is_causal: bool | None,
+                  need_weights: bool, cache: KVCache | None) -> Tensor | tuple[Tensor, Tensor]:
+        """:meth:`forward` without rules or a paged cache: a remembered call signature's way
+        (``module/memo.py``), else the checks, the plan and its path."""
         signature = memos.signature(self, x, attention_mask, context, is_causal, need_weights, cache)
         key, padding, lengths = (None, None, None) if signature is None else signature
         repeat = None if key is None else self._repeats.get(key)
