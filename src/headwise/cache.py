@@ -178,6 +178,9 @@ class KVCache:
         self.k[:, :, dst] = self.k[:, :, src].clone()  # (B, Hkv, recent, D): the ranges may overlap
         self.v[:, :, dst] = self.v[:, :, src].clone()
         self.key_mask[:, dst] = self.key_mask[:, src].clone()
+        # the freed slots hold the moved positions' padding: a later step without a mask writes
+        # real tokens there and must not read it
+        self.key_mask[:, sinks + recent:held] = True
         self.evicted += held - sinks - recent
         self._length = sinks + recent
 

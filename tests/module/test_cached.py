@@ -222,3 +222,25 @@ def test_a_named_kernel_is_asked_again_as_the_cache_grows(monkeypatch):
         with pytest.raises(ValueError, match=re.escape("Sk = 5 > 4")):
             mha(x[:, 4:5], cache=cache)
     assert len(cache) == 4
+
+
+@pytest.mark.parametrize("kwargs", [dict(window=3, sink_tokens=1), dict(window=4), dict(window=3, alibi=True)],
+                         ids=["window + sink", "window", "window + alibi"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_an_evicting_cache_after_a_padded_prompt_equals_the_full_forward(kwargs, side):
+    """Eviction moves the recent positions' padding up to the sinks; the slots it frees are
+    written by later steps without a mask and must count as real tokens (they held the
+    moved positions' padding: a new token was hidden from its own query)."""
+    mha = module(**kwargs)
+    x = torch.randn(2, 12, E, dtype=torch.float64)
+    prompt = torch.ones(2, 5, dtype=torch.bool)
+    prompt[1, 3:] = False if side == "right" else prompt[1, 3:]
+    prompt[1, :2] = False if side == "left" else prompt[1, :2]
+    with torch.no_grad():
+        want = mha(x, torch.cat([prompt, torch.ones(2, 7, dtype=torch.bool)], dim=1))
+        cache = mha.new_cache(2, 12, evict=True)
+        got = [mha(x[:, :5], prompt, cache=cache)] + [mha(x[:, i:i + 1], cache=cache) for i in range(5, 9)]
+        got = torch.cat(got + [mha(x[:, 9:], cache=cache)], dim=1)  # T = 3 after eviction
+    assert cache.evicted > 0
+    keep = torch.cat([prompt, torch.ones(2, 7, dtype=torch.bool)], dim=1)  # padded positions output zeros
+    torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-12)

@@ -162,13 +162,46 @@ def _static(mha: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, cache: KVC
         if trace.ACTIVE:
             trace.record("rotary positions", q, f"{mha.rope.describe()}, positions from the cache's "
                          "position tensor")
+    allowed = static_mask(mha, cache, mask, q.shape[2], causal, q.dtype)  # before the write: it reads the cache
     k, v, _ = cache.update_static(k, v, mask)  # (B, Hkv, L, D), (B, Hkv, L, Dv): every slot
-    j = torch.arange(cache.max_seq_len, device=q.device)  # (L,) slot positions
-    written = (j < cache.position)[None, None, None, :] & cache.key_mask[:, None, None, :]  # (B, 1, 1, L)
     if trace.ACTIVE:
         trace.record("kv cache", k, f"static: write {q.shape[2]} positions at the position tensor "
                      f"(index_copy_); attend to all {cache.max_seq_len} slots through a mask of the written ones")
-    return q, k, v, rules_mask(mha, positions, j, written, causal, q.dtype)
+    return q, k, v, allowed
+
+
+def static_mask(mha: MultiHeadAttention, cache: KVCache, mask: Tensor | None, T: int, causal: bool,
+                dtype: torch.dtype) -> Tensor:
+    """The mask a static cache's step of T positions attends through, read before the step
+    (changes nothing; :meth:`~headwise.MultiHeadAttention.dispatch` reads it too): the slots
+    written by then, unpadded (``mask``: the step's (B, T) padding, or None), under the
+    module's rules (:func:`rules_mask`, positions from the position tensor)."""
+    positions = cache.position + torch.arange(T, device=cache.position.device)  # (T,) where this step goes
+    key_mask = cache.key_mask  # (B, L)
+    if mask is not None:  # the step's own padding, where update_static will put it
+        key_mask = key_mask.index_copy(1, positions, mask.to(key_mask.device) != 0)
+    j = torch.arange(cache.max_seq_len, device=cache.position.device)  # (L,) slot positions
+    written = (j < cache.position + T)[None, None, None, :] & key_mask[:, None, None, :]  # (B, 1, 1, L)
+    return rules_mask(mha, positions, j, written, causal, dtype)
+
+
+def evicting_mask(mha: MultiHeadAttention, cache: KVCache, mask: Tensor | None, T: int, causal: bool,
+                  dtype: torch.dtype) -> Tensor:
+    """The mask an evicting cache's step of T positions attends through once it has evicted,
+    read before the step (changes nothing): what :meth:`~headwise.MultiHeadAttention.dispatch`
+    reports. The kept keys (the sinks, the recent ones, the new ones) at their true positions,
+    their padding (``mask``: the step's, as :meth:`~headwise.cache.KVCache.mask_for` takes
+    it), under the module's rules (:func:`rules_mask`)."""
+    sinks, recent = cache.kept()
+    held, seen = cache.held, len(cache)
+    device = cache.key_mask.device
+    positions = cache.key_positions()  # (held,)
+    keys = torch.cat([positions[:sinks], positions[held - recent:held],
+                      torch.arange(seen, seen + T, device=device)])  # (L,) the keys after eviction
+    given = cache.mask_for(mask, T)  # (B, held + T) or None
+    allowed = torch.ones(1, 1, 1, keys.shape[0], dtype=torch.bool, device=device) if given is None else torch.cat(
+        [given[:, :sinks], given[:, held - recent:]], dim=1)[:, None, None, :]  # (B|1, 1, 1, L)
+    return rules_mask(mha, torch.arange(seen, seen + T, device=device), keys, allowed, causal, dtype)
 
 
 def rules_mask(mha: MultiHeadAttention, queries: Tensor, keys: Tensor, allowed: Tensor, causal: bool,

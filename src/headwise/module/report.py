@@ -17,8 +17,8 @@ from headwise import packing
 from headwise.cache import KVCache
 from headwise.dispatch import Dispatch
 from headwise.functional import choose_backend
-from headwise.module import checks, context_parallel
-from headwise.module.plan import Plan
+from headwise.module import cached, checks, context_parallel
+from headwise.module.plan import Plan, all_tokens
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -41,18 +41,19 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, 
     causal, window, slopes, sink_tokens = plan.is_causal, mha.window, mha.alibi_slopes, mha.sink_tokens
     kept = 0 if cache is None else sum(cache.kept())  # the held positions the step keeps
     evicted = cache is not None and cache.evicts and (cache.evicted > 0 or kept < cache.held)
-    if cache is not None and (cache.static or evicted):
-        # every slot (static) or the kept ones (evicted), through a mask that holds the rules
-        Sk = cache.max_seq_len if cache.static else kept + S
-        float_mask = slopes is not None  # ALiBi joins the mask as a bias
-        attention_mask = torch.zeros(B, mha.num_heads if float_mask else 1, S, Sk, device=x.device,
-                                     dtype=mha.reference_weight().dtype if float_mask else torch.bool)
-        if evicted and not float_mask:  # eviction keeps what the step's queries can see: (nearly) all True
-            attention_mask = ~attention_mask
+    if cache is not None and cache.static:  # every slot, through the mask forward builds
+        attention_mask = cached.static_mask(mha, cache, attention_mask, S, causal, _shaped(mha, x, 1, 1, 1).dtype)
+        Sk = cache.max_seq_len
+        causal, window, slopes, sink_tokens = False, None, None, 0
+    elif cache is not None and evicted:  # the kept positions, through the mask forward builds
+        attention_mask = cached.evicting_mask(mha, cache, attention_mask, S, causal, _shaped(mha, x, 1, 1, 1).dtype)
+        Sk = kept + S
         causal, window, slopes, sink_tokens = False, None, None, 0
     elif cache is not None:  # what forward would attend to, without appending
         attention_mask = cache.mask_for(attention_mask, S)
         Sk = len(cache) + S
+    elif all_tokens(plan.lengths, S):  # every position is a token: forward attends without the mask
+        attention_mask = None
     q, k = _shaped(mha, x, B, mha.num_heads, S), _shaped(mha, x, B, mha.num_kv_heads, Sk)
     v = _shaped(mha, x, B, mha.num_kv_heads, Sk, mha.v_head_dim)
     d = choose_backend(q, k, v, attention_mask, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,

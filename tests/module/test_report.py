@@ -1,0 +1,129 @@
+"""``MultiHeadAttention.dispatch`` (module/report.py) says what ``forward`` runs: for every path
+(dense, packed, fused, a cache step of each kind, cross-attention) the kernel it names and
+the request it decided on are the ones forward's own selection makes on the same call.
+
+Legend: B batch, S query length, E embed dim, H heads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+from headwise import functional, policy
+from headwise.mask_mods import document
+
+E, H = 32, 4
+
+
+def selections(monkeypatch) -> list:
+    """The Dispatch of every kernel selection forward makes, in order."""
+    made = []
+    monkeypatch.setattr(functional, "prepare", lambda *a, **kw: None)  # no remembered call: each one selects
+    real = functional.select
+    monkeypatch.setattr(functional, "select", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    return made
+
+
+def padding(B: int, S: int, lengths: list[int]) -> torch.Tensor:
+    return torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]  # (B, S) True = token
+
+
+MODULES = {
+    "plain": {},
+    "causal GQA": dict(is_causal=True, num_kv_heads=2),
+    "alibi": dict(alibi=True),
+    "window + sink tokens": dict(window=3, sink_tokens=1),
+    "softcap + sinks": dict(softcap=5.0, sinks=True),
+    "value head dim": dict(v_head_dim=6),
+    "named kernel": dict(backend="chunked"),
+    "dropout": dict(dropout=0.25),
+    "packing": dict(packing=True),
+}
+CALLS = {
+    "no mask": lambda x: dict(),
+    "padding": lambda x: dict(attention_mask=padding(3, 7, [7, 4, 2])),
+    "all tokens": lambda x: dict(attention_mask=torch.ones(3, 7, dtype=torch.bool)),
+    "3-D mask": lambda x: dict(attention_mask=torch.rand(3, 7, 7) > 0.3),
+    "float mask": lambda x: dict(attention_mask=torch.randn(3, 1, 7, 7)),
+    "weights": lambda x: dict(attention_mask=padding(3, 7, [7, 4, 2]), need_weights=True),
+    "causal call": lambda x: dict(is_causal=True),
+    "cross-attention": lambda x: dict(context=torch.randn(3, 5, E), attention_mask=padding(3, 5, [5, 3, 1])),
+    "document rule": lambda x: dict(mask_mod=document(torch.tensor([0, 0, 0, 1, 1, 2, 2]))),
+}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("name", list(MODULES))
+def test_dispatch_names_the_kernel_and_request_forward_selects(name, call, train, monkeypatch):
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, **MODULES[name]).train(train)
+    x = torch.randn(3, 7, E, requires_grad=train)
+    kwargs = CALLS[call](x)
+    with torch.set_grad_enabled(train):
+        said = mha.dispatch(x, **kwargs)
+        assert said.path == mha.plan(x, **kwargs).path
+        made = selections(monkeypatch)
+        mha(x, **kwargs)
+    if said.path == "fused":
+        assert (said.backend, made) == ("native_mha", [])
+        return
+    assert made, "forward selected no kernel"
+    if said.path == "packed":  # one selection per length bucket: dispatch names the one with the most tokens
+        assert said.backend in {d.backend for d in made}
+        assert said.request in [d.request for d in made]
+        assert said.reason.count("->") == len(made)  # a selection per bucket
+        return
+    assert (said.backend, said.request) == (made[0].backend, made[0].request)
+
+
+CACHES = {
+    "dynamic": dict(),
+    "static": dict(static=True),
+    "evicting": dict(evict=True),
+}
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no mask", "padded prompt"])
+@pytest.mark.parametrize("kind", list(CACHES))
+@pytest.mark.parametrize("module", ["window + sink tokens", "alibi window", "plain"])
+def test_dispatch_of_a_cache_step_is_forwards_selection(module, kind, masked, monkeypatch):
+    kwargs = {"window + sink tokens": dict(window=3, sink_tokens=1), "alibi window": dict(window=4, alibi=True),
+              "plain": {}}[module]
+    if kind == "evicting" and "window" not in kwargs:
+        pytest.skip("an evicting cache needs a window")
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True, **kwargs).eval()
+    cache = mha.new_cache(2, 12, **CACHES[kind])
+    x = torch.randn(2, 12, E)
+    prompt = padding(2, 5, [5, 3]) if masked else None
+    with torch.no_grad():
+        mha(x[:, :5], prompt, cache=cache)
+        for step in range(5, 9):  # past the window: the evicting cache has dropped positions
+            said = mha.dispatch(x[:, step:step + 1], cache=cache)
+            made = selections(monkeypatch)
+            mha(x[:, step:step + 1], cache=cache)
+            monkeypatch.undo()
+            assert (said.backend, said.request) == (made[0].backend, made[0].request), step
+            assert said.path == "dense"
+
+
+def test_a_batch_without_tokens_dispatches_nothing_on_the_packed_path():
+    mha = headwise.MultiHeadAttention(E, H, packing=True)
+    said = mha.dispatch(torch.randn(2, 4, E), torch.zeros(2, 4, dtype=torch.bool))
+    assert (said.backend, said.path) == ("none", "packed")
+    assert said.reason == "no real token: nothing to attend"
+
+
+def test_the_packed_reason_lists_each_bucket_and_the_padding_it_saves(monkeypatch):
+    monkeypatch.setattr(policy, "BUCKET_SLACK", 0.0)  # a bucket per distinct length
+    mha = headwise.MultiHeadAttention(E, H, packing=True).eval()
+    with torch.no_grad():
+        said = mha.dispatch(torch.randn(3, 8, E), padding(3, 8, [8, 5, 5]))
+    assert said.reason.startswith("attention per length bucket (sequences x length): ")
+    assert "1 x 8 -> " in said.reason and "2 x 5 -> " in said.reason
+    assert said.reason.endswith("projections and the output projection run on the 18 real tokens of 3 x 8")
+    assert dict(said.passed_over) == {"dense path": "pays for 6 padded positions"}
+    assert said.request.batch == 2 and said.request.q_len == 5 or said.request.batch == 1  # the most tokens
