@@ -6,6 +6,8 @@ Legend: B sequences, T new positions, E embed dim.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -109,3 +111,61 @@ def test_refusals_change_nothing():
         assert cache.seq_lens([a, b]).tolist() == [4, 4] and cache.pages_in_use == 2
     with pytest.raises(ValueError, match="autograd"):
         mha(torch.randn(1, 1, E, dtype=torch.float64), cache=cache.batch([b]))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("mask", "attention_mask: each sequence's length is its own in the cache, so there is no padding to mask; step "
+             "sequences of other lengths of T in calls of their own"),
+    ("weights", "need_weights: no (B, H, T, Sk) weights exist across sequences of other lengths"),
+    ("context", "context= (cross-attention): a paged cache holds self-attention keys"),
+    ("call score_mod", "mask_mod / score_mod: use a dense cache (mha.new_cache) for rules as functions"),
+    ("module mask_mod", "mask_mod / score_mod: use a dense cache (mha.new_cache) for rules as functions"),
+    ("module score_mod", "mask_mod / score_mod: use a dense cache (mha.new_cache) for rules as functions"),
+    ("dropout", "dropout=0.5 in training mode: decode in eval mode (mha.eval())"),
+])
+def test_each_refusal_of_a_paged_step_in_full(change, message):
+    mha = module()
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=4, page_size=4)
+    cache.add()
+    x = torch.randn(1, 1, E, dtype=torch.float64)
+    kwargs: dict = {}
+    if change == "mask":
+        kwargs["attention_mask"] = torch.ones(1, 1, dtype=torch.bool)
+    elif change == "weights":
+        kwargs["need_weights"] = True
+    elif change == "context":
+        kwargs["context"] = x
+    elif change == "call score_mod":
+        kwargs["score_mod"] = lambda s, b, h, q, k: s
+    elif change == "module mask_mod":
+        mha.mask_mod = headwise.masks.causal
+    elif change == "module score_mod":
+        mha.score_mod = lambda s, b, h, q, k: s
+    else:
+        mha.dropout = 0.5
+        mha.train()
+    with torch.no_grad(), pytest.raises(ValueError, match="^" + re.escape(f"a paged cache step does not take {message}")
+                                        + "$"):
+        mha(x, cache=cache, **kwargs)
+    assert cache.seq_lens([0]).tolist() == [0]
+
+
+def test_a_pool_of_another_module_is_refused_with_both_layouts():
+    mha = module(num_kv_heads=2)
+    other = headwise.PagedKVCache(4, 4, 1, 6, value_dim=5, dtype=torch.float32)
+    other.add()
+    with torch.no_grad(), pytest.raises(ValueError, match="^" + re.escape(
+            "the paged cache holds kv_heads=1, head_dim=6, value_dim=5, torch.float32 on cpu; this module needs "
+            "kv_heads=2, head_dim=8, value_dim=8, torch.float64 on cpu: make it with PagedKVCache.for_module(mha, "
+            "...)") + "$"):
+        mha(torch.randn(1, 1, E, dtype=torch.float64), cache=other)
+
+
+def test_a_paged_step_with_gradients_is_refused_in_full():
+    mha = module()
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=4, page_size=4)
+    cache.add()
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "a paged cache step writes the new keys and values into the pool in place, which autograd cannot "
+            "differentiate; decode under torch.no_grad() (or torch.inference_mode())") + "$"):
+        mha(torch.randn(1, 1, E, dtype=torch.float64), cache=cache)
