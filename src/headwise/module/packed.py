@@ -61,7 +61,8 @@ def attend(mha: MultiHeadAttention, x: Tensor, cu_seqlens: Tensor, lengths: tupl
     q, k = proj.normalize(mha, q, k)
     if mha.rope is not None:
         if positions is None:
-            starts = torch.repeat_interleave(cu_seqlens[:-1], torch.tensor(lengths, device=x.device))
+            # output_size: no read of the repeats (a device sync; a meta tensor has no values)
+            starts = torch.repeat_interleave(cu_seqlens[:-1], torch.tensor(lengths, device=x.device), output_size=T)
             positions = torch.arange(T, device=x.device) - starts  # (T,) position within each sequence
         q, k = mha.rope.at(q, positions, seq_len=rope_len), mha.rope.at(k, positions, seq_len=rope_len)
         if trace.ACTIVE:

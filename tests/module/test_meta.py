@@ -1,0 +1,59 @@
+"""Every path of the module on the ``meta`` device (shapes without storage, as a model is
+sized before ``to_empty()``): each call returns a meta tensor of the right shape, so no
+path reads a tensor's values or makes a tensor on another device.
+
+Legend: B batch, S length, T packed tokens, E embed dim, H heads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headwise
+
+E, H = 32, 4
+META = torch.device("meta")
+MODULES = {
+    "plain": {},
+    "rope + GQA": dict(rope=True, num_kv_heads=2),
+    "window + sink tokens + alibi": dict(window=3, sink_tokens=1, alibi=True),
+    "causal + qk norm": dict(is_causal=True, qk_norm="rms"),
+}
+
+
+def on_meta(out, *shape):
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.device == META and tuple(out.shape) == shape
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_calls_without_a_cache_run_on_meta(name):
+    mha = headwise.MultiHeadAttention(E, H, device=META, **MODULES[name]).eval()
+    x = torch.empty(2, 5, E, device=META)
+    mask = torch.empty(2, 5, dtype=torch.bool, device=META)
+    with torch.no_grad():
+        on_meta(mha(x), 2, 5, E)
+        on_meta(mha(x, mask), 2, 5, E)
+        on_meta(mha(x, mask, need_weights=True), 2, 5, E)
+        on_meta(mha(x, mask_mod=headwise.masks.causal), 2, 5, E)
+        on_meta(mha(x, context=torch.empty(2, 3, E, device=META)) if "rope" not in name else mha(x), 2, 5, E)
+        tokens, cu = torch.empty(5, E, device=META), torch.empty(3, dtype=torch.long, device=META)
+        on_meta(mha.forward_packed(tokens, cu, lengths=(2, 3)), 5, E)
+    on_meta(mha.train()(x.requires_grad_()), 2, 5, E)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "evicting"])
+@pytest.mark.parametrize("name", list(MODULES))
+def test_cache_steps_run_on_meta(name, kind):
+    if kind == "evicting" and "window" not in name:
+        pytest.skip("an evicting cache needs a window")
+    mha = headwise.MultiHeadAttention(E, H, device=META, **MODULES[name]).eval()
+    cache = mha.new_cache(2, 12, static=kind == "static", evict=kind == "evicting")
+    assert cache.k.device == META
+    with torch.no_grad():
+        on_meta(mha(torch.empty(2, 5, E, device=META), cache=cache), 2, 5, E)
+        for _ in range(3):  # the remembered step from the second on
+            on_meta(mha(torch.empty(2, 1, E, device=META), cache=cache), 2, 1, E)
+        if kind == "dynamic":  # (a static cache's rules read its position's value: int(cache.position))
+            on_meta(mha(torch.empty(2, 1, E, device=META), cache=cache, mask_mod=headwise.masks.causal), 2, 1, E)
