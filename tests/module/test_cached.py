@@ -195,17 +195,22 @@ def test_a_replaced_kernel_serves_the_next_remembered_step(monkeypatch):
 
 
 def test_dropout_in_training_mode_is_drawn_afresh_on_every_step():
-    """Without gradients a step may run in training mode: its dropout is the call's own
-    (no remembered call holds a mask or a generator state)."""
+    """Without gradients a step may run in training mode: its dropout is the call's own (no
+    remembered call holds a mask or a generator state), on the remembered steps too."""
     mha = module()
     mha.dropout = 0.5
+    plain = module()
+    plain.load_state_dict(mha.state_dict())
     mha.train()
     x = torch.randn(1, 2, E, dtype=torch.float64)
     with torch.no_grad():
-        cache = mha.new_cache(1, 40)
+        cache, ref = mha.new_cache(1, 40), plain.new_cache(1, 40)
         mha(x[:, :1], cache=cache)
+        plain(x[:, :1], cache=ref)
         outs = [mha(x[:, 1:2], cache=cache) for _ in range(20)]  # the same token: each step its own draw
-    assert len({tuple(o.flatten().tolist()) for o in outs}) > 1
+        wants = [plain(x[:, 1:2], cache=ref) for _ in range(20)]
+    assert len({tuple(o.flatten().tolist()) for o in outs}) == 20
+    assert not any(torch.allclose(o, w) for o, w in zip(outs, wants, strict=True))
 
 
 def test_a_named_kernel_is_asked_again_as_the_cache_grows(monkeypatch):
@@ -244,3 +249,41 @@ def test_an_evicting_cache_after_a_padded_prompt_equals_the_full_forward(kwargs,
     assert cache.evicted > 0
     keep = torch.cat([prompt, torch.ones(2, 7, dtype=torch.bool)], dim=1)  # padded positions output zeros
     torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("kwargs", "cache_kwargs", "want"), [
+    (dict(rope=True), dict(static=True), [
+        ("input", (1, 1, E), "x: (B, S, E)"),
+        ("rotary positions", (1, H, 1, 8), "rotate q and k pairs (i, i + D/2) by position x 10000^(-2i/D), positions "
+                                           "from the cache's position tensor"),
+        ("kv cache", (1, H, 8, 8), "static: write 1 positions at the position tensor (index_copy_); attend to all 8 "
+                                   "slots through a mask of the written ones")]),
+    (dict(window=2, sink_tokens=1), dict(evict=True), [
+        ("input", (1, 1, E), "x: (B, S, E)"),
+        ("kv cache", (1, H, 3, 8), "append 1 positions; attend to all 3 cached (evicted 2 of 5: kept the 1 sink "
+                                   "positions and the window's last ones, ruled by their true positions)")]),
+    ({}, {}, [
+        ("input", (1, 1, E), "x: (B, S, E)"),
+        ("kv cache", (1, H, 5, 8), "append 1 positions; attend to all 5 cached")]),
+], ids=["static + rope", "evicting", "dynamic"])
+def test_a_traced_step_records_what_the_cache_did(kwargs, cache_kwargs, want):
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True, **kwargs).eval()
+    cache = mha.new_cache(1, 8, **cache_kwargs)
+    with torch.no_grad():
+        mha(torch.randn(1, 4, E), cache=cache)
+        with headwise.trace() as t:
+            mha(torch.randn(1, 1, E), cache=cache)
+    got = [(s.name, s.shape, s.note) for s in t.stages if s.name in ("input", "rotary positions", "kv cache")]
+    assert got == want
+    assert t.names()[-2:] == ["merge heads", "output projection"]
+
+
+def test_an_empty_step_on_an_empty_cache_is_remembered_and_empty():
+    mha = module()
+    with torch.no_grad():
+        for _ in range(3):  # no keys at all: the full path's empty result, also once remembered
+            cache = mha.new_cache(2, 4)
+            out = mha(torch.randn(2, 0, E, dtype=torch.float64), cache=cache)
+            assert out.shape == (2, 0, E) and len(cache) == 0
+            torch.testing.assert_close(mha(torch.ones(2, 1, E, dtype=torch.float64), cache=cache),
+                                       module()(torch.ones(2, 1, E, dtype=torch.float64)), rtol=0, atol=1e-12)
