@@ -577,6 +577,22 @@ def test_empty_batch_or_sequence_forward_and_backward(backend, sizes):
         assert gx.shape == x.shape
 
 
+@pytest.mark.parametrize("sizes", [(0, 4), (2, 0)], ids=["B=0", "S=0"])
+def test_empty_batch_or_sequence_without_gradients(sizes):
+    """Without gradients the q, k, v projection is one GEMM over adjacent rows (module/qkv.py),
+    the fused path and the cache's steps take their own ways: empty inputs still work."""
+    for kwargs in ({}, {"num_kv_heads": 2}):
+        mha = MultiHeadAttention(32, 4, **kwargs).eval()
+        x = torch.randn(*sizes, 32)
+        with torch.no_grad():
+            for mask in (None, torch.ones(sizes, dtype=torch.bool)):
+                assert mha(x, mask).shape == (*sizes, 32)
+            if sizes[0]:  # a cache holds at least one sequence
+                cache = mha.new_cache(sizes[0], 8)
+                for _ in range(2):
+                    assert mha(x, cache=cache).shape == (*sizes, 32)
+
+
 # --- dispatch names what forward would run ----------------------------------------------------
 
 

@@ -131,7 +131,8 @@ def heads_from_rows(mha: MultiHeadAttention, x: Tensor, pack: qkv.Pack) -> tuple
     two from Python)."""
     B, S, _ = x.shape
     heads = F.linear(x, pack.weight, pack.bias)  # (B, S, E) -> (B, S, (H + 2 Hkv) D)
-    heads = heads.view(B, S, -1, mha.head_dim).transpose(1, 2)  # -> (B, S, H + 2 Hkv, D) -> (B, H + 2 Hkv, S, D)
+    n = mha.num_heads + 2 * mha.num_kv_heads  # named, not -1: an empty step (S = 0) has no size to infer
+    heads = heads.view(B, S, n, mha.head_dim).transpose(1, 2)  # -> (B, S, H + 2 Hkv, D) -> (B, H + 2 Hkv, S, D)
     q, k, v = heads.split_with_sizes((mha.num_heads, mha.num_kv_heads, mha.num_kv_heads), 1)
     return q, k, v  # (B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, D)
 
