@@ -40,10 +40,13 @@ MODULES = {
     "named kernel": dict(backend="chunked"),
     "dropout": dict(dropout=0.25),
     "packing": dict(packing=True),
+    "packing + softcap + sinks": dict(packing=True, softcap=5.0, sinks=True),
+    "packing + causal GQA + dropout": dict(packing=True, is_causal=True, num_kv_heads=2, dropout=0.25),
 }
 CALLS = {
     "no mask": lambda x: dict(),
     "padding": lambda x: dict(attention_mask=padding(3, 7, [7, 4, 2])),
+    "bucketed padding": lambda x: dict(attention_mask=padding(3, 7, [7, 6, 1])),
     "all tokens": lambda x: dict(attention_mask=torch.ones(3, 7, dtype=torch.bool)),
     "3-D mask": lambda x: dict(attention_mask=torch.rand(3, 7, 7) > 0.3),
     "float mask": lambda x: dict(attention_mask=torch.randn(3, 1, 7, 7)),
@@ -127,3 +130,22 @@ def test_the_packed_reason_lists_each_bucket_and_the_padding_it_saves(monkeypatc
     assert said.reason.endswith("projections and the output projection run on the 18 real tokens of 3 x 8")
     assert dict(said.passed_over) == {"dense path": "pays for 6 padded positions"}
     assert said.request.batch == 2 and said.request.q_len == 5 or said.request.batch == 1  # the most tokens
+
+
+def test_the_packed_path_reports_its_largest_bucket_with_its_padding(monkeypatch):
+    """Buckets of several sequences pad the shorter ones: the bucket's key mask is part of
+    what "auto" decides on, and the bucket named is the one with the most tokens (not the
+    one with the most sequences)."""
+    mha = headwise.MultiHeadAttention(E, H, packing=True).eval()
+    lengths = [8, 7, 2, 2, 2, 1]
+    x = torch.randn(len(lengths), 8, E)
+    with torch.no_grad():
+        said = mha.dispatch(x, padding(len(lengths), 8, lengths))
+        made = selections(monkeypatch)
+        mha(x, padding(len(lengths), 8, lengths))
+    largest = max(made, key=lambda d: d.request.batch * d.request.q_len)
+    assert said.request == largest.request and said.backend == largest.backend
+    assert (said.request.batch, said.request.q_len, said.request.key_lengths) == (2, 8, (8, 7))
+    assert [(d.request.batch, d.request.q_len) for d in made] == [(2, 8), (3, 2), (1, 1)]
+    assert said.reason == ("attention per length bucket (sequences x length): 2 x 8 -> 'sdpa', 3 x 2 -> 'sdpa', "
+                           "1 x 1 -> 'sdpa'; projections and the output projection run on the 22 real tokens of 6 x 8")

@@ -76,3 +76,10 @@ def test_from_torch_takes_the_value_head_dim_only_when_it_is_the_head_dim():
         headwise.MultiHeadAttention.from_torch(m, v_head_dim=6)
     for v in (8, None):
         assert headwise.MultiHeadAttention.from_torch(m, v_head_dim=v).v_head_dim == 8
+
+
+@pytest.mark.parametrize("name", ["q_proj", "k_proj", "v_proj", "out_proj"])
+def test_to_torch_names_the_projection_that_is_not_a_plain_linear(name):
+    mha = setattr_then(headwise.MultiHeadAttention(E, H), name, nn.Sequential(nn.Linear(E, E)))
+    with pytest.raises(ValueError, match="^" + re.escape(f"{name} is not a plain nn.Linear (wrapped or replaced")):
+        mha.to_torch()
