@@ -116,3 +116,16 @@ def test_forward_packed_refuses_context_parallel():
     with pytest.raises(ValueError, match=re.escape("forward_packed runs in one process; context_parallel takes "
                                                    "(B, S_l, E) shards in forward") + "$"):
         mha.forward_packed(torch.randn(4, E), torch.tensor([0, 4]))
+
+
+def test_a_traced_packed_call_records_the_packing():
+    mha = headwise.MultiHeadAttention(E, H, packing=True).eval()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    with torch.no_grad(), headwise.trace() as t:
+        mha(torch.randn(2, 4, E), mask)
+    got = [(s.name, s.shape, s.note) for s in t.stages if s.name in ("input", "pack", "unpack")]
+    assert got == [
+        ("input", (2, 4, E), "x: (B, S, E)"),
+        ("pack", (6, E), "keep the 6 real tokens of 2 x 4 positions (drop 2 padded), 2 sequences end to end"),
+        ("unpack", (2, 4, E), "scatter the tokens back to (B, S, E); padded positions output zeros"),
+    ]

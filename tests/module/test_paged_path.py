@@ -169,3 +169,17 @@ def test_a_paged_step_with_gradients_is_refused_in_full():
             "a paged cache step writes the new keys and values into the pool in place, which autograd cannot "
             "differentiate; decode under torch.no_grad() (or torch.inference_mode())") + "$"):
         mha(torch.randn(1, 1, E, dtype=torch.float64), cache=cache)
+
+
+def test_a_traced_paged_step_records_its_input():
+    mha = module()
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=4, page_size=4)
+    cache.add(), cache.add()
+    with torch.no_grad():
+        mha(torch.randn(2, 2, E, dtype=torch.float64), cache=cache)
+        with headwise.trace() as t:
+            mha(torch.randn(2, 1, E, dtype=torch.float64), cache=cache)
+    first = t.stages[0]
+    assert (first.name, first.shape, first.note) == ("input", (2, 1, E), "x: (B, T, E), the next T positions of B "
+                                                                         "paged sequences")
+    assert t.names()[-2:] == ["merge heads", "output projection"]

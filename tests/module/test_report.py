@@ -149,3 +149,33 @@ def test_the_packed_path_reports_its_largest_bucket_with_its_padding(monkeypatch
     assert [(d.request.batch, d.request.q_len) for d in made] == [(2, 8), (3, 2), (1, 1)]
     assert said.reason == ("attention per length bucket (sequences x length): 2 x 8 -> 'sdpa', 3 x 2 -> 'sdpa', "
                            "1 x 1 -> 'sdpa'; projections and the output projection run on the 22 real tokens of 6 x 8")
+
+
+def test_the_fused_path_is_reported_in_full():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    with torch.no_grad():
+        x = torch.randn(1, 4, E)
+        said, plan = mha.dispatch(x), mha.plan(x)
+    assert (said.backend, said.path, said.path_reason, dict(said.passed_over), said.request) == (
+        "native_mha", "fused", plan.why, {}, None)
+    assert said.reason == ("torch._native_multi_head_attention: the qkv GEMM, SDPA and the output projection in one "
+                           "op")
+
+
+@pytest.mark.parametrize("kind", ["static", "evicting"])
+def test_dispatch_of_a_masked_multi_position_step_is_forwards_selection(kind, monkeypatch):
+    """T = 2 new positions with their own padding: the causal rule within the step and the
+    step's mask both shape the mask that forward builds and dispatch reports."""
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True, window=3, sink_tokens=1, alibi=kind == "static").eval()
+    cache = mha.new_cache(2, 16, static=kind == "static", evict=kind == "evicting")
+    x = torch.randn(2, 12, E)
+    with torch.no_grad():
+        mha(x[:, :5], padding(2, 5, [5, 3]), cache=cache)
+        for step in (5, 7, 9):
+            mask = padding(2, 2, [2, 1])
+            said = mha.dispatch(x[:, step:step + 2], mask, cache=cache)
+            made = selections(monkeypatch)
+            mha(x[:, step:step + 2], mask, cache=cache)
+            monkeypatch.undo()
+            assert (said.backend, said.request) == (made[0].backend, made[0].request), step
