@@ -371,7 +371,7 @@ class MultiHeadAttention(nn.Module):
         return self._route(x, attention_mask, context, is_causal, need_weights, cache)
 
     def _route(self, x: Tensor, attention_mask: Tensor | None, context: Tensor | None, is_causal: bool | None,
-                  need_weights: bool, cache: KVCache | None) -> Tensor | tuple[Tensor, Tensor]:
+               need_weights: bool, cache: KVCache | None) -> Tensor | tuple[Tensor, Tensor]:
         """:meth:`forward` without rules or a paged cache: a remembered call signature's way
         (``module/memo.py``), else the checks, the plan and its path."""
         signature = memos.signature(self, x, attention_mask, context, is_causal, need_weights, cache)
