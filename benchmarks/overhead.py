@@ -34,11 +34,11 @@ from headwise.bench import cpu_name, decode_steps_us
 from headwise.module import fused
 
 
-def per_call_us(fn, calls: int) -> float:
-    start = time.perf_counter()
+def per_call_us(fn, calls: int, clock=time.perf_counter) -> float:
+    start = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls * 1e6
+    return (clock() - start) / calls * 1e6
 
 
 def tiny_pair(args) -> tuple[list[float], list[float]]:
@@ -48,12 +48,13 @@ def tiny_pair(args) -> tuple[list[float], list[float]]:
     ours = lambda: headwise.attention(q, k, v)  # noqa: E731
     theirs = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
     torch.testing.assert_close(ours(), theirs())
+    clock = time.process_time if args.cpu_time else time.perf_counter
     for f in (ours, theirs):
         per_call_us(f, args.calls)  # warm up
     a, b = [], []
     for _ in range(args.repeats):
-        a.append(per_call_us(ours, args.calls))
-        b.append(per_call_us(theirs, args.calls))
+        a.append(per_call_us(ours, args.calls, clock))
+        b.append(per_call_us(theirs, args.calls, clock))
     return a, b
 
 
@@ -86,7 +87,8 @@ def fused_rows(args, shapes=FUSED_SHAPES) -> list[tuple[int, int, int, int, floa
 
 
 def decode_pair(args) -> tuple[list[float], list[float]]:
-    return decode_steps_us(512, 8, prompt=512, steps=args.steps, repeats=args.repeats)
+    return decode_steps_us(512, 8, prompt=512, steps=args.steps, repeats=args.repeats,
+                           clock=time.process_time if args.cpu_time else time.perf_counter)
 
 
 def main(argv=None) -> None:
@@ -98,8 +100,8 @@ def main(argv=None) -> None:
     parser.add_argument("--fused", action="store_true",
                         help="the fused path against the dense one, by size (policy.FUSED_MAX_ELEMENTS)")
     parser.add_argument("--cpu-time", action="store_true",
-                        help="with --fused: time with the process's CPU time (with --threads 1, a busy machine "
-                             "disturbs it less)")
+                        help="time with the process's CPU time, not the wall clock (with --threads 1, a busy "
+                             "machine disturbs it less)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -122,7 +124,8 @@ def main(argv=None) -> None:
     rows = [("headwise.attention vs F.sdpa, q (1, 8, 1, 64), k/v (1, 8, 64, 64)", *tiny_pair(args), 2.0),
             ("decode step, E=512 H=8 after 512 tokens, vs a minimal module", *decode_pair(args), 1.15)]
     table = Table(title=f"per-call overhead on {cpu_name()} ({torch.get_num_threads()} threads, torch "
-                        f"{torch.__version__}); medians of {args.repeats} interleaved repeats")
+                        f"{torch.__version__}); medians of {args.repeats} interleaved repeats, "
+                        f"{'CPU' if args.cpu_time else 'wall'} time")
     for col in ("call", "headwise us", "baseline us", "ratio", "target"):
         table.add_column(col, justify="left" if col == "call" else "right")
     for name, ours, theirs, target in rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,23 @@ def test_overhead_times_the_fused_path_against_the_dense_one():
     rows = overhead.fused_rows(args, shapes=[(1, 4, 16, 2), (2, 8, 32, 4)])
     assert [row[:4] for row in rows] == [(1, 4, 16, 2), (2, 8, 32, 4)]
     assert all(fused > 0 and dense > 0 for *_, fused, dense in rows)
+
+
+def test_overhead_times_the_tiny_call_and_a_decode_step_in_cpu_time(monkeypatch):
+    import argparse
+
+    from headwise import bench
+
+    overhead = _load("overhead")
+    clocks = []
+    monkeypatch.setattr(overhead.time, "process_time", lambda: clocks.append(1) or time.perf_counter())
+    args = argparse.Namespace(calls=2, repeats=1, steps=2, cpu_time=True)
+    ours, theirs = overhead.tiny_pair(args)
+    assert len(ours) == len(theirs) == 1 and ours[0] > 0 and theirs[0] > 0
+    monkeypatch.setattr(bench, "TOLERANCE", float("inf"))  # one repeat is enough here
+    ours, theirs = overhead.decode_pair(args)
+    assert len(ours) == len(theirs) >= 1 and all(t > 0 for t in (*ours, *theirs))
+    assert len(clocks) >= 8  # every timing read the CPU clock: 2 x 2 tiny, 2 x 2 decode
 
 
 def test_rules_benchmark_pairs_the_rule_with_the_materialised_mask_and_packed_attention():

@@ -117,13 +117,15 @@ class SDPADecoder(nn.Module):
 
 
 def decode_steps_us(E: int, H: int, prompt: int, steps: int, repeats: int, B: int = 1,
-                    max_repeats: int | None = None,
-                    tolerance: float = TOLERANCE) -> tuple[list[float], list[float]]:
+                    max_repeats: int | None = None, tolerance: float = TOLERANCE,
+                    clock: Callable[[], float] = time.perf_counter) -> tuple[list[float], list[float]]:
     """Microseconds per decoding step after a ``prompt``-token prefill: the headwise module with
     its cache and :class:`SDPADecoder`, each repeat timing ``steps`` steps of both in turns.
 
     At least ``repeats`` repeats, and more (up to ``max_repeats``) while the median of the
-    per-repeat ratio is not stable within ``tolerance`` (see :func:`median_spread`)."""
+    per-repeat ratio is not stable within ``tolerance`` (see :func:`median_spread`).
+    ``clock``: ``time.process_time`` counts only this process's work (one thread: a busy
+    machine disturbs it less)."""
     torch.manual_seed(0)
     mha = headwise.MultiHeadAttention(E, H).eval()
     ref = SDPADecoder.like(mha, B, prompt + steps).eval()
@@ -134,18 +136,18 @@ def decode_steps_us(E: int, H: int, prompt: int, steps: int, repeats: int, B: in
     def ours() -> float:
         cache = mha.new_cache(B, prompt + steps)
         mha(x, cache=cache, is_causal=True)  # the prompt, not timed
-        start = time.perf_counter()
+        start = clock()
         for t in range(steps):
             mha(tokens[t], cache=cache, is_causal=True)
-        return (time.perf_counter() - start) / steps * 1e6
+        return (clock() - start) / steps * 1e6
 
     def theirs() -> float:
         ref.length = 0
         ref(x)
-        start = time.perf_counter()
+        start = clock()
         for t in range(steps):
             ref(tokens[t])
-        return (time.perf_counter() - start) / steps * 1e6
+        return (clock() - start) / steps * 1e6
 
     with torch.no_grad():
         ours(), theirs()  # warm up
