@@ -21,6 +21,7 @@ from headwise import functional
 from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.functional import Prepared, attend
+from headwise.mask_mods import AlignedCausal
 from headwise.module import checks, memo
 from headwise.module import projections as proj
 from headwise.module.plan import Plan
@@ -220,12 +221,8 @@ def rules_mask(mha: MultiHeadAttention, queries: Tensor, keys: Tensor, allowed: 
         (B|1, H, T, L) float with ALiBi's bias and ``-inf`` where blocked.
     """
     i, j = queries[:, None], keys[None, :]  # (T, 1), (1, L)
-    if causal or mha.window is not None:
-        near = j <= i  # (T, L)
-        if mha.window is not None:
-            band = j > i - mha.window  # (T, L)
-            near = near & (band | (j < mha.sink_tokens) if mha.sink_tokens else band)
-        allowed = allowed & near  # (B|1, 1, T, L)
+    if causal or mha.window is not None:  # the one causal / window rule, at the true positions
+        allowed = allowed & AlignedCausal(0, mha.window, mha.sink_tokens)(None, None, i, j)  # (B|1, 1, T, L)
     allowed = allowed.expand(-1, -1, queries.shape[0], -1)  # (B|1, 1, T, L)
     if mha.alibi_slopes is None:
         return allowed
