@@ -179,3 +179,53 @@ def test_dispatch_of_a_masked_multi_position_step_is_forwards_selection(kind, mo
             mha(x[:, step:step + 2], mask, cache=cache)
             monkeypatch.undo()
             assert (said.backend, said.request) == (made[0].backend, made[0].request), step
+
+
+DTYPES = {  # module kwargs, x dtype, autocast dtype (None: off), grad mode, x requires grad, frozen module
+    "float64 module": (dict(dtype=torch.float64), torch.float64, None, True, False, False),
+    "bfloat16 autocast": ({}, torch.float32, torch.bfloat16, True, False, False),
+    "frozen module, x takes gradients": ({}, torch.float32, None, True, True, True),
+    "frozen module, x takes none": ({}, torch.float32, None, True, False, True),
+    "no grad mode": ({}, torch.float32, None, False, True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(DTYPES))
+def test_dispatch_asks_for_the_dtype_and_gradients_forward_attends_with(case, monkeypatch):
+    """The request dispatch names carries q's dtype (the weights', or autocast's) and whether
+    gradients flow (through x or the parameters), as forward's own selection does."""
+    kwargs, dtype, autocast, grad_mode, x_grad, frozen = DTYPES[case]
+    mha = headwise.MultiHeadAttention(E, H, **kwargs).requires_grad_(not frozen)
+    x = torch.randn(3, 7, E, dtype=dtype, requires_grad=x_grad)
+    mask = padding(3, 7, [7, 4, 2])
+    with torch.set_grad_enabled(grad_mode), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+        said = mha.dispatch(x, mask)
+        made = selections(monkeypatch)
+        mha(x, mask)
+    assert said.path == "dense" and (said.backend, said.request) == (made[0].backend, made[0].request)
+    assert said.request.dtype == (autocast or dtype)
+    assert said.request.requires_grad == (grad_mode and (x_grad or not frozen))
+
+
+def test_dispatch_names_the_score_rule_forward_attends_with(monkeypatch):
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    x = torch.randn(2, 6, E)
+
+    def tilt(score, b, h, q_idx, kv_idx):
+        return score - 0.1 * (q_idx - kv_idx).abs()
+
+    with torch.no_grad():
+        said = mha.dispatch(x, score_mod=tilt)
+        made = selections(monkeypatch)
+        mha(x, score_mod=tilt)
+    assert said.path == "dense" and said.request.score_mod == "general"
+    assert (said.backend, said.request) == (made[0].backend, made[0].request)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_the_packed_path_asks_for_dropout_only_in_training(train, monkeypatch):
+    mha = headwise.MultiHeadAttention(E, H, packing=True, dropout=0.25).train(train)
+    x, mask = torch.randn(3, 7, E), padding(3, 7, [7, 4, 2])
+    said = mha.dispatch(x, mask)
+    assert said.path == "packed" and said.request.dropout_p == (0.25 if train else 0.0)
+    assert dict(said.passed_over) == {"dense path": "pays for 8 padded positions"}
