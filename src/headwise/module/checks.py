@@ -99,9 +99,16 @@ def check_context_parallel(context_parallel: Any, *, softcap: Any, sinks: bool, 
                          f"{sink_tokens}, v_head_dim={v_head_dim}); build the module without context_parallel")
 
 
+# Whether autocast is on for any device type (torch's own flag read; the public per-type query
+# is the fallback where this private one is missing).
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def autocast_on(device: torch.device) -> bool:
     """Whether autocast is on for this device type (False for a type autocast does not know,
     such as ``meta``)."""
+    if not _ANY_AUTOCAST():  # one flag read; the per-type query parses the type's name (~1.5 us)
+        return False
     try:
         return torch.is_autocast_enabled(device.type)
     except RuntimeError:  # "unknown device type for autocast"

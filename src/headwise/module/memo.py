@@ -74,22 +74,23 @@ def signature(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None,
     if cache is not None and (attention_mask is not None or type(cache) is not KVCache):
         return None
     try:
-        if checks.autocast_on(x.device):  # q's dtype is autocast's, not x's
+        device = x.device
+        if checks.autocast_on(device):  # q's dtype is autocast's, not x's
             return None
         padding, lengths, masked = None, None, None
         if attention_mask is not None:
-            padding = plan.query_padding(x, attention_mask, None, None)  # (B, S) or None
-            if padding is None or not policy.reads_values(padding):
+            padding = plan.query_padding(x, attention_mask, None, None)  # (B, S) or None, on x's device
+            if padding is None or not padding.is_cpu:  # values read on the CPU only (not compiling: above)
                 return None
-            lengths = tuple(padding.sum(1).tolist())  # (B,) real tokens per row
-            masked = (attention_mask.shape, attention_mask.dtype, attention_mask.device, lengths)
+            lengths = plan.real_tokens(padding)  # (B,) real tokens per row
+            masked = (attention_mask.shape, attention_mask.dtype, device, lengths)
         causal = mha.is_causal if is_causal is None else bool(is_causal)
         # 0: no grad mode (the fused path may run); 1: grad mode, none flows; 2: gradients flow
         grads = 0 if not torch.is_grad_enabled() else 1 + (x.requires_grad or mha.trains())
         # what the checks read of a cache, and whether it is empty (then S == Sk: "auto" may choose otherwise)
         fits = None if cache is None else (cache.k.shape, cache.v.shape[-1], cache.k.dtype, cache.k.device,
                                            cache._length == 0)
-        key = (x.shape, x.dtype, x.device, masked, causal, grads, mha.training, policy.GENERATION, fits)
+        key = (x.shape, x.dtype, device, masked, causal, grads, mha.training, policy.GENERATION, fits)
         return key, padding, lengths
     except (AttributeError, TypeError):  # not tensors: the plan's checks name the error
         return None

@@ -53,6 +53,12 @@ def all_tokens(lengths: tuple[int, ...] | None, S: int) -> bool:
     return lengths is not None and all(n == S for n in lengths)
 
 
+def real_tokens(padding: Tensor) -> tuple[int, ...]:
+    """The real tokens of each row of a (B, S) bool padding mask, read (a host read).
+    Summed as int32: without the bool -> int64 copy that a plain sum makes (~1.5 us)."""
+    return tuple(padding.sum(1, dtype=torch.int32).tolist())  # (B,)
+
+
 def query_padding(x: Tensor, mask: Tensor | None, context: Tensor | None, cache: KVCache | None) -> Tensor | None:
     """(B, S) bool marking x's real tokens, when a 2-D mask also describes the queries.
 
@@ -88,7 +94,7 @@ def make_plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None,
         padding = query_padding(x, attention_mask, context, cache)  # (B, S) or None
         lengths = None
         if padding is not None and policy.reads_values(padding):  # a free read on the CPU, once per call
-            lengths = tuple(padding.sum(1).tolist())  # (B,) real tokens per row
+            lengths = real_tokens(padding)  # (B,) real tokens per row
     why = fused.why(mha, x, attention_mask is not None and not all_tokens(lengths, x.shape[1]), context, cache,
                     need_weights, causal)
     if why is not None:

@@ -210,7 +210,7 @@ def hide_padding(x: Tensor, padding: Tensor) -> tuple[Tensor, bool]:
     by a product (:func:`zero_padding_` with ``finite``). Otherwise, zeros at the padded
     positions (a copy; x itself is never written).
     """
-    if policy.reads_values(padding) and math.isfinite(x.detach().sum()):
+    if policy.reads_values(padding) and math.isfinite((x.detach() if x.requires_grad else x).sum()):
         return x, True
     return zero_padding(x, padding), False
 

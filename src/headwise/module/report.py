@@ -18,7 +18,7 @@ from headwise.cache import KVCache
 from headwise.dispatch import Dispatch
 from headwise.functional import choose_backend
 from headwise.module import cached, checks, context_parallel
-from headwise.module.plan import Plan, all_tokens
+from headwise.module.plan import Plan, all_tokens, real_tokens
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -76,7 +76,7 @@ def _shaped(mha: MultiHeadAttention, x: Tensor, B: int, heads: int, length: int,
 
 def _packed(mha: MultiHeadAttention, x: Tensor, plan: Plan) -> Dispatch:
     padding = cast(Tensor, plan.padding)  # the packed path always has x's padding
-    lengths = tuple(padding.sum(1).tolist())
+    lengths = real_tokens(padding)
     B, S = padding.shape
     T = sum(lengths)
     per_bucket = []  # (tokens, n, L, Dispatch) of each length bucket
