@@ -229,3 +229,75 @@ def test_the_packed_path_asks_for_dropout_only_in_training(train, monkeypatch):
     said = mha.dispatch(x, mask)
     assert said.path == "packed" and said.request.dropout_p == (0.25 if train else 0.0)
     assert dict(said.passed_over) == {"dense path": "pays for 8 padded positions"}
+
+
+def test_dispatch_before_an_evicting_cache_has_dropped_anything_is_forwards_selection(monkeypatch):
+    """A window longer than what the cache holds evicts nothing yet: forward attends over the
+    held positions with the window rule, and dispatch names that request, not the evicting
+    layout's masked one."""
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True, window=6).eval()
+    cache = mha.new_cache(2, 12, evict=True)
+    x = torch.randn(2, 5, E)
+    with torch.no_grad():
+        mha(x[:, :3], cache=cache)
+        assert (cache.evicted, sum(cache.kept())) == (0, cache.held)
+        said = mha.dispatch(x[:, 3:4], cache=cache)
+        made = selections(monkeypatch)
+        mha(x[:, 3:4], cache=cache)
+    assert (said.backend, said.request) == (made[0].backend, made[0].request)
+    assert (said.request.k_len, said.request.window, said.request.mask_kind) == (4, 6, "none")
+
+
+def test_the_packed_path_asks_for_the_value_head_dim(monkeypatch):
+    mha = headwise.MultiHeadAttention(E, H, packing=True, v_head_dim=6).eval()
+    x, mask = torch.randn(3, 7, E), padding(3, 7, [7, 4, 2])
+    with torch.no_grad():
+        said = mha.dispatch(x, mask)
+        made = selections(monkeypatch)
+        mha(x, mask)
+    assert said.path == "packed" and said.request.value_dim == 6
+    assert said.request in [d.request for d in made]
+
+
+def test_a_batch_without_tokens_is_reported_in_full():
+    mha = headwise.MultiHeadAttention(E, H, packing=True)
+    x, mask = torch.randn(2, 4, E), torch.zeros(2, 4, dtype=torch.bool)
+    said = mha.dispatch(x, mask)
+    assert (said.backend, dict(said.passed_over), said.request, said.path, said.path_reason) == (
+        "none", {}, None, "packed", "packing=True packs the real tokens")
+    assert str(said) == ("path 'packed': packing=True packs the real tokens\n"
+                         "backend 'none': no real token: nothing to attend")
+
+
+def test_of_buckets_with_as_many_tokens_the_first_listed_is_named():
+    mha = headwise.MultiHeadAttention(E, H, packing=True).eval()
+    with torch.no_grad():
+        said = mha.dispatch(torch.randn(3, 8, E), padding(3, 8, [8, 4, 4]))
+    assert said.reason.startswith("attention per length bucket (sequences x length): 1 x 8 -> 'sdpa', 2 x 4 -> 'sdpa';")
+    assert (said.request.batch, said.request.q_len) == (1, 8)
+
+
+def test_dispatch_on_the_meta_device_asks_for_it():
+    mha = headwise.MultiHeadAttention(E, H, device="meta")
+    x = torch.randn(2, 3, E, device="meta")
+    said = mha.dispatch(x, torch.ones(2, 3, dtype=torch.bool, device="meta"))
+    assert (said.path, said.request.device.type) == ("dense", "meta")
+    assert said.path_reason.startswith("the padding share of a meta mask is not read")
+
+
+def test_context_parallel_auto_hears_of_a_dense_mask(monkeypatch):
+    """On 2 ranks "auto" splits heads with Ulysses, unless the call's mask is per query (it
+    would be gathered whole on every rank): the mask reaches the method's choice."""
+    import torch.distributed as dist
+
+    import headwise.distributed as hwd
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    mha = headwise.MultiHeadAttention(16, 4, context_parallel=hwd.ContextParallel(method="auto"))
+    x = torch.randn(1, 5, 16)
+    assert mha.dispatch(x).backend == "ulysses"
+    said = mha.dispatch(x, torch.ones(1, 5, 5, dtype=torch.bool))
+    assert (said.backend, said.path) == ("ring", "context parallel")
+    assert said.reason.startswith("a (.., S_l, Sk) mask would be gathered whole on every rank by ulysses")
