@@ -318,3 +318,143 @@ def test_torch_jit_trace_reads_the_parameters():
         mha.k_proj.weight.data.copy_(new_weight(mha.k_proj.weight, 10))  # traced graphs read the parameters
         got = traced(x)
     torch.testing.assert_close(got.double(), reference(mha, x), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- what the rows must not hide
+
+
+class Recording(torch.Tensor):
+    """A weight of a tensor subclass over the same memory (as quantisation wrappers are): the
+    torch functions it takes part in are recorded."""
+
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("proj, kind", [("k_proj", "weight"), ("v_proj", "bias")])
+def test_a_parameter_of_a_tensor_subclass_over_the_same_memory_is_called_through_it(proj, kind):
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    linear = getattr(mha, proj)
+    old = getattr(linear, kind)
+    setattr(linear, kind, nn.Parameter(old.detach().as_subclass(Recording)))
+    assert getattr(linear, kind).data_ptr() == old.data_ptr()  # the rows' own memory, a type of its own
+    Recording.seen = []
+    x = inputs(LARGE)
+    with torch.no_grad():
+        got = mha(x).as_subclass(torch.Tensor)
+    assert "linear" in Recording.seen  # the subclass took part in its projection
+    torch.testing.assert_close(got.double(), reference(mha, x), atol=1e-5, rtol=0)
+
+
+def test_a_square_weight_transposed_over_the_same_memory_is_read_transposed():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    w = mha.q_proj.weight
+    ptr = w.data_ptr()
+    w.data = w.data.t()  # (E, E): the same pointer, the same shape, other strides
+    assert w.data_ptr() == ptr and not w.is_contiguous()
+    assert qkv.packed(mha, False) is None
+    check(mha, SMALL)
+    check(mha, LARGE)
+
+
+@pytest.mark.parametrize("frozen", ["weights", "biases"])
+def test_gradients_reach_whichever_parameters_train(frozen):
+    """BitFit trains the biases only; a frozen bias with trained weights is the converse: the
+    rows (not autograd's leaves) must not stand in for either."""
+    torch.manual_seed(7)
+    mha = headwise.MultiHeadAttention(E, H, dtype=torch.float64)
+    for name, p in mha.named_parameters():
+        p.requires_grad_(not name.endswith(frozen[:-1]))
+    x = inputs(LARGE, dtype=torch.float64)
+    (mha(x) * torch.linspace(-1, 1, E, dtype=torch.float64)).sum().backward()
+    w = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in mha.named_parameters()}
+    ref = headwise.MultiHeadAttention(E, H, dtype=torch.float64)
+    (torch.func.functional_call(ref, w, (x,)) * torch.linspace(-1, 1, E, dtype=torch.float64)).sum().backward()
+    for name, p in mha.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, w[name].grad, atol=1e-10, rtol=0, msg=name)
+        else:
+            assert p.grad is None, name
+
+
+def test_one_gemm_projects_q_k_and_v_while_they_lie_in_rows(monkeypatch):
+    """The promise of the rows: a call without gradients projects x with one GEMM (plus the
+    output projection's); a weight out of the rows takes the three calls again."""
+    calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **kw: calls.append(a[1].shape) or linear(*a, **kw))
+    mha = headwise.MultiHeadAttention(E, H, num_kv_heads=2).eval()
+    with torch.no_grad():
+        mha(inputs(LARGE))
+    assert calls == [(2 * E, E), (E, E)]  # (Nq + Nk + Nv, E), then out_proj
+    calls.clear()
+    mha.v_proj.weight.data = new_weight(mha.v_proj.weight, 11)
+    with torch.no_grad():
+        mha(inputs(LARGE))
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("kwargs", [{"bias": False}, {"num_kv_heads": 1, "v_head_dim": 4}],
+                         ids=["no bias", "mqa, v_head_dim"])
+@pytest.mark.parametrize("copy_with", ["deepcopy", "pickle"])
+def test_copies_of_other_layouts_lie_in_rows_of_their_own(kwargs, copy_with):
+    mha = headwise.MultiHeadAttention(E, H, **kwargs).eval()
+    if copy_with == "deepcopy":
+        twin = copy.deepcopy(mha)
+    else:
+        buffer = io.BytesIO()
+        torch.save(mha, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    assert rows_of(twin)
+    assert twin.q_proj.weight.data_ptr() != mha.q_proj.weight.data_ptr()
+    for name, t in mha.state_dict().items():
+        assert torch.equal(twin.state_dict()[name], t), name
+    mha.k_proj.weight.data.zero_()  # the original's rows are not the copy's
+    check(twin, SMALL)
+    check(twin, LARGE)
+
+
+def test_a_pickled_module_whose_weight_left_the_rows_is_read():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    mha.v_proj.weight.data = new_weight(mha.v_proj.weight, 12)
+    buffer = io.BytesIO()
+    torch.save(mha, buffer)
+    buffer.seek(0)
+    twin = torch.load(buffer, weights_only=False)
+    assert qkv.packed(twin, False) is None
+    for name, t in mha.state_dict().items():
+        assert torch.equal(twin.state_dict()[name], t), name
+    check(twin, SMALL)
+    check(twin, LARGE)
+
+
+def test_biases_given_to_all_three_projections_of_a_biasless_module_are_read_and_converted():
+    mha = headwise.MultiHeadAttention(E, H, bias=False).eval()
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        getattr(mha, name).bias = nn.Parameter(torch.full((E,), 0.25 * (i + 1)))
+    assert qkv.packed(mha, False) is None  # the rows hold no biases
+    check(mha, SMALL)
+    check(mha, LARGE)
+    mha.double()  # a conversion: weights and biases go in rows together
+    assert rows_of(mha) and qkv.packed(mha, False).bias is not None
+    check(mha, SMALL, atol=1e-10)
+    check(mha, LARGE, atol=1e-10)
+
+
+def test_a_projection_converted_on_its_own_is_read_and_the_module_converts_back():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    mha.q_proj.double()  # the q weights leave the rows (another dtype)
+    assert qkv.packed(mha, False) is None
+    mha.float()  # q converted back on its own: nothing the user gave other memory is moved
+    assert mha.k_proj.weight.dtype == mha.q_proj.weight.dtype == torch.float32
+    check(mha, SMALL)
+    check(mha, LARGE)
+    mha.double()  # every weight converted: in rows again
+    assert rows_of(mha)
+    check(mha, LARGE, atol=1e-10)
