@@ -6,7 +6,7 @@ The minimal module is what people write by hand: one fused qkv ``nn.Linear``,
 in turns within every repeat (forward under no_grad, and forward + backward) and reports
 paired medians of time(headwise) / time(minimal): below 1 headwise is faster.
 
-    python benchmarks/auto_grid.py [--quick] [--repeats 9] [--threads N] [--paths] [--why] [--shard K/N]
+    python benchmarks/auto_grid.py [--quick] [--repeats 9] [--budget 1.0] [--threads N] [--paths] [--why] [--shard K/N]
 
 ``--shard K/N`` times every N-th row from the K-th (1-based), so N processes, one per core,
 share the full grid.
@@ -23,7 +23,7 @@ import itertools
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,9 +64,14 @@ class Row:
     ratio: dict  # "fwd" / "train" -> paired median time(headwise) / time(minimal)
     other: dict  # "fwd" / "train" -> paired median time(auto's path) / time(the other path); {} without --paths
     why: dict  # "fwd" / "train" -> plan().why
+    pairs: dict = field(default_factory=dict)  # "fwd" / "train" -> how many paired timings the ratio rests on
 
 
-def pair(B, S, E, H, pad, repeats, paths=False, window=10e-3) -> Row:
+def pair(B, S, E, H, pad, repeats, paths=False, window=10e-3, budget=0.0) -> Row:
+    """Time one row: ``repeats`` (at least) paired timings of about ``window`` seconds each
+    per module, in turns; more where the row is cheap, up to about ``budget`` seconds of
+    timing per kind (forward, forward + backward): a small call's ratio then rests on
+    more pairs, and the worst row of the grid on less noise."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     ours = headwise.MultiHeadAttention(E, H)
@@ -100,14 +105,17 @@ def pair(B, S, E, H, pad, repeats, paths=False, window=10e-3) -> Row:
             mods += [others[plan.path == "packed"], others[plan.path != "packed"]]
         for m in mods:
             fn(m)  # warm up
-        calls = max(1, int(window / max(_once(fn, ref), 1e-6)))  # about `window` seconds per timing
+        once = max(min(_once(fn, ref) for _ in range(3)), 1e-6)  # the least of three: a first call may be slow
+        calls = max(1, int(window / once))  # about `window` seconds per timing
+        turn = calls * once * len(mods)  # one repeat: each module timed once
         ratios, versus = [], []
-        for _ in range(repeats):
+        for _ in range(max(repeats, min(int(budget / turn), 20 * repeats))):
             t = [_timed(fn, m, calls) for m in mods]  # in turns
             ratios.append(t[0] / t[1])
             if others:
                 versus.append(t[2] / t[3])
         row.ratio[kind] = statistics.median(ratios)
+        row.pairs[kind] = len(ratios)
         if others:
             row.other[kind] = statistics.median(versus)
     return row
@@ -132,7 +140,10 @@ def _timed(fn, m, calls) -> float:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the issue's rows only")
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=9, help="paired timings per row and kind, at least")
+    parser.add_argument("--budget", type=float, default=1.0,
+                        help="seconds of timing per row and kind: a cheap row gets more repeats (up to 20x --repeats) "
+                             "within it")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--paths", action="store_true",
                         help="also time the dense and the packed path of each padded row: did auto pick the faster?")
@@ -152,7 +163,8 @@ def main(argv=None) -> None:
 
     table = Table(title=f"default MultiHeadAttention / minimal SDPA module on {cpu_name()} "
                         f"({torch.get_num_threads()} threads, torch {torch.__version__}); paired medians of "
-                        f"{args.repeats} repeats in turns, {'CPU' if args.cpu_time else 'wall'} time "
+                        f"{args.repeats}+ repeats in turns (up to {args.budget:g} s a row), "
+                        f"{'CPU' if args.cpu_time else 'wall'} time "
                         "(< 1: headwise faster)" + ("" if args.shard == "1/1" else f"; rows {args.shard}"))
     for col in ("B", "S", "E", "H", "padding", "path", "forward", "forward+backward"):
         table.add_column(col, justify="right")
@@ -164,7 +176,7 @@ def main(argv=None) -> None:
     console = Console(width=180)
     k, n = (int(part) for part in args.shard.split("/"))
     for B, S, E, H, pad in grid(args.quick)[k - 1::n]:
-        row = pair(B, S, E, H, pad, args.repeats, args.paths)
+        row = pair(B, S, E, H, pad, args.repeats, args.paths, budget=args.budget)
         f, t = row.ratio["fwd"], row.ratio["train"]
         worst = (max(worst[0], f), max(worst[1], t))
         path = row.path["fwd"] if row.path["fwd"] == row.path["train"] else f"{row.path['fwd']} / {row.path['train']}"

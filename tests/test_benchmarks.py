@@ -50,6 +50,13 @@ def test_auto_grid_pairs_the_modules_and_both_paths():
     assert 0 < row.padding < 1
     dense = auto_grid.pair(1, 8, 32, 2, 0.0, repeats=1, window=1e-4)
     assert dense.path == {"fwd": "fused", "train": "dense"} and dense.other == {}  # a tiny forward: fused
+    assert row.pairs == dense.pairs == {"fwd": 1, "train": 1}  # no budget: the repeats asked for
+
+
+def test_auto_grid_gives_a_cheap_row_more_pairs_within_its_budget():
+    auto_grid = _load("auto_grid")
+    row = auto_grid.pair(1, 8, 32, 2, 0.0, repeats=2, window=1e-4, budget=1.0)  # a call: ~0.1 ms (30 on a busy machine)
+    assert all(2 < n <= 40 for n in row.pairs.values())  # more than asked, at most 20x
 
 
 def test_overhead_times_the_fused_path_against_the_dense_one():
