@@ -515,3 +515,13 @@ def test_a_static_cache_step_takes_a_mask_of_the_new_positions():
         torch.testing.assert_close(step, mha(x)[:, 4:], atol=1e-5, rtol=0)
         with pytest.raises(ValueError, match=re.escape("a static cache takes a (B, T) = (2, 1) padding mask")):
             mha(x[:, 4:], torch.ones(2, 6, dtype=torch.bool), cache=cache)
+
+
+def test_a_context_parallel_module_leaves_its_shards_mask_to_the_ring():
+    """x is this rank's shard (B, S_l, E); its mask may cover keys of every rank, so the
+    module does not read it as the shard's own (the ring checks it)."""
+    x, mask = rand(2, 3, E), torch.ones(3, 6, dtype=torch.bool)  # (S_l, S): the shard's rows, every key
+    mha = headwise.MultiHeadAttention(E, H, context_parallel=ContextParallel())
+    assert mha.plan(x, mask).path == "context parallel"
+    with pytest.raises(ValueError, match=re.escape("attention_mask of shape (3, 6) does not fit")):
+        headwise.MultiHeadAttention(E, H).plan(x, mask)
