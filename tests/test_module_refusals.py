@@ -10,6 +10,8 @@ Legend: B batch, H query heads, S query length, Sk key length, E embed dim.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -271,3 +273,23 @@ def test_a_module_moved_to_another_dtype_plans_its_next_call_afresh():
         assert not mha._repeats
         with pytest.raises(TypeError, match="x has dtype torch.float32 but the module's parameters are torch.float64"):
             mha(x, mask)
+
+
+@pytest.mark.parametrize("x_dtype, module_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+def test_autocast_does_not_cast_float64_so_a_float64_mismatch_is_refused_with_the_casts(x_dtype, module_dtype):
+    # autocast casts float32 / float16 / bfloat16 tensors, never float64 ones: without the check the
+    # projection raised torch's own "mat1 and mat2 must have the same dtype"
+    mha = headwise.MultiHeadAttention(E, H).to(module_dtype)
+    x = torch.randn(2, 3, E, dtype=x_dtype)
+    message = (f"x has dtype {x_dtype} but the module's parameters are {module_dtype} under torch.autocast, which "
+               f"does not cast float64; convert one to the other: x.to({module_dtype}) or mha.to({x_dtype})")
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match=re.escape(message) + "$"):
+        mha(x)
+
+
+def test_under_autocast_a_float32_input_to_a_bfloat16_module_runs():
+    mha = headwise.MultiHeadAttention(E, H).to(torch.bfloat16)
+    x = torch.randn(2, 3, E)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mha(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, E)

@@ -260,9 +260,6 @@ def test_under_autocast_an_input_of_another_half_dtype_runs(dtype, grad):
     torch.testing.assert_close(out.double(), reference(mha, x), atol=0.05, rtol=0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="checks.check_tensor lets any floating dtype through under autocast, but "
-                   "autocast does not cast float64: F.linear then raises torch's raw 'mat1 and mat2 must have the "
-                   "same dtype' (and the message without autocast suggests autocast for a float64 x)")
 def test_under_autocast_a_double_input_to_a_float_module_is_a_clear_error():
     mha = headwise.MultiHeadAttention(E, H)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match=re.escape(

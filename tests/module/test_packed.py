@@ -100,7 +100,7 @@ def test_forward_packed_counts_positions_within_each_sequence():
      "packed x must be (T, E) with E = embed_dim = 32, got (4, 2, 32)"),
     ((torch.randn(4, E, dtype=torch.float64), torch.tensor([0, 4])), TypeError,
      "x has dtype torch.float64 but the module's parameters are torch.float32; convert one to the other: "
-     "x.to(torch.float32) or mha.to(torch.float64) (or run under torch.autocast)"),
+     "x.to(torch.float32) or mha.to(torch.float64)"),  # autocast casts no float64: not suggested
 ])
 def test_forward_packed_refuses_with_the_values_and_the_remedy(args, error, message):
     mha = headwise.MultiHeadAttention(E, H)

@@ -160,9 +160,16 @@ def check_tensor(mha: MultiHeadAttention, name: str, t: Tensor) -> None:
     if t.device != w.device:
         raise ValueError(f"{name} is on {t.device} but the module's parameters are on {w.device}; move one "
                          f"to the other: {name}.to({str(w.device)!r}) or mha.to({str(t.device)!r})")
-    if t.dtype != w.dtype and not autocast_on(t.device):
-        raise TypeError(f"{name} has dtype {t.dtype} but the module's parameters are {w.dtype}; convert one "
-                        f"to the other: {name}.to({w.dtype}) or mha.to({t.dtype}) (or run under torch.autocast)")
+    if t.dtype == w.dtype:
+        return
+    # autocast casts float32 / float16 / bfloat16 tensors, never float64 ones (x's or the weights')
+    castable = torch.float64 not in (t.dtype, w.dtype)
+    if castable and autocast_on(t.device):
+        return
+    under = " under torch.autocast, which does not cast float64" if not castable and autocast_on(t.device) else ""
+    raise TypeError(f"{name} has dtype {t.dtype} but the module's parameters are {w.dtype}{under}; convert one "
+                    f"to the other: {name}.to({w.dtype}) or mha.to({t.dtype})"
+                    + (" (or run under torch.autocast)" if castable else ""))
 
 
 def check_inputs(mha: MultiHeadAttention, x: Any, context: Any, cache: Any) -> None:
