@@ -522,3 +522,12 @@ def test_a_context_parallel_module_leaves_its_shards_mask_to_the_ring():
     assert mha.plan(x, mask).path == "context parallel"
     with pytest.raises(ValueError, match=re.escape("attention_mask of shape (3, 6) does not fit")):
         headwise.MultiHeadAttention(E, H).plan(x, mask)
+
+
+def test_a_cache_for_a_module_with_value_heads_of_their_own_names_both_head_dims():
+    mha = headwise.MultiHeadAttention(E, H, v_head_dim=6, is_causal=True)
+    cache = headwise.MultiHeadAttention(E, H).new_cache(2, 8)
+    message = ("the cache holds kv_heads=4, head_dim=8, value_dim=8, torch.float32 on cpu; this module needs "
+               "kv_heads=4, head_dim=8, value_dim=6, torch.float32 on cpu")
+    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(message)):
+        mha(rand(2, 1, E), cache=cache)
