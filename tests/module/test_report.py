@@ -301,3 +301,48 @@ def test_context_parallel_auto_hears_of_a_dense_mask(monkeypatch):
     said = mha.dispatch(x, torch.ones(1, 5, 5, dtype=torch.bool))
     assert (said.backend, said.path) == ("ring", "context parallel")
     assert said.reason.startswith("a (.., S_l, Sk) mask would be gathered whole on every rank by ulysses")
+
+
+@pytest.mark.parametrize("kind", ["static", "evicting"])
+def test_dispatch_of_a_single_position_step_with_its_own_padding_is_forwards_selection(kind, monkeypatch):
+    """A step of one position per row, one row padded there (a sequence that has ended): the
+    keys "auto" reads as real are those forward attends (the step's padding included)."""
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True, window=3 if kind == "evicting" else None).eval()
+    cache = mha.new_cache(2, 16, static=kind == "static", evict=kind == "evicting")
+    x = torch.randn(2, 9, E)
+    with torch.no_grad():
+        mha(x[:, :5], padding(2, 5, [5, 3]), cache=cache)
+        for step in (5, 6):
+            ended = torch.tensor([[True], [False]])
+            said = mha.dispatch(x[:, step:step + 1], ended, cache=cache)
+            made = selections(monkeypatch)
+            mha(x[:, step:step + 1], ended, cache=cache)
+            monkeypatch.undo()
+            assert said.request.key_lengths is not None and said.request.mask_shape[0] == 2
+            assert (said.backend, said.request) == (made[0].backend, made[0].request), step
+
+
+def test_dispatch_of_a_float64_alibi_static_step_is_forwards_selection(monkeypatch):
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True, alibi=True, dtype=torch.float64).eval()
+    cache = mha.new_cache(2, 8, static=True)
+    x = torch.randn(2, 6, E, dtype=torch.float64)
+    with torch.no_grad():
+        mha(x[:, :4], cache=cache)
+        said = mha.dispatch(x[:, 4:6], cache=cache)
+        made = selections(monkeypatch)
+        mha(x[:, 4:6], cache=cache)
+    assert (said.request.dtype, said.request.mask_kind) == (torch.float64, "float")
+    assert (said.backend, said.request) == (made[0].backend, made[0].request)
+
+
+def test_a_named_kernel_runs_every_bucket_of_the_packed_path(monkeypatch):
+    mha = headwise.MultiHeadAttention(E, H, packing=True, backend="chunked").eval()
+    x, mask = torch.randn(3, 7, E), padding(3, 7, [7, 4, 2])
+    with torch.no_grad():
+        said = mha.dispatch(x, mask)
+        made = selections(monkeypatch)
+        mha(x, mask)
+    assert (said.path, said.backend) == ("packed", "chunked")
+    assert {d.backend for d in made} == {"chunked"} and said.reason.count("-> 'chunked'") == len(made)
