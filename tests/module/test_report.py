@@ -346,3 +346,18 @@ def test_a_named_kernel_runs_every_bucket_of_the_packed_path(monkeypatch):
         mha(x, mask)
     assert (said.path, said.backend) == ("packed", "chunked")
     assert {d.backend for d in made} == {"chunked"} and said.reason.count("-> 'chunked'") == len(made)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_packed_path_on_a_gpu_reports_forwards_selection(monkeypatch):
+    """A bucket's key mask lives on x's device: "auto" does not read a GPU mask's values
+    (no key lengths), as forward's own selection does not."""
+    mha = headwise.MultiHeadAttention(E, H, packing=True).cuda().eval()
+    lengths = [8, 7, 2, 2, 2, 1]
+    x, mask = torch.randn(len(lengths), 8, E, device="cuda"), padding(len(lengths), 8, lengths).cuda()
+    with torch.no_grad():
+        said = mha.dispatch(x, mask)
+        made = selections(monkeypatch)
+        mha(x, mask)
+    assert (said.path, said.request.device.type, said.request.key_lengths) == ("packed", "cuda", None)
+    assert said.request in [d.request for d in made]
