@@ -149,6 +149,17 @@ def test_a_weight_given_other_memory_leaves_the_rows_and_is_read(proj, shape):
     check(mha, shape)
 
 
+@pytest.mark.parametrize("proj", ["q_proj", "v_proj"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["fused", "dense"])
+def test_a_bias_given_other_memory_leaves_the_rows_and_is_read(proj, shape):
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    check(mha, shape)
+    b = getattr(mha, proj).bias
+    b.data = torch.linspace(-1, 1, E)  # other memory, the same shape
+    assert qkv.packed(mha, False) is None
+    check(mha, shape)
+
+
 def test_a_replaced_parameter_or_projection_leaves_the_rows_and_is_read():
     mha = headwise.MultiHeadAttention(E, H).eval()
     check(mha, LARGE)
