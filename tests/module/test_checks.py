@@ -531,3 +531,17 @@ def test_a_cache_for_a_module_with_value_heads_of_their_own_names_both_head_dims
                "kv_heads=4, head_dim=8, value_dim=6, torch.float32 on cpu")
     with torch.no_grad(), pytest.raises(ValueError, match=re.escape(message)):
         mha(rand(2, 1, E), cache=cache)
+
+
+@pytest.mark.parametrize("every", [False, True], ids=["(B, S)", "(B, len + S)"])
+def test_a_dynamic_cache_step_of_several_positions_takes_a_padding_mask_of_them_or_of_all(every):
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True).eval()
+    x = rand(2, 6, E)
+    cache = mha.new_cache(2, 8)
+    with torch.no_grad():
+        mha(x[:, :3], cache=cache)
+        step = mha(x[:, 3:], torch.ones(2, 6 if every else 3, dtype=torch.bool), cache=cache)  # (2, 3, E)
+        torch.testing.assert_close(step, mha(x)[:, 3:], atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match=re.escape("(2, 4)")):
+            mha(x[:, 3:5], torch.ones(2, 4, dtype=torch.bool), cache=cache)  # neither 2 nor 6 + 2 positions
+    assert len(cache) == 6
