@@ -137,6 +137,7 @@ def test_a_mask_without_padding_leaves_the_small_call_on_the_fused_path(ref):
         for full in (torch.ones(3, 4, dtype=torch.bool), torch.ones(3, 4, dtype=torch.long)):
             plan = mha.plan(x, full)
             assert (plan.path, plan.lengths) == ("fused", (4, 4, 4))
+            assert plan.padding.tolist() == [[True] * 4] * 3
             close(mha(x, full), expected(mha, x, ref=ref))
         padded = padding([4, 3, 4], 4)
         assert mha.plan(x, padded).path == "dense"
