@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -469,3 +470,15 @@ def test_a_projection_converted_on_its_own_is_read_and_the_module_converts_back(
     mha.double()  # every weight converted: in rows again
     assert rows_of(mha)
     check(mha, LARGE, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["fused", "dense"])
+def test_torch_jit_trace_reads_a_weight_given_other_memory_after_tracing(shape):
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    x = inputs(shape)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(mha, (x,), check_trace=False)
+        mha.k_proj.weight.data = new_weight(mha.k_proj.weight, 13)  # other memory: the traced graph holds no rows
+        got = traced(x)
+    torch.testing.assert_close(got.double(), reference(mha, x), atol=1e-5, rtol=0)
