@@ -482,3 +482,43 @@ def test_torch_jit_trace_reads_a_weight_given_other_memory_after_tracing(shape):
         mha.k_proj.weight.data = new_weight(mha.k_proj.weight, 13)  # other memory: the traced graph holds no rows
         got = traced(x)
     torch.testing.assert_close(got.double(), reference(mha, x), atol=1e-5, rtol=0)
+
+
+def test_a_wrapped_projection_is_converted_with_the_module_and_read():
+    """PEFT wraps a projection in a module of its own: a conversion after that moves every
+    weight and never reads the wrapper as an nn.Linear."""
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    mha.q_proj = nn.Sequential(mha.q_proj)
+    mha.double()
+    assert mha.q_proj[0].weight.dtype == mha.k_proj.weight.dtype == torch.float64
+    twin = headwise.MultiHeadAttention(E, H, dtype=torch.float64).eval()
+    twin.load_state_dict({n.replace("q_proj.0.", "q_proj."): t for n, t in mha.state_dict().items()})
+    x = inputs(LARGE, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(mha(x), reference(twin, x), atol=1e-10, rtol=0)
+
+
+def test_a_parameter_of_a_tensor_subclass_stays_itself_through_a_conversion():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    mha.k_proj.weight = nn.Parameter(mha.k_proj.weight.detach().as_subclass(Recording))
+    mha.double()
+    assert isinstance(mha.k_proj.weight, Recording) and mha.k_proj.weight.dtype == torch.float64
+    Recording.seen = []
+    x = inputs(LARGE, dtype=torch.float64)
+    with torch.no_grad():
+        got = mha(x).as_subclass(torch.Tensor)
+    assert "linear" in Recording.seen
+    torch.testing.assert_close(got, reference(mha, x), atol=1e-10, rtol=0)
+
+
+def test_to_empty_keeps_each_parameters_dtype():
+    mha = headwise.MultiHeadAttention(E, H)
+    mha.q_proj.double()  # one projection in a dtype of its own
+    mha.to_empty(device="cpu")  # new memory for every parameter, of its own dtype
+    assert mha.q_proj.weight.dtype == mha.q_proj.bias.dtype == torch.float64
+    for name in ("k_proj", "v_proj", "out_proj"):
+        assert getattr(mha, name).weight.dtype == getattr(mha, name).bias.dtype == torch.float32, name
+    mha.reset_parameters()
+    mha.half().double()  # conversions that give every parameter new memory: in rows again
+    assert rows_of(mha)
+    check(mha.eval(), LARGE, atol=1e-10)
