@@ -522,3 +522,20 @@ def test_to_empty_keeps_each_parameters_dtype():
     mha.half().double()  # conversions that give every parameter new memory: in rows again
     assert rows_of(mha)
     check(mha.eval(), LARGE, atol=1e-10)
+
+
+def test_pack_says_whether_the_weights_lie_in_rows_now():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    assert qkv.pack(mha) is True and rows_of(mha)  # packed at construction: nothing moves
+    ptr = mha.q_proj.weight.data_ptr()
+    assert qkv.pack(mha) is True and mha.q_proj.weight.data_ptr() == ptr
+    mha.k_proj.weight.data = new_weight(mha.k_proj.weight, 14)
+    assert qkv.pack(mha) is True and rows_of(mha)  # the module's own weights: put in rows again
+    check(mha, LARGE)
+    tied = headwise.MultiHeadAttention(E, H)
+    tied.k_proj.weight = tied.q_proj.weight
+    assert qkv.pack(tied) is False and qkv.packed(tied, False) is None  # one parameter twice: left as it is
+    some = headwise.MultiHeadAttention(E, H, bias=False)
+    some.q_proj.bias = nn.Parameter(torch.zeros(E))
+    assert qkv.pack(some) is False  # a bias on one projection of three
+    check(some.eval(), LARGE)
