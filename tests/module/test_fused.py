@@ -282,15 +282,13 @@ def test_each_condition_alone_keeps_a_small_call_off_the_fused_path(name, kwargs
     assert out.shape == (*SMALL, E) and out.isfinite().all()
 
 
-@pytest.mark.parametrize("condition", ["gradients", "trace", "compiling", "autocast", "cross-attention", "cache"])
+@pytest.mark.parametrize("condition", ["gradients", "trace", "compiling", "autocast", "cross-attention"])
 def test_each_call_condition_alone_keeps_it_off(condition, monkeypatch, op_calls):
-    mha = plain(is_causal=condition == "cache")
+    mha = plain()
     x = rand(SMALL)
     call = {}
     if condition == "cross-attention":
         call["context"] = rand((2, 4), seed=2)
-    if condition == "cache":
-        call["cache"] = mha.new_cache(2, 8)
     if condition == "compiling":
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     scope = {"gradients": torch.enable_grad(), "trace": headwise_trace(),
@@ -300,6 +298,20 @@ def test_each_call_condition_alone_keeps_it_off(condition, monkeypatch, op_calls
         if condition != "compiling":
             mha(x, **call)
     assert op_calls == []
+
+
+def test_a_cache_step_keeps_it_off_and_appends(op_calls):
+    """A one-token causal step of 4 rows is small and plain but for its cache: the op would
+    not write the cache."""
+    mha = plain(is_causal=True)
+    x = rand((4, 4))
+    cache = mha.new_cache(4, 8)
+    with torch.no_grad():
+        mha(x[:, :3], cache=cache)
+        assert mha.plan(x[:, 3:], cache=cache).path != "fused"
+        step = mha(x[:, 3:], cache=cache)  # (4, 1, E)
+    assert op_calls == [] and len(cache) == 4
+    torch.testing.assert_close(step.double(), reference(mha, x, causal=True)[:, 3:], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
