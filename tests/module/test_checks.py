@@ -61,7 +61,7 @@ def rand(*shape, seed=0, dtype=torch.float32):
 ])
 def test_each_size_must_be_a_positive_int(name, value, error, message):
     sizes = {"embed_dim": 32, "num_heads": 4, "num_kv_heads": 2, name: value}
-    with pytest.raises(error, match=re.escape(message.format(name=name)) + "$"):
+    with pytest.raises(error, match="^" + re.escape(message.format(name=name)) + "$"):
         headwise.MultiHeadAttention(**sizes)
 
 
@@ -74,7 +74,7 @@ def test_each_size_must_be_a_positive_int(name, value, error, message):
 ])
 def test_sizes_that_do_not_divide_name_both_and_the_nearest_divisors(sizes, message):
     embed_dim, num_heads, num_kv_heads = sizes
-    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         headwise.MultiHeadAttention(embed_dim, num_heads, num_kv_heads=num_kv_heads)
 
 
@@ -88,7 +88,7 @@ def test_sizes_that_divide_are_taken(sizes):
 @pytest.mark.parametrize("v_head_dim", [0, -2, True, False, 4.0, "4"])
 def test_v_head_dim_must_be_a_positive_int_or_none(v_head_dim):
     message = f"v_head_dim must be a positive int or None (None: head_dim), got {v_head_dim!r}"
-    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         headwise.MultiHeadAttention(E, H, v_head_dim=v_head_dim)
 
 
@@ -142,7 +142,7 @@ REFUSED_OPTIONS = [  # (kwargs, error, message)
 
 @pytest.mark.parametrize("kwargs, error, message", REFUSED_OPTIONS, ids=lambda v: repr(v)[:40])
 def test_each_option_out_of_range_is_refused_by_name_with_its_value(kwargs, error, message):
-    with pytest.raises(error, match=re.escape(message) + "$"):
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
         headwise.MultiHeadAttention(E, H, **kwargs)
 
 
@@ -205,7 +205,7 @@ def test_an_input_of_an_integer_dtype_names_it_and_the_cast(name):
     x, context = (bad, None) if name == "x" else (rand(2, 3, E, dtype=torch.float64), bad)
     message = (f"{name} has dtype torch.int32; the module takes floating inputs (its parameters are torch.float64): "
                f"pass {name}.to(torch.float64)")
-    with pytest.raises(TypeError, match=re.escape(message) + "$"):
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
         mha(x, context=context)
 
 
@@ -217,12 +217,12 @@ def test_an_input_of_another_float_dtype_names_both_and_both_remedies(name, dtyp
     x, context = (bad, None) if name == "x" else (rand(2, 3, E), bad)
     message = (f"{name} has dtype {dtype} but the module's parameters are torch.float32; convert one to the "
                f"other: {name}.to(torch.float32) or mha.to({dtype}) (or run under torch.autocast)")
-    with pytest.raises(TypeError, match=re.escape(message) + "$"):
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
         mha(x, context=context)
 
 
 def test_a_double_input_to_a_float_module_names_both_and_the_casts():
-    with pytest.raises(TypeError, match=re.escape("x has dtype torch.float64 but the module's parameters are "
+    with pytest.raises(TypeError, match="^" + re.escape("x has dtype torch.float64 but the module's parameters are "
                                                   "torch.float32; convert one to the other: x.to(torch.float32) or "
                                                   "mha.to(torch.float64)") + "$"):  # autocast would not help
         headwise.MultiHeadAttention(E, H)(rand(2, 3, E, dtype=torch.float64))
@@ -235,11 +235,12 @@ def test_an_input_on_another_device_names_both_devices_and_both_moves(name):
     x, context = (bad, None) if name == "x" else (rand(2, 3, E), bad)
     message = (f"{name} is on meta but the module's parameters are on cpu; move one to the other: "
                f"{name}.to('cpu') or mha.to('meta')")
-    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         mha(x, context=context)
     meta = headwise.MultiHeadAttention(E, H, device="meta")
-    with pytest.raises(ValueError, match=re.escape("x is on cpu but the module's parameters are on meta; move one to "
-                                                   "the other: x.to('meta') or mha.to('cpu')")):
+    message = ("x is on cpu but the module's parameters are on meta; move one to the other: x.to('meta') or "
+               "mha.to('cpu')")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         meta(rand(2, 3, E))
 
 
@@ -262,7 +263,7 @@ def test_under_autocast_an_input_of_another_half_dtype_runs(dtype, grad):
 
 def test_under_autocast_a_double_input_to_a_float_module_is_a_clear_error():
     mha = headwise.MultiHeadAttention(E, H)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match=re.escape(
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="^" + re.escape(
             "x has dtype torch.float64 but the module's parameters are torch.float32 under torch.autocast, which "
             "does not cast float64; convert one to the other: x.to(torch.float32) or mha.to(torch.float64)") + "$"):
         mha(rand(2, 3, E, dtype=torch.float64))
@@ -270,7 +271,7 @@ def test_under_autocast_a_double_input_to_a_float_module_is_a_clear_error():
 
 def test_under_autocast_a_float_input_to_a_double_module_is_a_clear_error():
     mha = headwise.MultiHeadAttention(E, H, dtype=torch.float64)
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match=re.escape(
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="^" + re.escape(
             "x has dtype torch.float32 but the module's parameters are torch.float64 under torch.autocast, which "
             "does not cast float64; convert one to the other: x.to(torch.float64) or mha.to(torch.float32)") + "$"):
         mha(rand(2, 3, E))
@@ -287,7 +288,7 @@ def test_autocast_is_off_for_a_device_type_autocast_does_not_know():
 def test_a_module_whose_out_proj_has_no_weight_checks_against_its_other_parameters():
     mha = headwise.MultiHeadAttention(E, H).double()
     mha.out_proj = nn.Identity()  # (H*D == E): the reference weight is then the first parameter
-    with pytest.raises(TypeError, match=re.escape("x has dtype torch.float32 but the module's parameters are "
+    with pytest.raises(TypeError, match="^" + re.escape("x has dtype torch.float32 but the module's parameters are "
                                                   "torch.float64")):
         mha(rand(2, 3, E))
     wrapped = headwise.MultiHeadAttention(E, H).double()
@@ -308,7 +309,7 @@ def test_a_module_whose_out_proj_has_no_weight_checks_against_its_other_paramete
     (torch.zeros(E), ValueError, f"x must be (B, S, E) with E = embed_dim = {E}, got shape ({E},)"),
 ])
 def test_x_of_another_type_or_shape_names_what_it_got(x, error, message):
-    with pytest.raises(error, match=re.escape(message) + "$"):
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
         headwise.MultiHeadAttention(E, H)(x)
 
 
@@ -320,7 +321,7 @@ def test_x_of_another_type_or_shape_names_what_it_got(x, error, message):
     (torch.zeros(3, 5, E), ValueError, "context batch (3) differs from x batch (2)"),
 ])
 def test_a_context_of_another_type_shape_or_batch_names_what_it_got(context, error, message):
-    with pytest.raises(error, match=re.escape(message) + "$"):
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
         headwise.MultiHeadAttention(E, H)(torch.zeros(2, 3, E), context=context)
 
 
@@ -334,8 +335,8 @@ def test_a_context_of_its_own_length_is_attended():
 
 def test_rope_refuses_cross_attention_with_the_remedy():
     mha = headwise.MultiHeadAttention(E, H, rope=True)
-    with pytest.raises(ValueError, match=re.escape("rotary embeddings (rope) are for self-attention; drop context= "
-                                                   "or rope")):
+    message = "rotary embeddings (rope) are for self-attention; drop context= or rope"
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         mha(torch.zeros(2, 3, E), context=torch.zeros(2, 5, E))
     assert mha(torch.zeros(2, 3, E)).shape == (2, 3, E)  # self-attention: taken
 
@@ -345,7 +346,7 @@ def test_rope_refuses_cross_attention_with_the_remedy():
 
 def test_a_cache_that_is_not_a_kv_cache_is_refused_with_where_to_get_one():
     mha = headwise.MultiHeadAttention(E, H, is_causal=True)
-    with torch.no_grad(), pytest.raises(TypeError, match=re.escape("cache must come from mha.new_cache(...), got "
+    with torch.no_grad(), pytest.raises(TypeError, match="^" + re.escape("cache must come from mha.new_cache(...), got "
                                                                    "dict") + "$"):
         mha(torch.zeros(2, 1, E), cache={})
 
@@ -353,8 +354,8 @@ def test_a_cache_that_is_not_a_kv_cache_is_refused_with_where_to_get_one():
 def test_a_cache_with_cross_attention_is_refused():
     mha = headwise.MultiHeadAttention(E, H)
     cache = mha.new_cache(2, 8)
-    with torch.no_grad(), pytest.raises(ValueError, match=re.escape("cache is for self-attention; cross-attention "
-                                                                    "(context=...) takes no cache")):
+    message = "cache is for self-attention; cross-attention (context=...) takes no cache"
+    with torch.no_grad(), pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         mha(torch.zeros(2, 1, E), context=torch.zeros(2, 4, E), cache=cache)
     assert len(cache) == 0
 
@@ -376,7 +377,7 @@ def test_a_cache_made_by_a_module_of_other_shapes_names_both_and_the_remedy(make
     cache = maker().new_cache(2, 8)
     message = (f"the cache holds {held}; this module needs kv_heads=4, head_dim=8, value_dim=8, torch.float32 on "
                "cpu: make the cache with this module's new_cache(batch_size, max_seq_len)")
-    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(message) + "$"):
+    with torch.no_grad(), pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         mha(rand(2, 1, E), cache=cache)
 
 
@@ -396,11 +397,11 @@ def test_a_cache_of_another_batch_or_without_room_is_refused_before_it_changes()
     cache = mha.new_cache(2, 4)
     with torch.no_grad():
         mha(rand(2, 3, E), cache=cache)
-        with pytest.raises(ValueError, match=re.escape("the cache was made for batch_size 2, got a batch of 3; make "
-                                                       "one with mha.new_cache(batch_size, max_seq_len) per batch "
-                                                       "size")):
+        message = ("the cache was made for batch_size 2, got a batch of 3; make one with mha.new_cache(batch_size, "
+                   "max_seq_len) per batch size")
+        with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
             mha(rand(3, 1, E), cache=cache)
-        with pytest.raises(ValueError, match=re.escape("the cache holds 3 of max_seq_len 4 positions and cannot "
+        with pytest.raises(ValueError, match="^" + re.escape("the cache holds 3 of max_seq_len 4 positions and cannot "
                                                        "take 2 more")):
             mha(rand(2, 2, E), cache=cache)
         assert len(cache) == 3
@@ -425,7 +426,7 @@ def test_a_cache_step_with_gradients_on_is_refused_with_the_remedy():
     cache = mha.new_cache(2, 8)
     message = ("a cache step writes the new keys and values into the cache in place, which autograd cannot "
                "differentiate; decode under torch.no_grad() (or torch.inference_mode()), or train without a cache")
-    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         mha(rand(2, 3, E), cache=cache)  # the module's parameters take gradients
     mha.requires_grad_(False)
     with pytest.raises(ValueError, match=re.escape(message)):
