@@ -170,21 +170,27 @@ def test_each_option_at_its_limit_is_taken_and_kept(kwargs):
 # ---------------------------------------------------------------- context parallelism
 
 
+_NO_SOFTCAP = ("context_parallel has no logit soft-capping or attention sinks (its ring merges and Ulysses' kernels "
+               "take neither); build the module without softcap/sinks, or without context_parallel")
+
+
+def _no_sink_tokens(sink_tokens, v_head_dim):
+    return (f"context_parallel has no sink tokens and no v_head_dim of its own (got sink_tokens={sink_tokens}, "
+            f"v_head_dim={v_head_dim}); build the module without context_parallel")
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"context_parallel": "ring"}, TypeError,
      "context_parallel must be a headwise.distributed.ContextParallel or None, got str"),
-    ({"softcap": 30.0}, ValueError, "context_parallel has no logit soft-capping or attention sinks (its ring merges "
-     "and Ulysses' kernels take neither); build the module without softcap/sinks, or without context_parallel"),
-    ({"sinks": True}, ValueError, "context_parallel has no logit soft-capping or attention sinks"),
-    ({"sink_tokens": 1, "window": 4}, ValueError, "context_parallel has no sink tokens and no v_head_dim of its own "
-     "(got sink_tokens=1, v_head_dim=None); build the module without context_parallel"),
-    ({"v_head_dim": D - 2}, ValueError, f"(got sink_tokens=0, v_head_dim={D - 2}); build the module without "
-     "context_parallel"),
-    ({"v_head_dim": D + 2}, ValueError, f"(got sink_tokens=0, v_head_dim={D + 2})"),
+    ({"softcap": 30.0}, ValueError, _NO_SOFTCAP),
+    ({"sinks": True}, ValueError, _NO_SOFTCAP),
+    ({"sink_tokens": 1, "window": 4}, ValueError, _no_sink_tokens(1, None)),
+    ({"v_head_dim": D - 2}, ValueError, _no_sink_tokens(0, D - 2)),
+    ({"v_head_dim": D + 2}, ValueError, _no_sink_tokens(0, D + 2)),
 ])
 def test_context_parallel_refuses_what_its_kernels_cannot_take(kwargs, error, message):
     kwargs = {"context_parallel": ContextParallel(), **kwargs}
-    with pytest.raises(error, match=re.escape(message)):
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
         headwise.MultiHeadAttention(E, H, **kwargs)
 
 
