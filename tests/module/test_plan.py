@@ -272,16 +272,21 @@ def test_auto_prices_forward_and_backward_only_where_gradients_flow(grad_mode, x
     assert (plan.path, plan.why) == ("packed", f"42% of the batch is padding; {kind} {estimate}")
 
 
+ATTENTION_ONLY = policy.Costs(call_us=0.0, pack_us=0.0, bucket_us=0.0, gemm_ps=0.0, attn_ps=1e3, copy_ps=0.0)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_the_estimate_prices_the_modules_own_shape(is_causal, cheap_packing):
+def test_the_estimate_prices_the_modules_own_shape(is_causal, monkeypatch):
     """The estimate quoted is the one for this module's E, H, Hkv, the causal flag in effect
-    and the batch's lengths and S."""
+    (causal attention computes half the scores) and the batch's lengths and S."""
+    monkeypatch.setattr(policy, "INFERENCE_COSTS", ATTENTION_ONLY)
     mha = headwise.MultiHeadAttention(64, 8, num_kv_heads=2)
     lengths = (6, 3, 1, 6)
     with torch.no_grad():
         plan = mha.plan(torch.randn(4, 6, 64), padding(list(lengths), 6), is_causal=is_causal)
     estimate = policy.estimate_packing(4, 6, 64, 8, 2, packing.bucket_shapes(lengths, lengths), is_causal=is_causal,
-                                       costs=cheap_packing)
+                                       costs=ATTENTION_ONLY)
+    assert estimate.dense_us == pytest.approx(18.432 * (0.5 if is_causal else 1))  # 4 x 6 x 6 x 64 x 2 at 1 ns
     assert (plan.path, plan.why) == ("packed", f"33% of the batch is padding; forward {estimate}")
 
 
