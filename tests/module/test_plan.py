@@ -349,3 +349,15 @@ def test_price_packing_reports_the_share_and_the_estimate():
     assert planning.price_packing((4, 2, 1), *args, CHEAP, 0.5, (0.15, 128)) == (
         "dense", "42% of the batch is padding (< PACK_MIN_PADDING 50%): nothing to save")
     assert planning.price_packing((), *args, CHEAP, 0.1, (0.15, 128))[0] == "dense"  # B = 0: no padding
+
+
+def test_a_small_cross_attention_call_without_gradients_is_not_fused(ref):
+    """The fused op attends x to itself: a small call with a context, even without gradients
+    or a mask, stays on the dense path and attends to the context."""
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    x, context = torch.randn(2, 3, E), torch.randn(2, 5, E)
+    with torch.no_grad():
+        assert mha.plan(x).path == "fused"  # the same call without a context
+        plan = mha.plan(x, context=context)
+        assert (plan.path, plan.why) == ("dense", NOTHING_TO_PACK)
+        close(mha(x, context=context), expected(mha, x, context=context, ref=ref))
