@@ -136,8 +136,10 @@ def test_a_mask_without_padding_leaves_the_small_call_on_the_fused_path(ref):
     with torch.no_grad():
         for full in (torch.ones(3, 4, dtype=torch.bool), torch.ones(3, 4, dtype=torch.long)):
             plan = mha.plan(x, full)
-            assert (plan.path, plan.lengths) == ("fused", (4, 4, 4))
+            assert (plan.path, plan.lengths, plan.is_causal) == ("fused", (4, 4, 4), False)
             assert plan.padding.tolist() == [[True] * 4] * 3
+            assert plan.why.startswith(f"B x S x E = 384 <= FUSED_MAX_ELEMENTS {policy.FUSED_MAX_ELEMENTS} without "
+                                       "gradients: nn.MultiheadAttention's fused inference op")
             close(mha(x, full), expected(mha, x, ref=ref))
         padded = padding([4, 3, 4], 4)
         assert mha.plan(x, padded).path == "dense"
@@ -361,3 +363,13 @@ def test_a_small_cross_attention_call_without_gradients_is_not_fused(ref):
         plan = mha.plan(x, context=context)
         assert (plan.path, plan.why) == ("dense", NOTHING_TO_PACK)
         close(mha(x, context=context), expected(mha, x, context=context, ref=ref))
+
+
+def test_a_single_position_of_a_causal_module_is_fused_and_stays_causal():
+    """One query sees every key under the causal rule: the fused op may run it, and the plan
+    keeps the module's causal flag."""
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True).eval()
+    with torch.no_grad():
+        plan = mha.plan(torch.randn(4, 1, E))  # 4 x 1 x 32 elements: enough to pay for the weight copy
+        assert (plan.path, plan.is_causal) == ("fused", True)
+        assert mha.plan(torch.randn(4, 3, E)).path == "dense"
