@@ -306,8 +306,6 @@ def test_below_pack_min_padding_nothing_is_priced_and_at_it_packing_is(monkeypat
     assert (plan.path, plan.why) == ("dense", "25% of the batch is padding (< PACK_MIN_PADDING 26%): nothing to save")
 
 
-@pytest.mark.xfail(strict=True, reason="price_packing computes the share as 1 - 18/20 = 0.0999..., below 0.1: "
-                   "2 padded positions of 20 are reported as '10% ... (< PACK_MIN_PADDING 10%)' and not priced")
 def test_a_share_of_padding_equal_to_pack_min_padding_is_priced(cheap_packing):
     mha = headwise.MultiHeadAttention(E, H)
     with torch.no_grad():
