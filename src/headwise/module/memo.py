@@ -80,7 +80,7 @@ def signature(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None,
         padding, lengths, masked = None, None, None
         if attention_mask is not None:
             padding = plan.query_padding(x, attention_mask, None, None)  # (B, S) or None, on x's device
-            if padding is None or not padding.is_cpu:  # values read on the CPU only (not compiling: above)
+            if padding is None or not policy.reads_values(padding):  # on the CPU only (the one switch)
                 return None
             lengths = plan.real_tokens(padding)  # (B,) real tokens per row
             masked = (attention_mask.shape, attention_mask.dtype, device, lengths)
