@@ -43,6 +43,14 @@ def reads_values(t: torch.Tensor) -> bool:
 # rows, S=128 and 512): packing never paid under 10% padding on the 2-core CPU.
 PACK_MIN_PADDING = 0.1
 
+# ... and only where the packed price is under this share of the dense one. The unit costs
+# below moved up to 20% between two calibration runs, and a close call decided for packing
+# can cost more than the tie suggests: auto_grid's B=32 S=32 E=128 training row with 48%
+# padding was priced packed 4,910 us vs dense 4,936 us, and packed ran 1.12-1.18x the dense
+# path (benchmarks/auto_grid.py --paths, AMD EPYC Zen 5, one thread). Where packing is priced
+# this close, dense keeps the minimal module's speed.
+PACK_MARGIN = 0.9
+
 
 @dataclass(frozen=True)
 class Costs:

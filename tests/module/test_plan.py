@@ -371,3 +371,34 @@ def test_a_single_position_of_a_causal_module_is_fused_and_stays_causal():
         plan = mha.plan(torch.randn(4, 1, E))  # 4 x 1 x 32 elements: enough to pay for the weight copy
         assert (plan.path, plan.is_causal) == ("fused", True)
         assert mha.plan(torch.randn(4, 3, E)).path == "dense"
+
+
+# auto_grid's B=32 S=32 E=128 row with 48% padding: priced packed 4,910 us vs dense 4,936 us in
+# training with the unit costs of this stop, where packed ran 1.12-1.18x the dense path
+CLOSE_LENGTHS = (2, 2, 3, 3, 3, 4, 8, 9, 11, 13, 13, 14, 15, 15, 16, 16, 17, 18, 19, 20, 21, 21, 21, 24, 25, 25, 26,
+                 28, 28, 28, 29, 32)
+CLOSE_COSTS = policy.Costs(call_us=181.2, pack_us=72.6, bucket_us=176.0, gemm_ps=56.7, attn_ps=79.1, copy_ps=1091.0)
+
+
+def test_a_close_packing_price_stays_dense_under_the_margin():
+    args = (CLOSE_LENGTHS, 32, 128, 2, 2, False, True, CLOSE_COSTS, 0.1, (0.15, 128))
+    estimate = policy.estimate_packing(32, 32, 128, 2, 2, packing.bucket_shapes(CLOSE_LENGTHS, CLOSE_LENGTHS),
+                                       is_causal=False, training=True, costs=CLOSE_COSTS)
+    assert 0.9 * estimate.dense_us < estimate.packed_us < estimate.dense_us  # packing priced lower, but close
+    assert planning.price_packing(*args, margin=1.0)[0] == "packed"
+    assert planning.price_packing(*args, margin=0.9) == (
+        "dense", f"48% of the batch is padding, but forward + backward {estimate} (packing pays under PACK_MARGIN "
+                 "90% of dense)")
+    far = planning.price_packing(*args[:7], policy.Costs(call_us=181.2, pack_us=1.0, bucket_us=1.0, gemm_ps=56.7,
+                                                         attn_ps=79.1, copy_ps=1.0), *args[8:], margin=0.9)
+    assert far[0] == "packed"  # cheap packing clears the margin
+
+
+def test_the_module_reads_pack_margin_from_the_policy(monkeypatch):
+    mha = headwise.MultiHeadAttention(128, 2)
+    x = torch.randn(32, 32, 128, requires_grad=True)
+    mask = torch.arange(32)[None, :] < torch.tensor(CLOSE_LENGTHS)[:, None]  # (B, S)
+    monkeypatch.setattr(policy, "TRAINING_COSTS", CLOSE_COSTS)
+    assert mha.plan(x, mask).path == "dense"  # PACK_MARGIN 0.9: too close to pack
+    monkeypatch.setattr(policy, "PACK_MARGIN", 1.0)
+    assert mha.plan(x, mask).path == "packed"

@@ -129,17 +129,21 @@ def choose_packing(mha: MultiHeadAttention, x: Tensor, padding: Tensor | None, l
     training = torch.is_grad_enabled() and (x.requires_grad or mha.trains())
     costs = policy.TRAINING_COSTS if training else policy.INFERENCE_COSTS
     return price_packing(lengths, padding.shape[1], mha.embed_dim, mha.num_heads, mha.num_kv_heads, causal,
-                         training, costs, policy.PACK_MIN_PADDING, (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH))
+                         training, costs, policy.PACK_MIN_PADDING, (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH),
+                         margin=policy.PACK_MARGIN)
 
 
 @functools.lru_cache(maxsize=1024)
 def price_packing(lengths: tuple[int, ...], S: int, E: int, H: int, Hkv: int, causal: bool, training: bool,
-                  costs: policy.Costs, limit: float, bucketing: tuple[float, int]) -> tuple[str, str]:
+                  costs: policy.Costs, limit: float, bucketing: tuple[float, int],
+                  margin: float = 1.0) -> tuple[str, str]:
     """"auto"'s packing choice for a (B, S) batch of these real lengths: ("packed" or "dense", why).
 
     A pure function of its arguments (the unit costs, the threshold and the bucketing
     policy ``bucketing`` that ``packing.bucket_shapes`` reads are among them), so a training
     loop over recurring batch shapes pays a look-up, not the bucketing and pricing.
+    ``margin``: packs only where the packed price is under this share of the dense one
+    (``policy.PACK_MARGIN``; 1.0: wherever it is lower).
     """
     B = len(lengths)
     share = (B * S - sum(lengths)) / max(B * S, 1)  # padded / all: 2 of 20 is exactly 0.1 (1 - 18 / 20 is not)
@@ -148,6 +152,7 @@ def price_packing(lengths: tuple[int, ...], S: int, E: int, H: int, Hkv: int, ca
     buckets = packing.bucket_shapes(lengths, lengths)
     estimate = policy.estimate_packing(B, S, E, H, Hkv, buckets, is_causal=causal, training=training, costs=costs)
     kind = "forward + backward" if training else "forward"
-    if estimate.packs:
+    if estimate.packed_us < margin * estimate.dense_us:
         return "packed", f"{share:.0%} of the batch is padding; {kind} {estimate}"
-    return "dense", f"{share:.0%} of the batch is padding, but {kind} {estimate}"
+    close = f" (packing pays under PACK_MARGIN {margin:.0%} of dense)" if estimate.packs else ""
+    return "dense", f"{share:.0%} of the batch is padding, but {kind} {estimate}{close}"
