@@ -219,7 +219,8 @@ class MultiHeadAttention(nn.Module):
     def trains(self) -> bool:
         """Whether gradients would reach the module's parameters (any of them requires grad)."""
         q = self._modules.get("q_proj")  # the dicts, not __getattr__ (~1 us a name): every training call asks
-        if type(q) is nn.Linear and q._parameters["weight"].requires_grad:
+        weight = q._parameters.get("weight") if type(q) is nn.Linear else None
+        if weight is not None and weight.requires_grad:
             return True
         return any(p.requires_grad for p in self.parameters())
 
