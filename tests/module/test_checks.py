@@ -476,20 +476,21 @@ def test_a_cross_attention_mask_is_read_over_the_context():
         mha(x, torch.ones(2, 3, dtype=torch.bool), context=context)  # x's length, not the context's
 
 
+@pytest.mark.parametrize("held, T", [(4, 1), (3, 3)], ids=["one position", "several positions"])
 @pytest.mark.parametrize("mask_of", [
-    lambda held: torch.ones(2, 1, dtype=torch.bool),  # the new position's padding
-    lambda held: torch.ones(2, held + 1, dtype=torch.bool),  # every position's
-    lambda held: torch.ones(2, 1, held + 1, dtype=torch.bool),  # (B, S, Sk): every key of the step
+    lambda held, T: torch.ones(2, T, dtype=torch.bool),  # the new positions' padding
+    lambda held, T: torch.ones(2, held + T, dtype=torch.bool),  # every position's
+    lambda held, T: torch.ones(2, T, held + T, dtype=torch.bool),  # (B, S, Sk): every key of the step
 ], ids=["(B, S)", "(B, len + S)", "(B, S, len + S)"])
-def test_a_dynamic_cache_step_takes_each_mask_that_covers_its_keys(mask_of):
+def test_a_dynamic_cache_step_takes_each_mask_that_covers_its_keys(mask_of, held, T):
     mha = headwise.MultiHeadAttention(E, H, is_causal=True).eval()
-    x = rand(2, 5, E)
+    x = rand(2, held + T, E)
     cache = mha.new_cache(2, 8)
     with torch.no_grad():
-        mha(x[:, :4], cache=cache)
-        step = mha(x[:, 4:], mask_of(4), cache=cache)
+        mha(x[:, :held], cache=cache)
+        step = mha(x[:, held:], mask_of(held, T), cache=cache)  # (2, T, E)
         whole = mha(x)
-    torch.testing.assert_close(step, whole[:, 4:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step, whole[:, held:], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("mask", [torch.ones(2, 1, 4, dtype=torch.bool), torch.ones(2, 1, 6, dtype=torch.bool)],
@@ -550,15 +551,12 @@ def test_a_cache_for_a_module_with_value_heads_of_their_own_names_both_head_dims
         mha(rand(2, 1, E), cache=cache)
 
 
-@pytest.mark.parametrize("every", [False, True], ids=["(B, S)", "(B, len + S)"])
-def test_a_dynamic_cache_step_of_several_positions_takes_a_padding_mask_of_them_or_of_all(every):
+def test_a_dynamic_cache_step_of_several_positions_refuses_a_mask_of_neither_them_nor_all():
     mha = headwise.MultiHeadAttention(E, H, is_causal=True).eval()
     x = rand(2, 6, E)
     cache = mha.new_cache(2, 8)
     with torch.no_grad():
-        mha(x[:, :3], cache=cache)
-        step = mha(x[:, 3:], torch.ones(2, 6 if every else 3, dtype=torch.bool), cache=cache)  # (2, 3, E)
-        torch.testing.assert_close(step, mha(x)[:, 3:], atol=1e-5, rtol=0)
+        mha(x, cache=cache)
         with pytest.raises(ValueError, match=re.escape("(2, 4)")):
             mha(x[:, 3:5], torch.ones(2, 4, dtype=torch.bool), cache=cache)  # neither 2 nor 6 + 2 positions
     assert len(cache) == 6

@@ -139,24 +139,15 @@ def test_a_write_in_place_through_data_is_seen_by_the_next_call(proj, shape):
     check(mha, shape)
 
 
+@pytest.mark.parametrize("param", ["weight", "bias"])
 @pytest.mark.parametrize("proj", ["q_proj", "v_proj"])
 @pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["fused", "dense"])
-def test_a_weight_given_other_memory_leaves_the_rows_and_is_read(proj, shape):
+def test_a_parameter_given_other_memory_leaves_the_rows_and_is_read(param, proj, shape):
     mha = headwise.MultiHeadAttention(E, H).eval()
     check(mha, shape)
-    w = getattr(mha, proj).weight
-    w.data = new_weight(w, 6)  # other memory: the rows no longer hold it
-    assert qkv.packed(mha, False) is None
-    check(mha, shape)
-
-
-@pytest.mark.parametrize("proj", ["q_proj", "v_proj"])
-@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["fused", "dense"])
-def test_a_bias_given_other_memory_leaves_the_rows_and_is_read(proj, shape):
-    mha = headwise.MultiHeadAttention(E, H).eval()
-    check(mha, shape)
-    b = getattr(mha, proj).bias
-    b.data = torch.linspace(-1, 1, E)  # other memory, the same shape
+    p = getattr(getattr(mha, proj), param)
+    # other memory, the same shape: the rows no longer hold it
+    p.data = new_weight(p, 6) if param == "weight" else torch.linspace(-1, 1, E)
     assert qkv.packed(mha, False) is None
     check(mha, shape)
 
