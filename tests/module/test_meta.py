@@ -57,3 +57,21 @@ def test_cache_steps_run_on_meta(name, kind):
             on_meta(mha(torch.empty(2, 1, E, device=META), cache=cache), 2, 1, E)
         if kind == "dynamic":  # (a static cache's rules read its position's value: int(cache.position))
             on_meta(mha(torch.empty(2, 1, E, device=META), cache=cache, mask_mod=headwise.masks.causal), 2, 1, E)
+
+
+@pytest.mark.parametrize("packing", [True, "auto"])
+def test_a_meta_mask_plans_the_dense_path_and_says_why(packing):
+    """A meta mask holds no values to pack by: packing=True (and "auto") plan the dense path,
+    which gives the packed path's shapes; forward and dispatch run (they failed in torch's
+    nonzero and in a host copy of the lengths)."""
+    mha = headwise.MultiHeadAttention(E, H, packing=packing, device=META)
+    x = torch.empty(2, 5, E, device=META)
+    mask = torch.empty(2, 5, dtype=torch.bool, device=META)
+    plan = mha.plan(x, mask)
+    assert plan.path == "dense" and "meta mask holds no values" in plan.why and f"packing={packing!r}" in plan.why
+    assert mha.dispatch(x, mask).path == "dense"
+    with torch.no_grad():
+        on_meta(mha(x, mask), 2, 5, E)
+    on_meta(mha(x.requires_grad_(), mask), 2, 5, E)
+    real = headwise.MultiHeadAttention(E, H, packing=True)  # the same module with data packs
+    assert real.plan(torch.randn(2, 5, E), torch.tensor([[1] * 5, [1, 1, 0, 0, 0]]).bool()).path == "packed"

@@ -226,17 +226,27 @@ def test_a_cache_step_with_a_padding_mask_stays_dense_even_with_packing_true():
     assert plan.lengths == (3, 1)
 
 
-def test_a_mask_whose_values_are_not_read_is_not_priced():
-    """On an accelerator (here the meta device) reading the mask would sync the host: "auto"
-    stays dense and says so, naming the device; packing=True still packs."""
-    mha = headwise.MultiHeadAttention(E, H, device="meta")
+def test_a_mask_whose_values_are_not_read_is_not_priced(monkeypatch):
+    """On an accelerator reading the mask would sync the host (``policy.reads_values`` False, as
+    there): "auto" stays dense and says so, naming the device; packing=True still packs."""
+    monkeypatch.setattr(policy, "reads_values", lambda t: False)
+    x, mask = torch.randn(3, 4, E), padding([4, 1, 1], 4)
+    plan = headwise.MultiHeadAttention(E, H).plan(x, mask)
+    assert (plan.path, plan.lengths) == ("dense", None)
+    assert plan.why == ("the padding share of a cpu mask is not read: it would sync the host with the device on "
+                        "every call (packing=True packs anyway)")
+    assert headwise.MultiHeadAttention(E, H, packing=True).plan(x, mask).path == "packed"
+
+
+def test_a_meta_mask_is_not_packed_by_request_either():
+    """A meta mask has no values at all: the dense path, whatever ``packing`` says (the shapes are the same)."""
     x = torch.randn(3, 4, E, device="meta")
     mask = torch.ones(3, 4, dtype=torch.bool, device="meta")
-    plan = mha.plan(x, mask)
-    assert (plan.path, plan.lengths) == ("dense", None)
-    assert plan.why == ("the padding share of a meta mask is not read: it would sync the host with the device on "
-                        "every call (packing=True packs anyway)")
-    assert headwise.MultiHeadAttention(E, H, device="meta", packing=True).plan(x, mask).path == "packed"
+    for requested in ("auto", True, False):
+        plan = headwise.MultiHeadAttention(E, H, device="meta", packing=requested).plan(x, mask)
+        assert (plan.path, plan.lengths) == ("dense", None)
+        assert plan.why == ("a meta mask holds no values to pack by: the dense path gives the same shapes "
+                            f"(packing={requested!r} applies on a device with data)")
 
 
 def test_under_torch_compile_auto_does_not_pack(monkeypatch):

@@ -115,6 +115,9 @@ def choose_packing(mha: MultiHeadAttention, x: Tensor, padding: Tensor | None, l
         return "dense", "need_weights=True returns (B, H, S, Sk) weights over the padded layout"
     if mha.window is not None or checks.slopes(mha) is not None:
         return "dense", "window / ALiBi count positions, which change for tokens after a hole once packed"
+    if padding.device.type == "meta":
+        return "dense", ("a meta mask holds no values to pack by: the dense path gives the same shapes "
+                         f"(packing={mha.packing!r} applies on a device with data)")
     if mha.packing is True:
         return "packed", "packing=True packs the real tokens"
     if mha.packing is False:
