@@ -37,6 +37,7 @@ def test_calls_without_a_cache_run_on_meta(name):
         on_meta(mha(x, mask), 2, 5, E)
         on_meta(mha(x, mask, need_weights=True), 2, 5, E)
         on_meta(mha(x, mask_mod=headwise.masks.causal), 2, 5, E)
+        on_meta(mha(x, mask, score_mod=lambda s, b, h, q_idx, kv_idx: s + 0.1 * (q_idx - kv_idx)), 2, 5, E)
         on_meta(mha(x, context=torch.empty(2, 3, E, device=META)) if "rope" not in name else mha(x), 2, 5, E)
         tokens, cu = torch.empty(5, E, device=META), torch.empty(3, dtype=torch.long, device=META)
         on_meta(mha.forward_packed(tokens, cu, lengths=(2, 3)), 5, E)

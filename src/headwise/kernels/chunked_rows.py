@@ -42,7 +42,7 @@ def _key_spans(rules: Rules, B: int, H: int, S: int, Sk: int, bq: int, bk: int,
     (None: every tile empty); all keys where there is no mask rule."""
     rule = rules.structure(S, Sk)
     n_rows = (S + bq - 1) // bq
-    if rule is None:
+    if rule is None or device.type == "meta":  # (a meta tensor has no tile states to read: the shapes are the same)
         return [(0, Sk)] * n_rows
     states = mask_tile_states(rule, Bounds(S, Sk, bq, bk, device), B, H)  # (B|1, H|1, nq, nk)
     some = (states.amax(dim=(0, 1)) != EMPTY)  # (nq, nk)
