@@ -1044,6 +1044,38 @@ def test_a_module_that_remembers_calls_pickles_and_copies_and_follows_a_replaced
     assert seen == [1]  # the remembered call held the old kernel object: planned and dispatched again
 
 
+def test_deleting_an_attribute_forgets_the_remembered_calls(monkeypatch):
+    planned = _counting_plans(monkeypatch)
+    mha = MultiHeadAttention(E, H, packing=False).eval()
+    x, mask = torch.randn(2, 5, E), torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])
+    mha.tag = "a user's attribute"
+    with torch.no_grad():
+        want = mha(x, mask)
+        mha(x, mask)
+        assert mha._repeats and len(planned) == 1
+        del mha.tag
+        assert not mha._repeats
+        torch.testing.assert_close(mha(x, mask), want, rtol=0, atol=0)
+    assert len(planned) == 2
+
+
+def test_a_module_pickled_before_the_memo_existed_gets_one():
+    """An earlier version's pickle has no ``_repeats``: unpickling adds an empty memo, and the
+    module then remembers its calls as a new one does."""
+    from headwise.module.memo import Memo
+
+    mha = MultiHeadAttention(E, H, packing=False).eval()
+    state = dict(mha.__dict__)
+    del state["_repeats"]
+    old = MultiHeadAttention.__new__(MultiHeadAttention)
+    old.__setstate__(state)
+    assert type(old._repeats) is Memo and not old._repeats
+    x, mask = torch.randn(2, 5, E), torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        torch.testing.assert_close(old(x, mask), mha(x, mask), rtol=0, atol=0)
+    assert old._repeats
+
+
 def test_traces_autocast_and_weights_are_not_remembered(monkeypatch):
     """Explain mode records every stage on every call, autocast changes q's dtype, and
     need_weights returns more: each takes the full path, also after a remembered call."""

@@ -287,3 +287,29 @@ def test_an_empty_step_on_an_empty_cache_is_remembered_and_empty():
             assert out.shape == (2, 0, E) and len(cache) == 0
             torch.testing.assert_close(mha(torch.ones(2, 1, E, dtype=torch.float64), cache=cache),
                                        module()(torch.ones(2, 1, E, dtype=torch.float64)), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "evicting"])
+def test_a_cache_step_under_autocast_writes_and_attends_in_the_cache_dtype(kind):
+    """Under torch.autocast the projections give bfloat16, while the cache keeps the module's
+    float32: each step casts its q, k, v to the cache's dtype (it failed with "q, k, v dtypes
+    differ" or index_copy_'s dtype error), and the steps equal a float64 full forward within
+    bfloat16's error; dispatch reports the request forward makes."""
+    kwargs = dict(window=4, alibi=True) if kind == "evicting" else dict(rope=True, num_kv_heads=2)
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True, **kwargs).eval()
+    ref = headwise.MultiHeadAttention(E, H, is_causal=True, dtype=torch.float64, **kwargs).eval()
+    ref.load_state_dict(mha.state_dict())
+    cache = mha.new_cache(2, 12, static=kind == "static", evict=kind == "evicting")
+    x = torch.randn(2, 12, E)
+    with torch.no_grad():
+        want = ref(x.double())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            steps = [mha(x[:, :5], cache=cache)]
+            for t in range(5, 12):
+                said = mha.dispatch(x[:, t:t + 1], cache=cache)
+                assert said.request.dtype == torch.float32
+                steps.append(mha(x[:, t:t + 1], cache=cache))
+    got = torch.cat(steps, dim=1)
+    assert got.dtype == torch.bfloat16 and cache.k.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)

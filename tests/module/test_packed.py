@@ -129,3 +129,16 @@ def test_a_traced_packed_call_records_the_packing():
         ("pack", (6, E), "keep the 6 real tokens of 2 x 4 positions (drop 2 padded), 2 sequences end to end"),
         ("unpack", (2, 4, E), "scatter the tokens back to (B, S, E); padded positions output zeros"),
     ]
+
+
+@pytest.mark.parametrize(("v_head_dim", "note"), [
+    (None, "flatten(1): (T, H, D) -> (T, E), a view"),
+    (6, "flatten(1): (T, H, Dv) -> (T, H*Dv), a view"),
+])
+def test_a_traced_packed_call_names_the_merge_of_its_value_heads(v_head_dim, note):
+    mha = headwise.MultiHeadAttention(E, H, packing=True, v_head_dim=v_head_dim).eval()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    with torch.no_grad(), headwise.trace() as t:
+        mha(torch.randn(2, 4, E), mask)
+    merge = [s for s in t.stages if s.name == "merge heads"]
+    assert [(s.shape, s.note) for s in merge] == [((6, H * (v_head_dim or E // H)), note)]

@@ -159,6 +159,10 @@ def test_a_pool_of_another_module_is_refused_with_both_layouts():
             "kv_heads=2, head_dim=8, value_dim=8, torch.float64 on cpu: make it with PagedKVCache.for_module(mha, "
             "...)") + "$"):
         mha(torch.randn(1, 1, E, dtype=torch.float64), cache=other)
+    wide = module(v_head_dim=6)  # each of the three sizes named as the module has it
+    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(
+            "this module needs kv_heads=4, head_dim=8, value_dim=6, torch.float64 on cpu")):
+        wide(torch.randn(1, 1, E, dtype=torch.float64), cache=other)
 
 
 def test_a_paged_step_with_gradients_is_refused_in_full():
@@ -183,3 +187,22 @@ def test_a_traced_paged_step_records_its_input():
     assert (first.name, first.shape, first.note) == ("input", (2, 1, E), "x: (B, T, E), the next T positions of B "
                                                                          "paged sequences")
     assert t.names()[-2:] == ["merge heads", "output projection"]
+
+
+def test_a_paged_step_under_autocast_attends_in_the_pages_dtype():
+    """Under torch.autocast the projections give bfloat16; the pages keep the module's dtype,
+    and the step writes and attends in it (it failed on the dtypes)."""
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, 4, is_causal=True, num_kv_heads=2, rope=True).eval()
+    ref = headwise.MultiHeadAttention(E, 4, is_causal=True, num_kv_heads=2, rope=True, dtype=torch.float64).eval()
+    ref.load_state_dict(mha.state_dict())
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=8, page_size=4)
+    seq = cache.add()
+    x = torch.randn(1, 9, E)
+    with torch.no_grad():
+        want = ref(x.double())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = torch.cat([mha(x[:, :6], cache=cache.batch([seq]))]
+                            + [mha(x[:, t:t + 1], cache=cache.batch([seq])) for t in range(6, 9)], dim=1)
+    assert got.dtype == torch.bfloat16 and cache.k_pages.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)

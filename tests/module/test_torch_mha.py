@@ -71,8 +71,9 @@ def setattr_then(mha, name, value):
 
 def test_from_torch_takes_the_value_head_dim_only_when_it_is_the_head_dim():
     m = nn.MultiheadAttention(E, H)
-    with pytest.raises(ValueError, match=re.escape("v_head_dim=6: torch.nn.MultiheadAttention's value heads are "
-                                                   "embed_dim // num_heads = 8 wide")):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "v_head_dim=6: torch.nn.MultiheadAttention's value heads are embed_dim // num_heads = 8 wide (its vdim "
+            "is the width of the value input, not of a head); drop v_head_dim= to convert") + "$"):
         headwise.MultiHeadAttention.from_torch(m, v_head_dim=6)
     for v in (8, None):
         assert headwise.MultiHeadAttention.from_torch(m, v_head_dim=v).v_head_dim == 8

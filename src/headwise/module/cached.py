@@ -109,6 +109,7 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
     padding = plan.padding  # (B, T): the new positions' padding, or None
     plain = proj.plain_linears(mha)  # read once a step: only the kernel runs between the projections
     q, k, v = proj.project_heads(mha, x, None, plain)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv)
+    q, k, v = proj.in_cache_dtype(q, k, v, cache.k.dtype)  # (autocast's dtype -> the cache's)
     q, k = proj.normalize(mha, q, k)
     causal, window, slopes, sink_tokens = plan.is_causal, mha.window, checks.slopes(mha), mha.sink_tokens
     if cache.static:  # same shapes every step; positions are tensors

@@ -52,6 +52,7 @@ def _step(mha: MultiHeadAttention, x: Tensor, batch: PagedBatch, causal: bool) -
         trace.record("input", x, "x: (B, T, E), the next T positions of B paged sequences")
     cache, seqs = batch.cache, batch.seqs
     q, k, v = proj.project_heads(mha, x, None)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv)
+    q, k, v = proj.in_cache_dtype(q, k, v, cache.k_pages.dtype)  # (autocast's dtype -> the pages')
     q, k = proj.normalize(mha, q, k)
     q, k = _rotate(mha, q, k, [cache.length(s) for s in seqs])
     cache.append(seqs, k, v)

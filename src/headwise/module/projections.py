@@ -230,6 +230,16 @@ def zero_padding_(out: Tensor, padding: Tensor, finite: bool = False) -> Tensor:
     return out
 
 
+def in_cache_dtype(q: Tensor, k: Tensor, v: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """A cache step's q, k, v in the cache's ``dtype``. Under ``torch.autocast`` the projections
+    give autocast's dtype, while a cache keeps the one it was made with (the module's): the
+    step writes and attends in that one, and the output projection runs under autocast again.
+    Elsewhere the checks made them equal, and nothing is copied."""
+    if k.dtype == dtype and q.dtype == dtype:
+        return q, k, v
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def as_padding(mask: Tensor) -> Tensor:
     """A 2-D key mask as (B|1, Sk) bool, True at a key: bool/integer True / nonzero, float not -inf."""
     if mask.dtype == torch.bool:

@@ -42,11 +42,11 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, 
     kept = 0 if cache is None else sum(cache.kept())  # the held positions the step keeps
     evicted = cache is not None and cache.evicts and (cache.evicted > 0 or kept < cache.held)
     if cache is not None and cache.static:  # every slot, through the mask forward builds
-        attention_mask = cached.static_mask(mha, cache, attention_mask, S, causal, _shaped(mha, x, 1, 1, 1).dtype)
+        attention_mask = cached.static_mask(mha, cache, attention_mask, S, causal, cache.k.dtype)
         Sk = cache.max_seq_len
         causal, window, slopes, sink_tokens = False, None, None, 0
     elif cache is not None and evicted:  # the kept positions, through the mask forward builds
-        attention_mask = cached.evicting_mask(mha, cache, attention_mask, S, causal, _shaped(mha, x, 1, 1, 1).dtype)
+        attention_mask = cached.evicting_mask(mha, cache, attention_mask, S, causal, cache.k.dtype)
         Sk = kept + S
         causal, window, slopes, sink_tokens = False, None, None, 0
     elif cache is not None:  # what forward would attend to, without appending
@@ -54,8 +54,9 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, 
         Sk = len(cache) + S
     elif all_tokens(plan.lengths, S):  # every position is a token: forward attends without the mask
         attention_mask = None
-    q, k = _shaped(mha, x, B, mha.num_heads, S), _shaped(mha, x, B, mha.num_kv_heads, Sk)
-    v = _shaped(mha, x, B, mha.num_kv_heads, Sk, mha.v_head_dim)
+    dtype = None if cache is None else cache.k.dtype  # a cache step attends in the cache's dtype (autocast too)
+    q, k = _shaped(mha, x, B, mha.num_heads, S, dtype=dtype), _shaped(mha, x, B, mha.num_kv_heads, Sk, dtype=dtype)
+    v = _shaped(mha, x, B, mha.num_kv_heads, Sk, mha.v_head_dim, dtype=dtype)
     d = choose_backend(q, k, v, attention_mask, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
                        need_weights=need_weights, backend=mha.backend, window=window, alibi_slopes=slopes,
                        softcap=mha.softcap, sinks=mha.sinks, sink_tokens=sink_tokens, mask_mod=rules[0],
@@ -63,12 +64,15 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, 
     return Dispatch(d.backend, d.reason, d.passed_over, d.request, path="dense", path_reason=plan.why)
 
 
-def _shaped(mha: MultiHeadAttention, x: Tensor, B: int, heads: int, length: int, dim: int | None = None) -> Tensor:
+def _shaped(mha: MultiHeadAttention, x: Tensor, B: int, heads: int, length: int, dim: int | None = None,
+            dtype: torch.dtype | None = None) -> Tensor:
     """A (B, heads, length, D) stand-in (``dim``: that last size, None: D) for a projection's
-    output: the dtype, device and grad flag it would have, no storage (one element, expanded)."""
-    dtype = mha.reference_weight().dtype
-    if checks.autocast_on(x.device):
-        dtype = torch.get_autocast_dtype(x.device.type)
+    output: the dtype (``dtype``, None: the projection's), device and grad flag it would have,
+    no storage (one element, expanded)."""
+    if dtype is None:
+        dtype = mha.reference_weight().dtype
+        if checks.autocast_on(x.device):
+            dtype = torch.get_autocast_dtype(x.device.type)
     grad = torch.is_grad_enabled() and (x.requires_grad or mha.trains())
     return torch.zeros((), dtype=dtype, device=x.device, requires_grad=grad).expand(
         B, heads, length, mha.head_dim if dim is None else dim)
