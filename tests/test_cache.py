@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -332,8 +334,9 @@ def test_dispatch_with_an_evicting_cache_changes_nothing():
 
 
 def test_eviction_errors_name_the_values_and_the_remedy():
-    with pytest.raises(ValueError, match=r"evict=True drops what a sliding window can no longer see; this module "
-                                         r"has no window"):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "evict=True drops what a sliding window can no longer see; this module has no window "
+            "(MultiHeadAttention(..., window=W)), so every cached position stays visible") + "$"):
         headwise.MultiHeadAttention(E, H).new_cache(B, 8, evict=True)
     mha = headwise.MultiHeadAttention(E, H, window=3, sink_tokens=2)
     with pytest.raises(ValueError, match=r"a static cache keeps every position at its own slot .* use static=False "

@@ -313,3 +313,47 @@ def test_a_cache_step_under_autocast_writes_and_attends_in_the_cache_dtype(kind)
     got = torch.cat(steps, dim=1)
     assert got.dtype == torch.bfloat16 and cache.k.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [None, [0, 2]], ids=["all rows", "rows 0 and 2"])
+def test_a_padded_cache_step_zeroes_its_padded_queries_outputs_and_weights(rows):
+    """A step's (B, T) mask marks padded new positions: whatever x holds there (NaN here), their
+    outputs and their rows of weights are zeros, and the real queries equal the full forward."""
+    mha = module()
+    cache = mha.new_cache(2, 8)
+    x = torch.randn(2, 6, E, dtype=torch.float64)
+    step = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)  # (B, T): row 1's last two are padding
+    dirty = x.clone()
+    dirty[1, 4:] = float("nan")
+    with torch.no_grad():
+        mha(x[:, :3], cache=cache)
+        out, w = mha(dirty[:, 3:], step, cache=cache, need_weights=True, weights_rows=rows)
+        full = mha(x, torch.cat([torch.ones(2, 3, dtype=torch.bool), step], dim=1))  # (B, S, E), causal
+    picked = [0, 1, 2] if rows is None else rows
+    assert w.shape == (2, H, len(picked), 6) and out.isfinite().all() and w.isfinite().all()
+    assert out[1, 1:].eq(0).all()
+    for i, t in enumerate(picked):
+        assert w[1, :, i].eq(0).all() == (t > 0), t  # a padded query's row of weights is zeros
+    torch.testing.assert_close(out[0], full[0, 3:], rtol=0, atol=1e-12)
+    torch.testing.assert_close(out[1, 0], full[1, 3], rtol=0, atol=1e-12)
+
+
+def test_a_decoding_loop_remembers_its_prepared_attention_call(monkeypatch):
+    """The remembered step reuses the attention call prepared on its signature's first step
+    (functional.prepare): the memo holds it, and later steps prepare nothing new."""
+    from headwise import functional
+
+    prepared = []
+    real = functional.prepare
+    monkeypatch.setattr(functional, "prepare", lambda *a, **kw: prepared.append(real(*a, **kw)) or prepared[-1])
+    mha = module()
+    cache = mha.new_cache(2, 12)
+    x = torch.randn(2, 12, E, dtype=torch.float64)
+    with torch.no_grad():
+        mha(x[:, :4], cache=cache)
+        mha(x[:, 4:5], cache=cache)
+        first = len(prepared)
+        got = torch.cat([mha(x[:, t:t + 1], cache=cache) for t in range(5, 12)], dim=1)
+    assert first == 2 and all(p is not None for p in prepared) and len(prepared) == first
+    assert {r.attention for r in mha._repeats.values()} == set(prepared)
+    torch.testing.assert_close(got, mha(x)[:, 5:], rtol=0, atol=1e-12)

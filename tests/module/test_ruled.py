@@ -125,6 +125,9 @@ def test_rules_take_the_dense_path_and_say_why():
     assert plan.why.startswith("mask_mod / score_mod: the dense path, where the rules read every (query, key) "
                                "position (was: packed)")
     assert small.path == "dense" and small.why.endswith("(was: fused)")
+    for is_causal in (True, False):  # the call's causal flag reaches the plan as forward takes it
+        assert mha.plan(x, keys, mask_mod=band, is_causal=is_causal).is_causal is is_causal
+    assert module(is_causal=True).plan(x, mask_mod=band).is_causal
 
 
 @pytest.mark.parametrize("bad", ["mask_mod", "score_mod"])
