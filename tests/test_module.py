@@ -1059,6 +1059,22 @@ def test_deleting_an_attribute_forgets_the_remembered_calls(monkeypatch):
     assert len(planned) == 2
 
 
+def test_while_auto_logs_its_choices_every_call_logs_one(caplog):
+    """At DEBUG on "headwise.dispatch" each call goes through the dispatch to say its choice:
+    nothing is remembered, before or after the level changes."""
+    import logging
+
+    mha = MultiHeadAttention(E, H, packing=False).eval()
+    x, mask = torch.randn(2, 5, E), torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        mha(x, mask)  # remembered at the default level
+        caplog.set_level(logging.DEBUG, logger="headwise.dispatch")
+        for _ in range(3):
+            mha(x, mask)
+    records = [r for r in caplog.records if r.name == "headwise.dispatch"]
+    assert len(records) == 3 and all(r.getMessage().startswith("auto chose backend") for r in records)
+
+
 def test_a_module_pickled_before_the_memo_existed_gets_one():
     """An earlier version's pickle has no ``_repeats``: unpickling adds an empty memo, and the
     module then remembers its calls as a new one does."""
