@@ -3,6 +3,8 @@ asked for equals the textbook softmax, forward and backward, on every backend.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -92,6 +94,20 @@ def test_the_module_returns_the_weights_asked_for_with_padded_queries_zeroed():
     plain = headwise.MultiHeadAttention(16, 4, is_causal=True, backend="matmul").double()
     plain.load_state_dict(mha.state_dict())
     torch.testing.assert_close(full, plain(x, mask, need_weights=True)[1], atol=1e-12, rtol=1e-12)
+
+
+def test_the_modules_row_selection_counts_from_the_end_of_x_s_rows():
+    """Negative rows and slices resolve against S (x's query rows), not the embed dim."""
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(16, 4).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    _, full = mha(x, need_weights=True)
+    for rows, want in (([-1], [5]), (slice(-2, None), [4, 5]), (-6, [0])):
+        _, some = mha(x, need_weights=True, weights_rows=rows)
+        torch.testing.assert_close(some, full[:, :, want], atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match=re.escape("weights_rows [6] must name at least one of the 6 query rows "
+                                                   "(0..5, or negative from the end); out of range: [6]")):
+        mha(x, need_weights=True, weights_rows=[6])
 
 
 def test_weights_selections_that_cannot_be_served_are_refused():
