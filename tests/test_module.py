@@ -223,6 +223,9 @@ def test_extra_repr_in_full():
                                  "is_causal=True, backend='einsum', rope_base=500, alibi=True, window=3")
     assert MultiHeadAttention(16, 4).extra_repr() == (
         "embed_dim=16, num_heads=4, head_dim=4, dropout=0.0, is_causal=False, backend='auto'")
+    for packing in (True, False):  # named where it is not the default
+        assert MultiHeadAttention(16, 4, packing=packing).extra_repr().endswith(
+            f"backend='auto', packing={packing}")
 
 
 def repeat_kv(gqa: MultiHeadAttention) -> MultiHeadAttention:

@@ -340,6 +340,31 @@ def test_meta_to_empty_then_reset_parameters(extras):
         torch.testing.assert_close(out.double(), reference(x, weights_of(mha)), atol=1e-5, rtol=0)
 
 
+def test_reset_parameters_restores_alibi_slopes_after_to_empty():
+    """ALiBi's slopes are a buffer to_empty() leaves uninitialised: reset_parameters() writes the
+    paper's slopes again, and the module equals one built on the CPU with the same weights."""
+    mha = headwise.MultiHeadAttention(E, H, alibi=True, device="meta").to_empty(device="cpu")
+    mha.reset_parameters()
+    fresh = headwise.MultiHeadAttention(E, H, alibi=True)
+    torch.testing.assert_close(mha.alibi_slopes, fresh.alibi_slopes, rtol=0, atol=0)
+    fresh.load_state_dict(mha.state_dict())
+    x = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(mha(x), fresh(x), rtol=0, atol=0)
+
+
+def test_reset_parameters_skips_a_projection_a_user_replaced_with_one_that_has_none():
+    """A projection replaced by a module without reset_parameters (a wrapper of the user's) is left
+    as it is; the other parts are initialised."""
+    mha = headwise.MultiHeadAttention(E, H)
+    wrapper = nn.Sequential(nn.Linear(E, E))  # Sequential has no reset_parameters of its own
+    mha.q_proj = wrapper
+    kept = wrapper[0].weight.detach().clone()
+    before = mha.out_proj.weight.detach().clone()
+    mha.reset_parameters()
+    assert torch.equal(wrapper[0].weight, kept) and not torch.equal(mha.out_proj.weight, before)
+
+
 def test_reset_parameters_reinitialises_every_parameter():
     # issue 24: reset_parameters() exists and re-initialises every parameter
     mha = headwise.MultiHeadAttention(E, H)
