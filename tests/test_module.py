@@ -7,6 +7,7 @@ D head dim, E embed dim.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 
@@ -1076,6 +1077,41 @@ def test_while_auto_logs_its_choices_every_call_logs_one(caplog):
             mha(x, mask)
     records = [r for r in caplog.records if r.name == "headwise.dispatch"]
     assert len(records) == 3 and all(r.getMessage().startswith("auto chose backend") for r in records)
+
+
+def test_a_module_whose_attention_cannot_be_prepared_still_plans_once(monkeypatch):
+    """A window (or ALiBi, soft-capping, sinks) keeps the attention call out of the memo, but
+    the plan of a repeated signature is remembered all the same."""
+    planned = _counting_plans(monkeypatch)
+    mha = MultiHeadAttention(E, H, window=2, packing=False).eval()
+    x, mask = torch.randn(2, 5, E), torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        want = mha(x, mask)
+        for _ in range(3):
+            torch.testing.assert_close(mha(x, mask), want, rtol=0, atol=0)
+    assert len(planned) == 1
+
+
+def test_an_out_proj_hook_whose_result_autograd_saves_trains_with_padding():
+    """A forward hook on out_proj may return a tensor autograd saves (tanh keeps its result):
+    zeroing the padded positions must not write it in place, and the gradients equal those of
+    the same computation by hand in float64."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(E, H, packing=False, dtype=torch.float64)
+    mha.out_proj.register_forward_hook(lambda module, args, output: torch.tanh(output))
+    x = torch.randn(2, 5, E, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]], dtype=torch.bool)
+    out = mha(x, mask)
+    out.sum().backward()
+    w = {n: getattr(mha, n) for n in ("q_proj", "k_proj", "v_proj", "out_proj")}
+    xr = x.detach().clone().requires_grad_()
+    q, k, v = (w[n](xr).view(2, 5, H, E // H).transpose(1, 2) for n in ("q_proj", "k_proj", "v_proj"))
+    a = torch.softmax((q @ k.transpose(-1, -2)) / math.sqrt(E // H) + torch.zeros(2, 1, 1, 5, dtype=torch.float64)
+                      .masked_fill(~mask[:, None, None, :], float("-inf")), -1) @ v
+    want = w["out_proj"](a.transpose(1, 2).reshape(2, 5, E)) * mask[..., None]  # the hook ran inside out_proj
+    want.sum().backward()
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-12)
 
 
 def test_a_module_pickled_before_the_memo_existed_gets_one():

@@ -56,6 +56,8 @@ def test_shapes_and_notes_follow_the_document():
     t, _ = _run("matmul", context=True)
     by_name = {s.name: s for s in t.stages}
     assert by_name["input"].shape == (3, 4, 32)
+    assert by_name["input"].note == "x: (B, S, E); context: (B, Sk, E)"
+    assert {s.name: s for s in _run("matmul")[0].stages}["input"].note == "x: (B, S, E)"
     assert by_name["k projection"].shape == (3, 6, 32)  # keys come from the context
     assert by_name["k projection"].note == "k_proj(context): (B, Sk, E) x (Hkv*D, E)^T + b"
     assert by_name["v projection"].note == "v_proj(context): (B, Sk, E) x (Hkv*D, E)^T + b"

@@ -357,3 +357,18 @@ def test_a_decoding_loop_remembers_its_prepared_attention_call(monkeypatch):
     assert first == 2 and all(p is not None for p in prepared) and len(prepared) == first
     assert {r.attention for r in mha._repeats.values()} == set(prepared)
     torch.testing.assert_close(got, mha(x)[:, 5:], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["static", "evicting"])
+def test_a_cache_that_cannot_repeat_plans_once_per_signature_and_drops_no_dropout_in_eval(kind, monkeypatch):
+    """A static or evicting cache's steps take the full step, yet remember their plan: one plan
+    per call signature. A module with dropout in eval mode applies none (the steps equal the
+    full forward)."""
+    planned, _ = counting(monkeypatch)
+    mha = module(window=4, dropout=0.5)
+    cache = mha.new_cache(2, 12, static=kind == "static", evict=kind == "evicting")
+    x = torch.randn(2, 12, E, dtype=torch.float64)
+    with torch.no_grad():
+        got = decode(mha, x, cache, prompt=4)
+        assert len(planned) <= 3  # the prompt, the first step, and where the cache starts to evict
+        torch.testing.assert_close(got, mha(x), rtol=0, atol=1e-12)

@@ -206,3 +206,16 @@ def test_a_paged_step_under_autocast_attends_in_the_pages_dtype():
                             + [mha(x[:, t:t + 1], cache=cache.batch([seq])) for t in range(6, 9)], dim=1)
     assert got.dtype == torch.bfloat16 and cache.k_pages.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_paged_step_takes_the_calls_causal_flag():
+    """is_causal given per call overrides the module's on the paged path too: a non-causal
+    prompt on a causal module equals the module's full non-causal forward."""
+    mha = module()
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=4, page_size=4)
+    seq = cache.add()
+    x = torch.randn(1, 5, E, dtype=torch.float64)
+    with torch.no_grad():
+        got = mha(x, cache=cache.batch([seq]), is_causal=False)
+        torch.testing.assert_close(got, mha(x, is_causal=False), rtol=0, atol=1e-12)
+        assert not torch.allclose(got, mha(x), rtol=0, atol=1e-6)
