@@ -210,6 +210,13 @@ def test_factory_dtype():
     assert mha(torch.randn(B, S, E, dtype=torch.float64)).dtype == torch.float64
 
 
+def test_without_qk_norm_both_norms_are_none():
+    mha = MultiHeadAttention(E, H)
+    assert mha.q_norm is None and mha.k_norm is None
+    normed = MultiHeadAttention(E, H, qk_norm="rms")
+    assert type(normed.q_norm) is nn.RMSNorm and type(normed.k_norm) is nn.RMSNorm
+
+
 def test_repr_names_the_settings():
     text = repr(MultiHeadAttention(E, H, num_kv_heads=2, is_causal=True, backend="einsum"))
     assert "embed_dim=16, num_heads=4, num_kv_heads=2, head_dim=4" in text
@@ -657,7 +664,10 @@ def test_backend_varlen_is_the_deprecated_name_of_packing_true(monkeypatch):
     import headwise.deprecation
 
     monkeypatch.setattr(headwise.deprecation, "_warned", set())
-    with pytest.warns(FutureWarning, match=r"MultiHeadAttention\(backend='varlen'\) is now packing=True"):
+    with pytest.warns(FutureWarning, match="^" + re.escape(
+            "MultiHeadAttention(backend='varlen') is now packing=True: 'varlen' names the kernel that drops padded "
+            "keys, and the module's padding-free path is packing=; backend='varlen' keeps meaning packing=True with "
+            "'auto' kernels for now (with packing= given, 'varlen' is the kernel)") + "$"):
         old = MultiHeadAttention(E, H, backend="varlen")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
