@@ -25,10 +25,11 @@ Usage::
     python tools/mutation.py --module --sample 400 --seed 1   # a uniform random sample of the module's mutants
 
 ``--sample N`` estimates a kill rate that a full run cannot reach in a session (module code alone has
-about 4,500 mutants; two cores check 6-70 a minute): every mutant of the files is generated, the
+about 4,700 mutants; two cores check 6-70 a minute): every mutant of the files is generated, the
 known-equivalent ones are set aside, N of the others are drawn uniformly at random (``--seed``) and only
 those are run. The table then counts the drawn mutants only, and the last line gives the estimate with
-its 95% Wilson interval: the whole population's rate lies in it for 95 of 100 draws.
+its 95% Wilson interval: the whole population's rate lies in it for about 95 of 100 draws. ``--rerun``
+and ``--report`` of a kept sample stay within its drawn mutants.
 
 Not run in CI: it is a measurement of the tests, not a test.
 """
@@ -168,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "mutmut>=3.8,<4"], check=True)
         from mutmut.stats import status_by_exit_code
 
+    reset: set[str] = set()  # --rerun: the mutants it tries again
     if args.report:
         work = args.report.resolve()
         args.keep = True
     elif args.rerun:
         work = args.rerun.resolve()
-        _reset_survivors(work, args.files, status_by_exit_code)
+        reset = _reset_survivors(work, args.files, status_by_exit_code)
         shutil.rmtree(work / "tests")
         shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
         (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)  # map the new tests to functions
@@ -206,11 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         drawn, population, set_aside = draw(work, args.files, args.sample, args.seed, env)
         (work / "drawn.json").write_text(json.dumps({"names": drawn, "population": population,
                                                      "set_aside": set_aside, "seed": args.seed}))
-    elif args.report and (work / "drawn.json").exists():  # a kept sample: its table counts the drawn ones
+    elif (work / "drawn.json").exists():  # a kept sample (--rerun, --report): only its drawn mutants count
         kept = json.loads((work / "drawn.json").read_text())
         drawn, population, set_aside, args.seed = kept["names"], kept["population"], kept["set_aside"], kept["seed"]
-    if not args.report:
-        done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs), *drawn],
+    names = [n for n in drawn if n in reset] if args.rerun else drawn  # (mutmut runs every mutant given none)
+    if not args.report and (names or not drawn):
+        done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs), *names],
                               cwd=work, env=env, capture_output=True, text=True, check=False)
         if done.returncode:  # e.g. the unmutated tests fail there: every verdict would be stale
             tail = (done.stdout + done.stderr).replace("\r", "\n").strip().splitlines()[-5:]
@@ -269,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _reset_survivors(work: Path, files: list[str], status_by_exit_code) -> None:
-    """Mark every mutant that was not killed as unchecked, so the next run tries it again."""
+def _reset_survivors(work: Path, files: list[str], status_by_exit_code) -> set[str]:
+    """Mark every mutant that was not killed as unchecked, so the next run tries it again; their names."""
+    reset = set()
     for f in files:
         meta = work / "mutants" / "src" / "headwise" / f"{f}.meta"
         data = json.loads(meta.read_text())
@@ -278,7 +282,9 @@ def _reset_survivors(work: Path, files: list[str], status_by_exit_code) -> None:
         for name, code in codes.items():
             if status_by_exit_code[code] in ("survived", "no tests", "not checked"):
                 codes[name] = None
+                reset.add(name)
         meta.write_text(json.dumps(data, indent=4))
+    return reset
 
 
 def _row(label: str, counts: Counter) -> str:
