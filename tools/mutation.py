@@ -69,7 +69,7 @@ TESTS = ["tests/test_masks.py", "tests/test_functional.py", "tests/test_module.p
          "tests/module/test_report.py", "tests/module/test_ruled.py", "tests/module/test_packed.py",
          "tests/module/test_torch_mha.py", "tests/module/test_meta.py",
          "tests/module/test_plan.py", "tests/module/test_checks.py", "tests/module/test_fused.py",
-         "tests/module/test_projections.py", "tests/module/test_context_parallel.py", "tests/test_weights.py"]
+         "tests/module/test_projections.py", "tests/module/test_context_parallel_path.py", "tests/test_weights.py"]
 EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.txt"
 
 
