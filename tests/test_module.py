@@ -1124,6 +1124,22 @@ def test_an_out_proj_hook_whose_result_autograd_saves_trains_with_padding():
     torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-12)
 
 
+def test_a_remembered_call_of_a_qk_norm_module_without_rope_still_normalises():
+    """The repeated call's way (dense.forward_repeat) runs q/k norm whether or not rope is on:
+    every call equals the float64 module's first."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(E, H, qk_norm="rms", packing=False, dtype=torch.float64).eval()
+    with torch.no_grad():
+        mha.q_norm.weight.uniform_(0.5, 2.0)  # a norm that changes the scores
+        mha.k_norm.weight.uniform_(0.5, 2.0)
+        x, mask = torch.randn(2, 5, E, dtype=torch.float64), torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])
+        want = MultiHeadAttention(E, H, qk_norm="rms", backend="matmul", dtype=torch.float64).eval()
+        want.load_state_dict(mha.state_dict())
+        want = want(x, mask)
+        for _ in range(3):
+            torch.testing.assert_close(mha(x, mask), want, rtol=0, atol=1e-12)
+
+
 def test_a_module_pickled_before_the_memo_existed_gets_one():
     """An earlier version's pickle has no ``_repeats``: unpickling adds an empty memo, and the
     module then remembers its calls as a new one does."""

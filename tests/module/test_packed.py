@@ -88,6 +88,8 @@ def test_forward_packed_counts_positions_within_each_sequence():
      "cu_seqlens must start at 0 (sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]), got [1, 2, 3, 4] ..."),
     ((torch.randn(4, E), torch.tensor([1, 4])), ValueError,
      "cu_seqlens must start at 0 (sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]), got [1, 4]"),
+    ((torch.randn(4, E), torch.tensor([1, 2, 3, 4])), ValueError,  # four offsets: all shown, no "..."
+     "cu_seqlens must start at 0 (sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1]), got [1, 2, 3, 4]"),
     ((torch.randn(4, E), torch.tensor([0, 3, 2, 4])), ValueError,
      "cu_seqlens must be non-decreasing, got [0, 3, 2, 4]"),
     ((torch.randn(4, E), torch.tensor([0, 3])), ValueError, "cu_seqlens must end at the 4 rows of x, got 3 ([0, 3])"),
@@ -142,3 +144,13 @@ def test_a_traced_packed_call_names_the_merge_of_its_value_heads(v_head_dim, not
         mha(torch.randn(2, 4, E), mask)
     merge = [s for s in t.stages if s.name == "merge heads"]
     assert [(s.shape, s.note) for s in merge] == [((6, H * (v_head_dim or E // H)), note)]
+
+
+def test_a_traced_packed_call_notes_its_projections_and_head_split():
+    mha = headwise.MultiHeadAttention(E, H, packing=True).eval()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    with torch.no_grad(), headwise.trace() as t:
+        mha(torch.randn(2, 4, E), mask)
+    notes = {s.name: s.note for s in t.stages}
+    assert notes["k projection"] == "k_proj(x): (T, E) x (Hkv*D, E)^T + b"
+    assert notes["split heads q"] == "unflatten(-1, (H, D)): packed rows need no transpose"

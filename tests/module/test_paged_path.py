@@ -219,3 +219,14 @@ def test_a_paged_step_takes_the_calls_causal_flag():
         got = mha(x, cache=cache.batch([seq]), is_causal=False)
         torch.testing.assert_close(got, mha(x, is_causal=False), rtol=0, atol=1e-12)
         assert not torch.allclose(got, mha(x), rtol=0, atol=1e-6)
+
+
+def test_a_module_with_dropout_decodes_through_pages_in_eval_mode():
+    """Dropout is refused only in training mode: in eval a module built with dropout decodes."""
+    mha = module(dropout=0.25)
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=4, page_size=4)
+    seq = cache.add()
+    x = torch.randn(1, 5, E, dtype=torch.float64)
+    with torch.no_grad():
+        got = torch.cat([mha(x[:, :3], cache=cache.batch([seq])), mha(x[:, 3:], cache=cache.batch([seq]))], dim=1)
+        torch.testing.assert_close(got, mha(x), rtol=0, atol=1e-12)
