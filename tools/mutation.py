@@ -125,7 +125,7 @@ def draw(work: Path, files: list[str], size: int, seed: int, env: dict[str, str]
              ["exit_code_by_key"]]
     known = equivalents()
     frame = sorted(name for name, diff in diffs(work, names).items()
-                   if "{} | {}".format(*mutated_line(name, diff)) not in known)
+                   if " | ".join(mutated_line(name, diff)) not in known)
     return random.Random(seed).sample(frame, min(size, len(frame))), len(names), len(names) - len(frame)
 
 

@@ -9,20 +9,19 @@ Legend: B batch, H heads, S query length, Sk context length, D head dim, E embed
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import headwise
+from conftest import reference_attention
 
 E, H = 16, 2
 D = E // H
 
 
 def reference(mha, x, context, keys):
-    """Cross-attention by hand in float64 over the keys ``keys`` (B, Sk) marks True; a query
-    whose row has no key outputs the output projection's bias (zeros attended)."""
+    """Cross-attention by hand in float64 over the keys ``keys`` (B, Sk) marks True (the
+    attention itself: ``conftest.reference_attention``, the mask contract written out)."""
     w = {name: getattr(mha, name) for name in ("q_proj", "k_proj", "v_proj", "out_proj")}
     lin = lambda name, t: t.double() @ w[name].weight.double().T + w[name].bias.double()  # noqa: E731
     B, S, Sk = x.shape[0], x.shape[1], context.shape[1]
@@ -30,9 +29,8 @@ def reference(mha, x, context, keys):
     safe = context.masked_fill(~keys[..., None], 0)  # what a hidden key holds never reaches a result
     k = lin("k_proj", safe).view(B, Sk, H, D).transpose(1, 2)  # (B, H, Sk, D)
     v = lin("v_proj", safe).view(B, Sk, H, D).transpose(1, 2)
-    s = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~keys[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)  # (B, H, S, Sk); an empty row attends nothing
-    return lin("out_proj", (p @ v).transpose(1, 2).reshape(B, S, E))
+    out, _ = reference_attention(q, k, v, keys)  # (B, H, S, D)
+    return lin("out_proj", out.transpose(1, 2).reshape(B, S, E))
 
 
 @pytest.mark.parametrize("kind", ["bool", "integer", "float"])
