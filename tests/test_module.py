@@ -1157,6 +1157,40 @@ def test_a_module_pickled_before_the_memo_existed_gets_one():
     assert old._repeats
 
 
+def test_a_remembered_padded_call_skips_the_dead_row_guard_only_where_every_row_has_a_token():
+    """The dense path prepares its attention call from the mask's real keys per row: with a
+    token in every row the kernel is told so (``known_live``, no guard over the mask on each
+    call); a row of padding alone keeps the guard, and its output is zeros."""
+    mha = MultiHeadAttention(E, H, packing=False).eval()
+    x = torch.randn(3, 5, E)
+    live = torch.tensor([[1] * 5, [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    dead = torch.tensor([[1] * 5, [1, 1, 1, 0, 0], [0] * 5])
+    with torch.no_grad():
+        mha(x, live)
+        out = mha(x, dead)
+    guards = {key[3][3]: repeat.attention.args.get("known_live") for key, repeat in mha._repeats.items()}
+    assert guards == {(5, 3, 1): True, (5, 3, 0): None}
+    assert out[2].eq(0).all() and out[:2].isfinite().all()
+
+
+def test_calls_with_and_without_gradients_flowing_are_remembered_apart(monkeypatch):
+    """A frozen module in grad mode: a call whose input takes no gradient is priced as a
+    forward, one whose input does as forward + backward. Each is planned (and remembered)
+    under its own key, and the gradient reaches x."""
+    planned = _counting_plans(monkeypatch)
+    mha = MultiHeadAttention(E, H, dtype=torch.float64).eval().requires_grad_(False)
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0]])
+    want = mha(x, mask)
+    xg = x.clone().requires_grad_()
+    for _ in range(2):
+        torch.testing.assert_close(mha(x, mask), want, rtol=0, atol=0)
+        mha(xg, mask).sum().backward()
+    assert len(planned) == 2
+    assert sorted("forward + backward estimated" in r.why for r in mha._repeats.values()) == [False, True]
+    assert xg.grad is not None and xg.grad[1, 3:].eq(0).all() and xg.grad[0].ne(0).any()
+
+
 def test_traces_autocast_and_weights_are_not_remembered(monkeypatch):
     """Explain mode records every stage on every call, autocast changes q's dtype, and
     need_weights returns more: each takes the full path, also after a remembered call."""

@@ -372,3 +372,29 @@ def test_a_cache_that_cannot_repeat_plans_once_per_signature_and_drops_no_dropou
         got = decode(mha, x, cache, prompt=4)
         assert len(planned) <= 3  # the prompt, the first step, and where the cache starts to evict
         torch.testing.assert_close(got, mha(x), rtol=0, atol=1e-12)
+
+
+def test_the_way_a_compiled_step_takes_equals_the_eager_step(monkeypatch):
+    """Under torch.compile a step takes neither the memo nor the savepoint (cached.forward's
+    compiled branch). Run eagerly with ``is_compiling`` true, a padded prompt, a masked step
+    with weights and a step without a mask equal the eager module's, and the cache holds the
+    same keys and values."""
+    mha = module(num_kv_heads=2, rope=True)
+    x = torch.randn(2, 6, E, dtype=torch.float64)
+    prompt = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    caches, results = [], []
+    for compiling in (False, True):
+        cache = mha.new_cache(2, 8)
+        with monkeypatch.context() as patched, torch.no_grad():
+            if compiling:
+                patched.setattr(torch.compiler, "is_compiling", lambda: True)
+            results.append([mha(x[:, :4], prompt, cache=cache),
+                            *mha(x[:, 4:5], torch.tensor([[1], [1]]), cache=cache, need_weights=True),
+                            mha(x[:, 5:], cache=cache)])
+        caches.append(cache)
+    assert results[1][2].shape == (2, H, 1, 5)  # the weights over the five cached positions
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert len(caches[1]) == len(caches[0]) == 6
+    for got, want in ((caches[1].k, caches[0].k), (caches[1].v, caches[0].v)):  # (one GEMM or three: the last bit)
+        torch.testing.assert_close(got[:, :, :6], want[:, :, :6], rtol=0, atol=1e-12)
