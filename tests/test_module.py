@@ -234,6 +234,10 @@ def test_extra_repr_in_full():
     for packing in (True, False):  # named where it is not the default
         assert MultiHeadAttention(16, 4, packing=packing).extra_repr().endswith(
             f"backend='auto', packing={packing}")
+    from headwise.distributed import ContextParallel
+
+    assert MultiHeadAttention(16, 4, context_parallel=ContextParallel(method="ring")).extra_repr().endswith(
+        "backend='auto', context_parallel=ContextParallel(group=None, method='ring', layout='zigzag')")
 
 
 def repeat_kv(gqa: MultiHeadAttention) -> MultiHeadAttention:
@@ -928,6 +932,7 @@ def test_the_trace_shows_the_value_head_dim():
     assert "v: (B, Hkv, Sk, Dv) = (2, 2, 5, 6)" in stages["split heads k, v"].note
     assert stages["weighted sum"].shape == (B, H, S, DV)
     assert stages["merge heads"].shape == (B, S, H * DV)
+    assert stages["merge heads"].note.endswith("= transpose(1, 2).contiguous().view(B, S, H * Dv)")
     assert stages["output projection"].note == "out_proj: (B, S, H*Dv) x (E, H*Dv)^T + b"
 
 
@@ -1171,6 +1176,60 @@ def test_a_remembered_padded_call_skips_the_dead_row_guard_only_where_every_row_
     guards = {key[3][3]: repeat.attention.args.get("known_live") for key, repeat in mha._repeats.items()}
     assert guards == {(5, 3, 1): True, (5, 3, 0): None}
     assert out[2].eq(0).all() and out[:2].isfinite().all()
+
+
+def test_the_memo_holds_at_most_its_limit_of_call_signatures():
+    """A module called with ever new shapes starts its memo over when it is full: it never
+    holds more than memo.LIMIT signatures, and the newest is among them."""
+    from headwise.module import memo
+
+    mha = MultiHeadAttention(E, H, packing=False).eval()
+    with torch.no_grad():
+        for S in range(1, memo.LIMIT + 2):
+            mha(torch.randn(1, S, E))
+            assert len(mha._repeats) <= memo.LIMIT
+    assert len(mha._repeats) == 1 and next(iter(mha._repeats))[0] == (1, memo.LIMIT + 1, E)
+
+
+def test_the_plan_of_a_call_with_rules_and_weights_says_why_it_is_dense():
+    """With mask_mod, a call that the fused path would take reports the replacement; one that
+    asks for weights was dense anyway, and its reason says so, not "was: fused"."""
+    from headwise.masks import causal
+
+    mha = MultiHeadAttention(E, H).eval()
+    x = torch.randn(2, 5, E)
+    with torch.no_grad():
+        assert mha.plan(x).path == "fused"
+        ruled = mha.plan(x, mask_mod=causal)
+        weights = mha.plan(x, need_weights=True, mask_mod=causal)
+    assert ruled.path == weights.path == "dense"
+    assert ruled.why.endswith("(was: fused)")
+    assert "fused" not in weights.why and weights.why == mha.plan(x, need_weights=True).why
+
+
+def test_reference_weight_is_out_projs_weight_also_where_out_proj_is_wrapped():
+    """The weight the inputs' dtype and device are checked against is out_proj's, read through
+    a wrapper that exposes ``.weight`` (as PEFT's layers do); the first parameter only where
+    out_proj has no weight."""
+
+    class Wrapped(nn.Module):
+        def __init__(self, inner: nn.Linear) -> None:
+            super().__init__()
+            self.extra = nn.Parameter(torch.zeros(1, dtype=torch.float64))  # its first parameter, another dtype
+            self.inner = inner
+
+        @property
+        def weight(self) -> torch.Tensor:
+            return self.inner.weight
+
+        def forward(self, x):
+            return self.inner(x)
+
+    mha = MultiHeadAttention(E, H)
+    mha.out_proj = Wrapped(mha.out_proj)
+    assert mha.reference_weight() is mha.out_proj.inner.weight
+    mha.out_proj = nn.Identity()  # no weight: the module's first parameter
+    assert mha.reference_weight() is mha.q_proj.weight
 
 
 def test_calls_with_and_without_gradients_flowing_are_remembered_apart(monkeypatch):

@@ -255,6 +255,27 @@ def test_need_weights_gives_zero_weights_for_padded_query_rows():
     assert torch.equal(out[padded], torch.zeros(int(padded.sum()), E))
 
 
+def test_a_weights_selection_without_need_weights_is_refused():
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    x = torch.randn(2, 5, E)
+    for selection in ({"weights_heads": [1]}, {"weights_rows": [0, 2]}):
+        with pytest.raises(ValueError, match=r"weights_heads / weights_rows .* pass need_weights=True too"):
+            mha(x, **selection)
+    out, weights = mha(x, need_weights=True, weights_heads=[1], weights_rows=[0, 2])
+    assert out.shape == (2, 5, E) and weights.shape == (2, 1, 2, 5)
+
+
+@pytest.mark.parametrize("x, error, match", [
+    (torch.randn(5, E), ValueError, r"x must be \(B, S, E\).*got shape \(5, 32\); add a batch dimension"),
+    (torch.randn(1, 2, 5, E), ValueError, r"x must be \(B, S, E\).*got shape \(1, 2, 5, 32\)"),
+    ([[0.0] * E], TypeError, r"x must be a torch.Tensor, got list"),
+], ids=["2-D", "4-D", "list"])
+def test_weights_rows_of_an_x_that_is_not_3_d_name_x_first(x, error, match):
+    """The rows are x's rows: an x of the wrong rank is named before the selection is read."""
+    with pytest.raises(error, match=match):
+        headwise.MultiHeadAttention(E, H)(x, need_weights=True, weights_rows=[1])
+
+
 def test_dispatch_reports_one_padding_share_for_one_mask():
     mha = headwise.MultiHeadAttention(E, H)
     mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])  # 4 of 12 positions are padding

@@ -398,3 +398,17 @@ def test_the_way_a_compiled_step_takes_equals_the_eager_step(monkeypatch):
     assert len(caches[1]) == len(caches[0]) == 6
     for got, want in ((caches[1].k, caches[0].k), (caches[1].v, caches[0].v)):  # (one GEMM or three: the last bit)
         torch.testing.assert_close(got[:, :, :6], want[:, :, :6], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["static", "evicting"])
+def test_remembered_steps_of_several_positions_stay_causal(kind):
+    """A static or evicting cache remembers its steps' plan, causal flag included: steps of two
+    and three positions, repeated, equal the full causal forward (the first of a step's queries
+    never sees the second)."""
+    mha = module(window=6) if kind == "evicting" else module()
+    cache = mha.new_cache(2, 16, static=kind == "static", evict=kind == "evicting")
+    x = torch.randn(2, 16, E, dtype=torch.float64)
+    with torch.no_grad():
+        got = decode(mha, x, cache, prompt=3, chunks=(2, 2, 3))
+        torch.testing.assert_close(got, mha(x), rtol=0, atol=1e-12)
+    assert len(mha._repeats) < 5  # the steps of one size were remembered (the prompt, then 2 and 3)

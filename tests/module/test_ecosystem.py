@@ -251,6 +251,37 @@ def test_a_global_module_hook_added_after_a_first_call_sees_the_linears():
         assert any(m is getattr(mha, name) for m in seen), f"the global hook never saw {name}"
 
 
+@pytest.mark.parametrize("kind", ["module backward", "module backward pre", "global backward", "global backward pre"])
+def test_backward_hooks_added_after_a_first_call_see_every_projection(kind):
+    # issue 24: full backward hooks (and pre-hooks), on a projection or global, registered after
+    # the first call, run in the next backward for each of the four Linears
+    mha = headwise.MultiHeadAttention(E, H)
+    x = inputs().requires_grad_()
+    mha(x).sum().backward()  # a first call and backward, without hooks
+    seen = []
+
+    def hook(module, *grads):
+        seen.append(module)
+
+    if kind.startswith("module"):
+        register = "register_full_backward_hook" if kind == "module backward" else "register_full_backward_pre_hook"
+        handles = [getattr(getattr(mha, name), register)(hook) for name in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    else:
+        register = (torch.nn.modules.module.register_module_full_backward_hook if kind == "global backward"
+                    else torch.nn.modules.module.register_module_full_backward_pre_hook)
+        handles = [register(hook)]
+    try:
+        mha(x).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        assert any(m is getattr(mha, name) for m in seen), f"the {kind} hook never saw {name}"
+    seen.clear()
+    mha(x).sum().backward()
+    assert seen == []  # removed: not called again
+
+
 def test_out_proj_bias_none_after_a_first_call():
     # issue 24: out_proj.bias = None after the first call works (equal to a reference without it)
     mha = headwise.MultiHeadAttention(E, H).eval()
@@ -545,6 +576,23 @@ def test_state_dict_wrong_split_is_an_error_naming_the_key_and_nothing_loads():
         assert torch.equal(t, before[name]), f"{name} loaded from a checkpoint that was refused"
 
 
+def test_a_wrong_shape_in_a_nested_module_names_its_full_key_and_nothing_of_it_loads():
+    # issue 24: inside a model (a prefix before every key), a wrong shape names the model's key
+    # and both shapes, and loads nothing of the attention module
+    model = nn.Sequential(nn.Linear(E, E), headwise.MultiHeadAttention(E, H))
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    torch.manual_seed(9)
+    sd = {n: torch.randn_like(t) for n, t in model.state_dict().items()}
+    sd["1.v_proj.weight"] = torch.randn(E + 8, E)
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict(sd)
+    message = str(info.value)
+    assert re.search(r"1\.v_proj\.weight.*40, 32.*32, 32", message), message
+    for name, t in model.state_dict().items():
+        if name.startswith("1."):
+            assert torch.equal(t, before[name]), f"{name} loaded from a checkpoint that was refused"
+
+
 def test_state_dict_strict_false_reports_exactly_the_users_keys():
     # issue 24: with strict=False, an extra key and a missing one are reported as given
     mha = headwise.MultiHeadAttention(E, H)
@@ -605,6 +653,18 @@ def test_an_old_fused_checkpoint_of_the_wrong_size_is_an_error_naming_it():
     assert "qkv_weight" in message and re.search(r"\b95\b", message) and re.search(r"\b96\b", message), message
     for name, t in mha.state_dict().items():
         assert torch.equal(t, before[name]), f"{name} loaded from a checkpoint that was refused"
+
+
+def test_an_old_fused_weight_and_bias_both_of_the_wrong_size_are_both_named():
+    # issue 24: each fused key of the wrong size is named with its sizes; neither is "unexpected"
+    mha = headwise.MultiHeadAttention(E, H)
+    old = {"qkv_weight": torch.randn(3 * E - 1, E), "qkv_bias": torch.randn(3 * E + 1),
+           "out_proj.weight": torch.randn(E, E), "out_proj.bias": torch.randn(E)}
+    with pytest.raises(RuntimeError) as info:
+        mha.load_state_dict(old)
+    message = str(info.value)
+    assert re.search(r"qkv_weight.*\(95, 32\)", message) and re.search(r"qkv_bias.*\(97,\)", message), message
+    assert "Unexpected" not in message, message
 
 
 # ---------------------------------------------------------------- 10: to_torch

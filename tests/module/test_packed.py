@@ -154,3 +154,4 @@ def test_a_traced_packed_call_notes_its_projections_and_head_split():
     notes = {s.name: s.note for s in t.stages}
     assert notes["k projection"] == "k_proj(x): (T, E) x (Hkv*D, E)^T + b"
     assert notes["split heads q"] == "unflatten(-1, (H, D)): packed rows need no transpose"
+    assert notes["split heads k, v"] == "the same with H = Hkv"

@@ -363,9 +363,11 @@ class MultiHeadAttention(nn.Module):
             return paged_path.forward(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod,
                                       score_mod)
         if need_weights or weights_heads is not None or weights_rows is not None:
+            if not isinstance(x, Tensor) or x.dim() != 3:  # the rows are x's: name what is wrong with x first
+                checks.check_inputs(self, x, context, cache)
             # a Selection is truthy: the paths read it as need_weights=True and hand it on to attend
             need_weights = cast(bool, select_weights(need_weights, weights_heads, weights_rows, self.num_heads,
-                                                     x.shape[-2] if isinstance(x, Tensor) and x.dim() == 3 else 0))
+                                                     x.shape[1]))
         if mask_mod is not None or score_mod is not None or self.mask_mod is not None or self.score_mod is not None:
             mask_mod, score_mod = ruled.rules_of(self, mask_mod, score_mod)
             return ruled.forward(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod, score_mod)
