@@ -115,3 +115,26 @@ def test_pieces_benchmark_pairs_weights_and_the_lse_with_the_plain_forward():
     assert set(times) == set(pieces.SIDES) and all(ms > 0 for ms in times.values())
     rows = pieces.lse_overhead(64, 2, 16, repeats=1)
     assert set(rows) == {"sdpa", "chunked"} and all(a > 0 and b > 0 for a, b in rows.values())
+
+
+def test_contract_cost_takes_a_small_row_apart_and_restores_the_module():
+    import torch
+
+    import headwise
+    from headwise.module import plan as planning
+    from headwise.module import projections as proj
+
+    contract_cost = _load("contract_cost")
+
+    saved = proj.hide_padding, proj.zero_padding_, planning.real_tokens
+    padded = contract_cost.padded_row(2, 8, 16, 2, (8, 5), repeats=1, window=1e-4)
+    assert (proj.hide_padding, proj.zero_padding_, planning.real_tokens) == saved  # the ablation is undone
+    assert set(padded) == {"minimal", "minimal + the three ops", "headwise", "headwise without them", "base_us"}
+    training = contract_cost.training_row(1, 8, 16, 2, repeats=1, window=1e-4)
+    assert set(training) == {"minimal", "three Linears", "three Linears + the q check", "headwise", "base_us"}
+    assert all(v > 0 for v in (*padded.values(), *training.values())) and padded["minimal"] == 1.0
+    three = contract_cost.ThreeLinears(16, 2, check_q=True)  # the layout the module has: the same function
+    mha = headwise.MultiHeadAttention(16, 2)
+    three.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 8, 16)
+    assert (three(x) - mha(x)).abs().max() < 1e-5

@@ -108,6 +108,25 @@ def test_a_step_refused_by_the_kernel_after_the_cache_update_rolls_it_back(kind,
     _assert_same(cache, before)
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_refused_step_of_more_positions_than_embed_dim_is_undone_whole(kind, monkeypatch):
+    """The savepoint covers the step's T positions, not some other size of x: a step of 12
+    positions through a module of E = 8, refused after the update, leaves every slot as it was."""
+    mha = headwise.MultiHeadAttention(8, 2, is_causal=True)
+    cache = mha.new_cache(2, 24, static=kind == "static")
+    with torch.no_grad():
+        mha(torch.rand(2, 3, 8), torch.ones(2, 3, dtype=torch.bool), cache=cache)
+    before = _snapshot(cache)
+
+    def refuse(*args, **kwargs):
+        raise ValueError("the kernel refuses")
+
+    monkeypatch.setattr("headwise.module.cached.attend", refuse)
+    with torch.no_grad(), pytest.raises(ValueError, match="the kernel refuses"):
+        mha(torch.rand(2, 12, 8), torch.ones(2, 12, dtype=torch.bool), cache=cache)
+    _assert_same(cache, before)
+
+
 def test_a_cache_refuses_a_complex_mask_as_forward_without_one_does():
     mha, cache = _cache("dynamic")
     complex_mask = torch.ones(2, 1, dtype=torch.complex64)
@@ -271,9 +290,10 @@ def test_a_weights_selection_without_need_weights_is_refused():
     ([[0.0] * E], TypeError, r"x must be a torch.Tensor, got list"),
 ], ids=["2-D", "4-D", "list"])
 def test_weights_rows_of_an_x_that_is_not_3_d_name_x_first(x, error, match):
-    """The rows are x's rows: an x of the wrong rank is named before the selection is read."""
+    """The rows are x's rows: an x of the wrong rank is named before the selection is read
+    (row 4 is past the 4-D x's second dimension, 2, too)."""
     with pytest.raises(error, match=match):
-        headwise.MultiHeadAttention(E, H)(x, need_weights=True, weights_rows=[1])
+        headwise.MultiHeadAttention(E, H)(x, need_weights=True, weights_rows=[4])
 
 
 def test_dispatch_reports_one_padding_share_for_one_mask():

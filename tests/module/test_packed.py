@@ -73,6 +73,16 @@ def test_forward_packed_counts_positions_within_each_sequence():
     assert not torch.allclose(unmasked[:4], got[:4])  # is_causal=False overrides the module's causal rule
 
 
+def test_forward_packed_is_causal_true_makes_a_non_causal_module_causal():
+    packed, dense = pair(rope=True)
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    tokens = torch.cat([x[0, :5], x[1, :3]])  # (T, E): lengths 5 and 3
+    with torch.no_grad():
+        want = dense(x, torch.tensor([[1] * 5, [1, 1, 1, 0, 0]], dtype=torch.bool), is_causal=True)
+        got = packed.forward_packed(tokens, torch.tensor([0, 5, 8]), is_causal=True)
+    torch.testing.assert_close(got, torch.cat([want[0, :5], want[1, :3]]), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(("args", "error", "message"), [
     ((torch.randn(4, E), [0, 4]), TypeError,
      "cu_seqlens must be a torch.Tensor of int32/int64 offsets, got list"),
