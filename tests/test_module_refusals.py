@@ -60,6 +60,11 @@ def _cache(kind: str, mha: headwise.MultiHeadAttention | None = None):
     return mha, cache
 
 
+def _refuse(*args, **kwargs):
+    """A kernel that refuses every call, after the cache was updated."""
+    raise ValueError("the kernel refuses")
+
+
 REFUSED_STEPS = [  # (mask, error, message) of a one-token step after the prompt
     (torch.ones(2, 3, dtype=torch.bool), ValueError, r"\(2, 3\)"),
     (torch.ones(2, 2, 3, dtype=torch.bool), ValueError, r"\(2, 2, 3\)"),
@@ -98,11 +103,7 @@ def test_a_step_refused_by_the_kernel_after_the_cache_update_rolls_it_back(kind,
     """An error raised after the keys were appended (here: by the kernel) undoes the append."""
     mha, cache = _cache(kind)
     before = _snapshot(cache)
-
-    def refuse(*args, **kwargs):
-        raise ValueError("the kernel refuses")
-
-    monkeypatch.setattr("headwise.module.cached.attend", refuse)
+    monkeypatch.setattr("headwise.module.cached.attend", _refuse)
     with torch.no_grad(), pytest.raises(ValueError, match="the kernel refuses"):
         mha(torch.rand(2, 1, E), cache=cache)
     _assert_same(cache, before)
@@ -117,11 +118,7 @@ def test_a_refused_step_of_more_positions_than_embed_dim_is_undone_whole(kind, m
     with torch.no_grad():
         mha(torch.rand(2, 3, 8), torch.ones(2, 3, dtype=torch.bool), cache=cache)
     before = _snapshot(cache)
-
-    def refuse(*args, **kwargs):
-        raise ValueError("the kernel refuses")
-
-    monkeypatch.setattr("headwise.module.cached.attend", refuse)
+    monkeypatch.setattr("headwise.module.cached.attend", _refuse)
     with torch.no_grad(), pytest.raises(ValueError, match="the kernel refuses"):
         mha(torch.rand(2, 12, 8), torch.ones(2, 12, dtype=torch.bool), cache=cache)
     _assert_same(cache, before)
