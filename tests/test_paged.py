@@ -216,6 +216,9 @@ def test_unclear_arguments_are_refused_by_name():
         paged_attention(q, k_pages, v_pages, table, lens[:, None])
     with pytest.raises(ValueError, match=r"seq_lens must be \(B,\) = \(4,\), one length per sequence, got shape \(\)"):
         paged_attention(q, k_pages, v_pages, table, lens[0])
+    with pytest.raises(ValueError, match=r"block_table\[0\] names page 0 among the 4 pages its 14 keys fill, but "
+                                         r"the pool \(k_pages, v_pages\) has no pages"):
+        paged_attention(q, k_pages[:0], v_pages[:0], table, lens)
     for flag in (1, 0, None, torch.tensor(True)):
         with pytest.raises(TypeError, match=rf"share_prefix must be 'auto', True or False, got {type(flag).__name__}"):
             paged_attention(q, k_pages, v_pages, table, lens, share_prefix=flag)

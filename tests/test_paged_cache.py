@@ -239,6 +239,19 @@ def test_a_refused_append_changes_nothing():
     assert cache.free_pages == 0 and cache.length(filler) % cache.page_size == 0
 
 
+def test_a_miscounted_step_stops_before_taking_a_held_page(monkeypatch):
+    """The last guard: were the count of pages wrong, the allocator refuses to take a page
+    with none free (it took page 0, which another sequence held) before writing anything."""
+    cache, grow, seqs = churned()
+    grow([cache.add()], cache.free_pages * cache.page_size)
+    monkeypatch.setattr(cache, "pages_needed", lambda seqs, T: 0)
+    pools = cache.k_pages.clone(), cache.v_pages.clone()
+    with pytest.raises(RuntimeError, match="took a page with none free"):
+        cache.append([seqs[3]], torch.zeros(1, 2, 1, 3, dtype=torch.float64),
+                     torch.zeros(1, 2, 1, 3, dtype=torch.float64))
+    assert torch.equal(cache.k_pages, pools[0]) and torch.equal(cache.v_pages, pools[1]) and cache.free_pages == 0
+
+
 def test_forks_that_share_a_partial_page_step_together_with_one_free_page():
     """The last holder of a shared partial page writes in place, in a batched step as in
     steps one at a time: two forks and one free page are enough for both."""

@@ -334,8 +334,9 @@ def _check(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq
         pages = rows[b][:-(-L // P)]
         bad = [p for p in pages if not 0 <= p < N]
         if bad:
+            where = f"outside the pool's 0..{N - 1}" if N else "but the pool (k_pages, v_pages) has no pages"
             raise ValueError(f"block_table[{b}] names page {bad[0]} among the {len(pages)} pages its {L} keys fill, "
-                             f"outside the pool's 0..{N - 1}")
+                             f"{where}")
         tables.append(pages)
     return lens, tables
 
