@@ -224,6 +224,21 @@ def test_unclear_arguments_are_refused_by_name():
             paged_attention(q, k_pages, v_pages, table, lens, share_prefix=flag)
 
 
+@pytest.mark.parametrize("name", ["plain", "window", "softcap + sinks"])
+@pytest.mark.parametrize("share", [False, True], ids=["apart", "shared"])
+def test_choose_backends_names_the_kernel_of_each_call_that_runs(name, share):
+    """What mha.dispatch reports for a paged step: each call's kernel, in the order they run."""
+    k_pages, v_pages = pools(2, 8, 8)
+    q = torch.randn(4, 4, 2, 8, dtype=torch.float64)
+    with headwise.trace() as t:
+        paged_attention(q, k_pages, v_pages, torch.tensor(TABLE), LENS, share_prefix=share, **OPTIONS[name])
+    ran = [s.note.split("'")[1] for s in t.stages if s.name == "kernel"]
+    calls = paged.choose_backends(q, k_pages, v_pages, TABLE, LENS, share_prefix=share, **OPTIONS[name])
+    assert [d.backend for *_, d in calls] == ran and len(ran) == (5 if share and name != "window" else 4)
+    assert [(rows, keys) for _, rows, keys, _ in calls][:2] == ([(2 * 3 * 2, 8), (2, 6)] if share and name != "window"
+                                                                else [(2, 14), (2, 10)])
+
+
 def test_refusals_name_the_values():
     k_pages, v_pages = pools(2, 8, 8)
     q = torch.randn(4, 4, 1, 8, dtype=torch.float64)
