@@ -155,6 +155,90 @@ def test_one_run_of_pages_is_read_as_a_view_of_the_pool():
     assert scattered.untyped_storage().data_ptr() != cache.k_pages.untyped_storage().data_ptr()
 
 
+def shuffled(lens, N, gen, width=None):
+    """A block table of random distinct pages out of N, in random order, -1 past each row's pages."""
+    need = [-(-L // P) for L in lens]
+    width = max(need, default=0) if width is None else width
+    perm = torch.randperm(N, generator=gen).tolist()
+    rows, used = [], 0
+    for n in need:
+        rows.append(perm[used:used + n] + [-1] * (width - n))
+        used += n
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(lens), width)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shuffled_block_tables_equal_the_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    k_pages, v_pages = torch.randn(16, 2, P, 8, dtype=torch.float64, generator=gen), \
+        torch.randn(16, 2, P, 5, dtype=torch.float64, generator=gen)
+    lens = torch.randint(3, 14, (4,), generator=gen).tolist()
+    table = shuffled(lens, 16, gen, width=5)
+    q = torch.randn(4, 4, 3, 8, dtype=torch.float64, generator=gen)
+    out = paged_attention(q, k_pages, v_pages, table, lens)
+    for b, L in enumerate(lens):
+        pages = table[b].tolist()
+        ref = headwise.attention(q[b:b + 1], gathered(k_pages, pages, L), gathered(v_pages, pages, L),
+                                 backend="matmul", is_causal=True)
+        torch.testing.assert_close(out[b:b + 1], ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("B", "T"), [(0, 1), (0, 0), (4, 0)])
+def test_an_empty_batch_or_step_gives_an_empty_result(B, T):
+    """B = 0 or T = 0 returns (B, H, T, Dv) and the (B, H, T) lse, as torch ops do on empty
+    sizes (B = 0 failed in torch.cat), after every check a full call makes."""
+    k_pages, v_pages = pools(2, 8, 5, grad=True)
+    q = torch.randn(B, 4, T, 8, dtype=torch.float64, requires_grad=True)
+    lens = [0, 10, 19, 13][:B] if T == 0 else []
+    for table in (torch.tensor(TABLE)[:B], torch.zeros(B, 0, dtype=torch.int64) if not any(lens) else None):
+        if table is None:
+            continue
+        out, lse = paged_attention(q, k_pages, v_pages, table, lens, return_lse=True, sinks=torch.zeros(4).double())
+        assert out.shape == (B, 4, T, 5) and lse.shape == (B, 4, T) and out.dtype == lse.dtype == torch.float64
+        grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k_pages, v_pages))
+        assert [g.shape for g in grads] == [q.shape, k_pages.shape, v_pages.shape]
+        assert all(not g.any() for g in grads)
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        paged_attention(q, k_pages, v_pages, torch.tensor(TABLE)[:B], lens, backend="nope")
+    with pytest.raises(TypeError, match="q, k, v dtypes differ"):
+        paged_attention(q.float(), k_pages, v_pages, torch.tensor(TABLE)[:B], lens)
+    if B:
+        with pytest.raises(ValueError, match=r"seq_lens\[0\] = 21 must lie in T..max_pages \* page_size = 0..20"):
+            paged_attention(q, k_pages, v_pages, torch.tensor(TABLE), [21, 10, 19, 13])
+
+
+def test_unclear_arguments_are_refused_by_name():
+    k_pages, v_pages = pools(2, 8, 8)
+    q = torch.randn(4, 4, 1, 8, dtype=torch.float64)
+    table, lens = torch.tensor(TABLE), torch.tensor(LENS)
+    with pytest.raises(ValueError, match=r"seq_lens must be \(B,\) = \(4,\), one length per sequence, got shape "
+                                         r"\(4, 1\); pass seq_lens.flatten\(\)"):
+        paged_attention(q, k_pages, v_pages, table, lens[:, None])
+    with pytest.raises(ValueError, match=r"seq_lens must be \(B,\) = \(4,\), one length per sequence, got shape \(\)"):
+        paged_attention(q, k_pages, v_pages, table, lens[0])
+    with pytest.raises(ValueError, match=r"block_table\[0\] names page 0 among the 4 pages its 14 keys fill, but "
+                                         r"the pool \(k_pages, v_pages\) has no pages"):
+        paged_attention(q, k_pages[:0], v_pages[:0], table, lens)
+    for flag in (1, 0, None, torch.tensor(True)):
+        with pytest.raises(TypeError, match=rf"share_prefix must be 'auto', True or False, got {type(flag).__name__}"):
+            paged_attention(q, k_pages, v_pages, table, lens, share_prefix=flag)
+
+
+@pytest.mark.parametrize("name", ["plain", "window", "softcap + sinks"])
+@pytest.mark.parametrize("share", [False, True], ids=["apart", "shared"])
+def test_choose_backends_names_the_kernel_of_each_call_that_runs(name, share):
+    """What mha.dispatch reports for a paged step: each call's kernel, in the order they run."""
+    k_pages, v_pages = pools(2, 8, 8)
+    q = torch.randn(4, 4, 2, 8, dtype=torch.float64)
+    with headwise.trace() as t:
+        paged_attention(q, k_pages, v_pages, torch.tensor(TABLE), LENS, share_prefix=share, **OPTIONS[name])
+    ran = [s.note.split("'")[1] for s in t.stages if s.name == "kernel"]
+    calls = paged.choose_backends(q, k_pages, v_pages, TABLE, LENS, share_prefix=share, **OPTIONS[name])
+    assert [d.backend for *_, d in calls] == ran and len(ran) == (5 if share and name != "window" else 4)
+    assert [(rows, keys) for _, rows, keys, _ in calls][:2] == ([(2 * 3 * 2, 8), (2, 6)] if share and name != "window"
+                                                                else [(2, 14), (2, 10)])
+
+
 def test_refusals_name_the_values():
     k_pages, v_pages = pools(2, 8, 8)
     q = torch.randn(4, 4, 1, 8, dtype=torch.float64)
@@ -181,8 +265,6 @@ def test_refusals_name_the_values():
         paged_attention(q, k_pages, v_pages, bad, lens)
     with pytest.raises(ValueError, match="share_prefix must be 'auto', True or False, got 'yes'"):
         paged_attention(q, k_pages, v_pages, table, lens, share_prefix="yes")
-    with pytest.raises(ValueError, match="at least one new token"):
-        paged_attention(q[:, :, :0], k_pages, v_pages, table, lens)
     with pytest.raises(ValueError, match="sink_tokens=1 keeps the first keys visible under a sliding window"):
         paged_attention(q, k_pages, v_pages, table, lens, sink_tokens=1)  # headwise.attention's own checks
     with pytest.raises(TypeError, match="q, k, v dtypes differ"):

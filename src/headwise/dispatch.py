@@ -88,7 +88,7 @@ class Dispatch:
         passed_over: every other registered kernel with the reason it was not chosen.
         request: what was asked for.
         path: for :meth:`headwise.MultiHeadAttention.dispatch`, the module's path around
-            the kernel: ``"dense"``, ``"packed"``, ``"fused"`` or ``"context parallel"`` (see
+            the kernel: ``"dense"``, ``"packed"``, ``"fused"``, ``"context parallel"`` or ``"paged"`` (see
             :class:`headwise.module.Plan`); ``"dense"`` for the function.
         path_reason: why that path ("" for the function).
     """

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from headwise import tracing as trace
-from headwise.functional import attend
+from headwise.dispatch import Dispatch
+from headwise.functional import _prepare, attend
 from headwise.pieces import merge_attentions
 
 __all__ = ["paged_attention", "SHARED_PREFIX_MIN_KEYS"]
@@ -80,7 +81,8 @@ def paged_attention(
     which covers decoding, chunked prefill and speculative verification with T > 1).
 
     Args:
-        q: queries (B, H, T, D) of the T new tokens of each sequence.
+        q: queries (B, H, T, D) of the T new tokens of each sequence (B = 0 or T = 0: the
+            empty result, after the same checks).
         k_pages: (N, Hkv, P, D) the key pool; ``H % Hkv == 0`` (grouped-query attention).
         v_pages: (N, Hkv, P, Dv) the value pool; Dv may differ from D.
         block_table: (B, max_pages) integer page ids; only the first
@@ -99,7 +101,8 @@ def paged_attention(
         (B, H, T, Dv), and with ``return_lse`` the (B, H, T) lse after it.
 
     Raises:
-        TypeError: non-tensor or non-integer tables and lengths, dtypes that differ.
+        TypeError: non-tensor or non-integer tables and lengths, dtypes that differ, a
+            ``share_prefix`` that is neither a bool nor ``"auto"``.
         ValueError: shapes that do not fit, a length outside ``T..max_pages * P``, a page id
             outside the pool, and what :func:`headwise.attention` refuses.
 
@@ -115,6 +118,8 @@ def paged_attention(
     if trace.ACTIVE:
         trace.begin_call()
     B, T, P = q.shape[0], q.shape[2], k_pages.shape[2]
+    if B == 0 or T == 0:  # no query: the empty result, after headwise.attention's checks
+        return _empty(q, k_pages, v_pages, options, return_lse)
     pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
     shareable = window is None and alibi_slopes is None and share_prefix is not False
     groups = shared_prefixes(tables, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
@@ -136,6 +141,16 @@ def paged_attention(
     if not return_lse:
         return out
     return out, torch.cat(cast(list[Tensor], lses))  # (B, H, T)
+
+
+def _empty(q: Tensor, k_pages: Tensor, v_pages: Tensor, options: _Options,
+           return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """B = 0 or T = 0: (B, H, T, Dv) and the (B, H, T) lse, in the graph of the inputs. The
+    call over no keys makes every check a full call makes (dtypes, heads, the options)."""
+    B, _, T, _ = q.shape
+    keys = [pool[:0, :, :0].reshape(B, pool.shape[1], 0, pool.shape[-1]) for pool in (k_pages, v_pages)]
+    out, lse = _attend(q, (keys[0], keys[1]), options, sinks=True)  # (B, H, T, Dv), (B, H, T)
+    return (out, cast(Tensor, lse)) if return_lse else out
 
 
 def _attend(q: Tensor, keys: tuple[Tensor, Tensor], options: _Options, *, sinks: bool, lse: bool = True,
@@ -216,6 +231,44 @@ def _keys(pools: tuple[Tensor, Tensor], pages: list[int], first: int, end: int) 
     return keys[0], keys[1]
 
 
+def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[list[int]], lens: list[int], *,
+                    is_causal: bool = True, scale: float | None = None, backend: str = "auto",
+                    window: int | None = None, alibi_slopes: Tensor | None = None, softcap: float | None = None,
+                    sinks: Tensor | None = None, sink_tokens: int = 0, share_prefix: bool | str = "auto",
+                    return_lse: bool = False) -> list[tuple[str, int, int, Dispatch]]:
+    """The kernel each call of :func:`paged_attention` would run on these shapes, and why
+    (runs nothing): ``(the call, query rows, keys, Dispatch)`` per call, as it makes them.
+
+    ``q`` (B, H, T, D) may be a stand-in without storage; ``tables``: each sequence's pages,
+    of which only those before its first query are read (the shared prefixes). The other
+    arguments as :func:`paged_attention` takes them."""
+    options = _Options(bool(is_causal), scale, backend, window, alibi_slopes, softcap, sinks, sink_tokens)
+    B, H, T, D = q.shape
+    Hkv, P = k_pages.shape[1], k_pages.shape[2]
+    shareable = window is None and alibi_slopes is None and share_prefix is not False
+    groups = shared_prefixes(tables, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
+        if shareable and T else []
+
+    def call(what: str, heads: int, rows: int, keys: int, causal: bool, lse: bool, with_sinks: bool):
+        q_b = torch.zeros((), dtype=q.dtype, device=q.device, requires_grad=q.requires_grad).expand(1, heads, rows, D)
+        k_b, v_b = (pool.new_zeros(()).expand(1, Hkv, keys, pool.shape[-1]) for pool in (k_pages, v_pages))
+        d = _prepare(q_b, k_b, v_b, None, causal, 0.0, False, options.backend, options.window, options.alibi_slopes,
+                     options.softcap, options.sinks if with_sinks else None, options.sink_tokens, options.scale,
+                     return_lse=lse)[2]
+        return what, rows, keys, d
+
+    calls, grouped = [], set()
+    for members, shared in groups:
+        G, n = H // Hkv, len(members)
+        calls.append(call(f"the shared prefix of sequences {members}", Hkv, G * n * T, shared * P, False, True, False))
+        calls += [call(f"sequence {b} past it", H, T, lens[b] - shared * P, options.is_causal, True, False)
+                  for b in members]
+        grouped.update(members)
+    calls += [call(f"sequence {b}", H, T, lens[b], options.is_causal, return_lse, True)
+              for b in range(B) if b not in grouped and T]
+    return calls
+
+
 def shared_prefixes(tables: list[list[int]], lens: list[int], T: int, P: int,
                     min_keys: int = SHARED_PREFIX_MIN_KEYS) -> list[tuple[list[int], int]]:
     """The groups of sequences whose block tables begin with the same pages: ``(members,
@@ -257,6 +310,9 @@ def _check(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq
                          "P): pages, kv heads and page size; only the head dim may differ")
     if k_pages.shape[2] < 1:
         raise ValueError(f"page_size must be >= 1, got pools of shape {tuple(k_pages.shape)}")
+    if not isinstance(share_prefix, (bool, str)):  # 1 == True would pass the value test below
+        raise TypeError(f"share_prefix must be 'auto', True or False, got {type(share_prefix).__name__} "
+                        f"{share_prefix!r}; pass bool(share_prefix)")
     if share_prefix not in (True, False, "auto"):
         raise ValueError(f"share_prefix must be 'auto', True or False, got {share_prefix!r}")
     lens = _lengths(seq_lens, q.shape[0])
@@ -265,9 +321,6 @@ def _check(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq
         raise TypeError(f"block_table must be an integer tensor (B, max_pages) of page ids, got "
                         f"{block_table.dtype if isinstance(block_table, Tensor) else type(block_table).__name__}")
     B, T = q.shape[0], q.shape[2]
-    if T < 1:
-        raise ValueError(f"q must hold at least one new token per sequence, (B, H, T, D) with T >= 1, got "
-                         f"{tuple(q.shape)}")
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise ValueError(f"block_table must be (B, max_pages) = ({B}, max_pages), one row per sequence of q, got "
                          f"{tuple(block_table.shape)}")
@@ -281,8 +334,9 @@ def _check(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq
         pages = rows[b][:-(-L // P)]
         bad = [p for p in pages if not 0 <= p < N]
         if bad:
+            where = f"outside the pool's 0..{N - 1}" if N else "but the pool (k_pages, v_pages) has no pages"
             raise ValueError(f"block_table[{b}] names page {bad[0]} among the {len(pages)} pages its {L} keys fill, "
-                             f"outside the pool's 0..{N - 1}")
+                             f"{where}")
         tables.append(pages)
     return lens, tables
 
@@ -292,6 +346,10 @@ def _lengths(seq_lens: Tensor | Sequence[int], B: int) -> list[int]:
     if isinstance(seq_lens, Tensor):
         if seq_lens.is_floating_point() or seq_lens.is_complex() or seq_lens.dtype == torch.bool:
             raise TypeError(f"seq_lens must be an integer tensor (B,), got {seq_lens.dtype}")
+        if seq_lens.dim() != 1:
+            hint = "; pass seq_lens.flatten()" if seq_lens.numel() == B else ""
+            raise ValueError(f"seq_lens must be (B,) = ({B},), one length per sequence, got shape "
+                             f"{tuple(seq_lens.shape)}{hint}")
         lens = seq_lens.tolist()
     elif isinstance(seq_lens, Sequence) and all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
                                                 for n in seq_lens):
@@ -299,7 +357,7 @@ def _lengths(seq_lens: Tensor | Sequence[int], B: int) -> list[int]:
     else:
         raise TypeError(f"seq_lens must be an integer tensor (B,) or a sequence of ints, got "
                         f"{type(seq_lens).__name__}")
-    if not isinstance(lens, list) or len(lens) != B:
+    if len(lens) != B:
         raise ValueError(f"seq_lens must hold one length per sequence of q, (B,) = ({B},), got "
                          f"{tuple(seq_lens.shape) if isinstance(seq_lens, Tensor) else len(lens)}")
     return lens

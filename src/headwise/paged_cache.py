@@ -172,6 +172,9 @@ class PagedKVCache:
 
     def batch(self, seqs: list[int] | tuple[int, ...]) -> PagedBatch:
         """These sequences as one step's batch, for ``MultiHeadAttention.forward(..., cache=...)``."""
+        if not isinstance(seqs, (list, tuple)):
+            raise TypeError(f"seqs must be a list or tuple of sequence ids, got {type(seqs).__name__}; pass [seq] "
+                            "for one sequence")
         seqs = tuple(self._known(s) for s in seqs)
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"a batch names each sequence once, got {list(seqs)}; fork(seq) gives a second copy")
@@ -192,7 +195,7 @@ class PagedKVCache:
         self._lens.update(lens)
 
     def append(self, seqs: list[int] | tuple[int, ...], k: Tensor, v: Tensor) -> None:
-        """Append T keys and values to each of ``seqs``.
+        """Append T keys and values to each of ``seqs`` (T = 0, or no sequence: nothing changes).
 
         Args:
             seqs: B distinct sequence ids, in the order of the batch rows.
@@ -201,17 +204,14 @@ class PagedKVCache:
         Raises:
             ValueError: unknown or repeated sequences, shapes that do not fit, or too few free
                 pages (checked before anything changes: a refused append changes nothing).
-            TypeError: k or v of another dtype than the pool's.
+            TypeError: seqs not a list or tuple, k or v of another dtype than the pool's.
         """
         seqs = self.batch(seqs).seqs
         self._check_step(seqs, k, v)
         T = k.shape[2]
-        needs = [self._needs(s, T) for s in seqs]
-        if sum(needs) > self._free_count:
-            raise ValueError(
-                f"the paged cache needs {sum(needs)} free pages for this step ({T} new keys each for sequences "
-                f"{list(seqs)}, pages of {self.page_size}) but has {self._free_count} of {self.num_pages}; free "
-                "finished sequences (cache.free(seq)) or make a larger pool (num_pages=...); nothing was written")
+        self.check_room(seqs, T)
+        if T == 0 or not seqs:  # nothing to store: no page is taken, copied or written
+            return
         slots = []
         for s in seqs:
             self._copy_on_write(s)
@@ -220,11 +220,54 @@ class PagedKVCache:
                 pages.append(self._take(pages[-1] if pages else None))
             slots += [pages[i // self.page_size] * self.page_size + i % self.page_size for i in range(L, L + T)]
             self._lens[s] = L + T
-        index = torch.tensor(slots, device=self._k.device)  # (B*T,) flat slots, sequence-major
+        index = torch.tensor(slots, dtype=torch.int64, device=self._k.device)  # (B*T,) flat slots, sequence-major
         for pool, new in ((self._k, k), (self._v, v)):
             Hkv, N, P, D = pool.shape
             rows = new.transpose(0, 1).reshape(Hkv, len(slots), D)  # (B, Hkv, T, D) -> (Hkv, B*T, D)
             pool.view(Hkv, N * P, D).index_copy_(1, index, rows)  # into (Hkv, N*P, D)
+
+    def pages_needed(self, seqs: list[int] | tuple[int, ...], T: int) -> int:
+        """Free pages an :meth:`append` of T keys to each of ``seqs`` takes: their new pages,
+        and a copy of each shared partial last page that another holder still needs (the
+        last holder to write writes in place), exactly as the same appends one at a time.
+
+        >>> import torch, headwise
+        >>> cache = headwise.PagedKVCache(num_pages=3, page_size=4, kv_heads=1, head_dim=2)
+        >>> a = cache.add()
+        >>> cache.append([a], torch.randn(1, 1, 6, 2), torch.randn(1, 1, 6, 2))
+        >>> b = cache.fork(a)  # both hold a partial page: the first writer copies it
+        >>> cache.pages_needed([a, b], 1), cache.free_pages
+        (1, 1)
+        """
+        seqs = self.batch(seqs).seqs
+        if isinstance(T, bool) or not isinstance(T, int):
+            raise TypeError(f"T must be an int, the new keys of each sequence, got {type(T).__name__}")
+        if T < 0:
+            raise ValueError(f"T must be >= 0, the new keys of each sequence, got {T}")
+        if T == 0:
+            return 0
+        P, need = self.page_size, 0
+        holders: dict[int, int] = {}  # a shared tail page -> its holders left after this step's copies
+        for s in seqs:
+            L, pages = self._lens[s], self._pages[s]
+            need += max(0, -(-(L + T) // P) - len(pages))
+            if L % P:
+                tail = pages[-1]
+                held = holders.get(tail, self._refs[tail])
+                if held > 1:  # another sequence still reads it: this one writes into a copy
+                    need += 1
+                    holders[tail] = held - 1
+        return need
+
+    def check_room(self, seqs: list[int] | tuple[int, ...], T: int) -> int:
+        """:meth:`pages_needed`, refused with a ValueError where the pool has fewer free pages."""
+        need = self.pages_needed(seqs, T)
+        if need > self._free_count:
+            raise ValueError(
+                f"the paged cache needs {need} free pages for this step ({T} new keys each for sequences "
+                f"{list(seqs)}, pages of {self.page_size}) but has {self._free_count} of {self.num_pages}; free "
+                "finished sequences (cache.free(seq)) or make a larger pool (num_pages=...); nothing was written")
+        return need
 
     def _check_step(self, seqs: tuple[int, ...], k: Tensor, v: Tensor) -> None:
         Hkv, _, _, D = self._k.shape
@@ -240,13 +283,6 @@ class PagedKVCache:
                                 f"{self._k.device}: pass {name}.to(cache.k_pages)")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"k and v must hold the same T new positions, got {k.shape[2]} and {v.shape[2]}")
-
-    def _needs(self, seq: int, T: int) -> int:
-        """Free pages an append of T keys to ``seq`` takes: its new pages, and one more when
-        its partial last page is shared (copied on write)."""
-        L, pages, P = self._lens[seq], self._pages[seq], self.page_size
-        shared_tail = T > 0 and L % P != 0 and self._refs[pages[-1]] > 1
-        return max(0, -(-(L + T) // P) - len(pages)) + int(shared_tail)
 
     def _copy_on_write(self, seq: int) -> None:
         """Give ``seq`` its own copy of its last page if it is partial and shared."""
@@ -266,6 +302,8 @@ class PagedKVCache:
         p = after + 1 if after is not None and after + 1 < self.num_pages and self._free[after + 1] else None
         if p is None:
             start, size = self._largest_gap()
+            if size == 0:  # a miscount would overwrite a page some sequence holds
+                raise RuntimeError("internal error: the paged cache took a page with none free; please report it")
             p = start if start == 0 else start + size // 2
         self._free[p] = 0
         self._free_count -= 1

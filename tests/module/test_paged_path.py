@@ -230,3 +230,122 @@ def test_a_module_with_dropout_decodes_through_pages_in_eval_mode():
     with torch.no_grad():
         got = torch.cat([mha(x[:, :3], cache=cache.batch([seq])), mha(x[:, 3:], cache=cache.batch([seq]))], dim=1)
         torch.testing.assert_close(got, mha(x), rtol=0, atol=1e-12)
+
+
+def churned_cache(mha, num_pages, page_size=4, seed=0):
+    """A pool left in holes of one page: a sequence of one page on each page, every other one
+    freed, so the next sequences take scattered pages. Returns the cache and a survivor."""
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=num_pages, page_size=page_size)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        cache.k_pages.copy_(torch.randn(cache.k_pages.shape, generator=gen, dtype=torch.float64))
+        cache.v_pages.copy_(torch.randn(cache.v_pages.shape, generator=gen, dtype=torch.float64))
+        seqs = [cache.add() for _ in range(num_pages)]
+        mha(torch.randn(num_pages, page_size, E, generator=gen, dtype=torch.float64), cache=cache.batch(seqs))
+    for s in seqs:
+        if cache.pages(s)[0] % 2 == 0:
+            cache.free(s)
+    return cache, cache.sequences[0]
+
+
+def test_an_empty_step_on_a_fork_of_a_full_pool_changes_nothing():
+    """T = 0 on a fork sharing a partial page, the pool full: it took a page some sequence
+    held, overwrote it (free_pages -1), and the rollback restored the bookkeeping only."""
+    mha = module(**MODULES["GQA + rope"])
+    cache, _ = churned_cache(mha, num_pages=12)
+    a = cache.add()
+    x = torch.randn(1, 7, E, dtype=torch.float64)
+    with torch.no_grad():
+        mha(x[:, :6], cache=cache.batch([a]))
+        filler = cache.add()
+        mha(torch.randn(1, cache.free_pages * 4, E, dtype=torch.float64), cache=cache.batch([filler]))
+        assert cache.free_pages == 0
+        b = cache.fork(a)
+        pools = cache.k_pages.clone(), cache.v_pages.clone()
+        tables = {s: (cache.pages(s), cache.length(s)) for s in cache.sequences}
+        out = mha(x[:, 6:6].expand(2, 0, E), cache=cache.batch([b, a]))
+        assert out.shape == (2, 0, E)
+        assert torch.equal(cache.k_pages, pools[0]) and torch.equal(cache.v_pages, pools[1])
+        assert {s: (cache.pages(s), cache.length(s)) for s in cache.sequences} == tables and cache.free_pages == 0
+        cache.free(b)
+        torch.testing.assert_close(mha(x[:, 6:], cache=cache.batch([a])), mha(x)[:, 6:], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["GQA + rope", "softcap + sinks", "window + sink tokens"])
+def test_forks_sharing_a_partial_page_step_together_with_the_pages_of_steps_one_at_a_time(name):
+    """Two forks and their root share a partial last page on scattered pages, and the pool
+    has the two free pages three steps one at a time would take: stepped together they were
+    refused as out of pages. Each output equals its sequence's full forward."""
+    mha = module(**MODULES[name])
+    cache, _ = churned_cache(mha, num_pages=14)
+    root = cache.add()
+    prompt = torch.randn(1, 10, E, dtype=torch.float64)
+    tails = torch.randn(3, 2, E, dtype=torch.float64)
+    with torch.no_grad():
+        mha(prompt, cache=cache.batch([root]))
+        assert cache.pages(root) != list(range(cache.pages(root)[0], cache.pages(root)[0] + 3))
+        forks = [cache.fork(root), root, cache.fork(root)]
+        filler = cache.add()
+        mha(torch.randn(1, (cache.free_pages - 2) * 4, E, dtype=torch.float64), cache=cache.batch([filler]))
+        assert cache.free_pages == 2
+        out = mha(tails, cache=cache.batch(forks))
+        assert cache.free_pages == 0
+        for b in range(3):
+            full = mha(torch.cat([prompt, tails[b:b + 1]], dim=1), is_causal=True)
+            torch.testing.assert_close(out[b:b + 1], full[:, 10:], rtol=0, atol=1e-12)
+
+
+def kernels_run(mha, x, cache):
+    """The backends paged_attention's calls ran, from a trace of the step."""
+    with headwise.trace() as t:
+        mha(x, cache=cache)
+    return [s.note.split("'")[1] for s in t.stages if s.name == "kernel"]
+
+
+@pytest.mark.parametrize("name", ["GQA + rope", "softcap + sinks", "chunked", "shared prefix"])
+def test_dispatch_reports_the_paged_path_and_the_kernel_that_runs(name, monkeypatch):
+    """mha.dispatch (and mha.plan) take every cache forward takes: it refused a paged batch."""
+    from headwise import paged
+
+    mha = module(**MODULES.get(name, MODULES["GQA + rope"]))
+    if name == "chunked":
+        mha.backend = "chunked"
+    if name == "shared prefix":
+        monkeypatch.setattr(paged, "SHARED_PREFIX_MIN_KEYS", 1)
+    cache, other = churned_cache(mha, num_pages=24)
+    for s in cache.sequences[1:]:  # holes of one page and of three
+        cache.free(s)
+    root = cache.add()
+    with torch.no_grad():
+        mha(torch.randn(1, 9, E, dtype=torch.float64), cache=cache.batch([root]))
+        seqs = [root, cache.fork(root), other]
+        x = torch.randn(3, 2, E, dtype=torch.float64)
+        state = {s: (cache.pages(s), cache.length(s)) for s in cache.sequences}, cache.free_pages
+        whole = torch.randn(len(cache.sequences), 2, E, dtype=torch.float64)  # the cache: every sequence
+        assert mha.plan(whole, cache=cache).path == mha.dispatch(whole, cache=cache).path == "paged"
+        d = mha.dispatch(x, cache=cache.batch(seqs))
+        assert mha.plan(x, cache=cache.batch(seqs)).path == d.path == "paged"
+        assert ({s: (cache.pages(s), cache.length(s)) for s in cache.sequences}, cache.free_pages) == state
+        ran = kernels_run(mha, x, cache.batch(seqs))
+    assert d.backend == max(set(ran), key=ran.count) and d.backend in d.reason
+    assert ("shared prefix" in d.reason) == (name == "shared prefix")
+    assert "paged_attention" in d.path_reason and str(d).startswith("path 'paged'")
+
+
+def test_dispatch_refuses_what_a_paged_step_refuses():
+    mha = module()
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=2, page_size=4)
+    a = cache.add()
+    x = torch.randn(1, 1, E, dtype=torch.float64)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="a paged cache step does not take attention_mask"):
+            mha.dispatch(x, torch.ones(1, 1, dtype=torch.bool), cache=cache)
+        with pytest.raises(ValueError, match=r"x has 1 rows but the paged batch names 0 sequences"):
+            mha.dispatch(x, cache=cache.batch([]))
+        with pytest.raises(ValueError, match="does not take mask_mod / score_mod"):
+            mha.plan(x, cache=cache, mask_mod=headwise.masks.causal)
+        with pytest.raises(ValueError, match=r"needs 3 free pages for this step \(9 new keys each for sequences "
+                                             r"\[0\], pages of 4\) but has 2 of 2"):
+            mha.dispatch(torch.randn(1, 9, E, dtype=torch.float64), cache=cache)
+    with pytest.raises(ValueError, match="autograd"):
+        mha.dispatch(x, cache=cache.batch([a]))

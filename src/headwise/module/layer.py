@@ -427,6 +427,9 @@ class MultiHeadAttention(nn.Module):
         >>> plan.path, plan.lengths  # 8 positions: packing's fixed costs outweigh the 3 it drops
         ('dense', (4, 1))
         """
+        if isinstance(cache, paged_path.PAGED):  # module/paged.py
+            return paged_path.plan(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod,
+                                   score_mod)
         if mask_mod is not None or score_mod is not None or self.mask_mod is not None or self.score_mod is not None:
             return ruled.plan(self, x, attention_mask, context, is_causal, need_weights, cache,
                               *ruled.rules_of(self, mask_mod, score_mod))
@@ -453,6 +456,9 @@ class MultiHeadAttention(nn.Module):
         >>> print(MultiHeadAttention(64, 4).dispatch(torch.rand(1, 3, 64)).backend)
         sdpa
         """
+        if isinstance(cache, paged_path.PAGED):  # module/paged.py
+            return paged_path.dispatch(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod,
+                                       score_mod)
         plan = self.plan(x, attention_mask, context=context, is_causal=is_causal, need_weights=need_weights,
                          cache=cache, mask_mod=mask_mod, score_mod=score_mod)
         rules = ruled.at_positions(cache, *ruled.rules_of(self, mask_mod, score_mod))

@@ -13,15 +13,18 @@ Dv value head dim, E embed dim.
 from __future__ import annotations
 
 from collections import defaultdict
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from headwise import tracing as trace
+from headwise.dispatch import Dispatch
 from headwise.module import checks
 from headwise.module import projections as proj
-from headwise.paged import paged_attention
+from headwise.module.plan import Plan
+from headwise.paged import choose_backends, paged_attention
 from headwise.paged_cache import PagedBatch, PagedKVCache
 
 if TYPE_CHECKING:
@@ -44,6 +47,42 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: An
     except BaseException:
         batch.cache.rollback(saved)
         raise
+
+
+def plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: Any, is_causal: bool | None,
+         need_weights: bool, cache: PagedKVCache | PagedBatch, mask_mod: Any = None, score_mod: Any = None) -> Plan:
+    """The paged path's :class:`Plan` after :func:`forward`'s checks (nothing changes)."""
+    batch = cache if isinstance(cache, PagedBatch) else cache.batch(cache.sequences)
+    _check(mha, x, batch, attention_mask, context, need_weights, mask_mod, score_mod)
+    why = (f"a paged cache: each of the {len(batch.seqs)} sequences appends its {x.shape[1]} new keys to its pages "
+           "and attends its own keys through paged_attention")
+    return Plan("paged", why, mha.is_causal if is_causal is None else bool(is_causal), None, None)
+
+
+def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: Any, is_causal: bool | None,
+             need_weights: bool, cache: PagedKVCache | PagedBatch, mask_mod: Any = None,
+             score_mod: Any = None) -> Dispatch:
+    """The kernels of a paged step (the backend of its call with the most scores), from the
+    shapes and the cache's bookkeeping alone: nothing is appended or attended."""
+    step = plan(mha, x, attention_mask, context, is_causal, need_weights, cache, mask_mod, score_mod)
+    batch = cache if isinstance(cache, PagedBatch) else cache.batch(cache.sequences)
+    pool, T = batch.cache, x.shape[1]
+    pages = pool.check_room(batch.seqs, T)  # forward's refusal of a full pool
+    q = torch.zeros((), dtype=pool.k_pages.dtype, device=x.device).expand(len(batch.seqs), mha.num_heads, T,
+                                                                           mha.head_dim)  # (B, H, T, D) stand-in
+    calls = choose_backends(q, pool.k_pages, pool.v_pages, [pool.pages(s) for s in batch.seqs],
+                            [pool.length(s) + T for s in batch.seqs], is_causal=step.is_causal, backend=mha.backend,
+                            window=mha.window, alibi_slopes=checks.slopes(mha), softcap=mha.softcap,
+                            sinks=checks.sinks(mha), sink_tokens=mha.sink_tokens)
+    if not calls:
+        return Dispatch("none", "no query: nothing to attend", MappingProxyType({}), None, path="paged",
+                        path_reason=step.why)
+    listed = "; ".join(f"{what}, {rows} x {keys} -> {d.backend!r}" for what, rows, keys, d in calls[:8])
+    more = f"; and {len(calls) - 8} more" if len(calls) > 8 else ""
+    main = max(calls, key=lambda c: c[1] * c[2])[3]
+    reason = (f"{main.reason} (the call with the most scores); paged_attention's calls (query rows x keys): "
+              f"{listed}{more}; the step takes {pages} of the pool's {pool.free_pages} free pages")
+    return Dispatch(main.backend, reason, main.passed_over, main.request, path="paged", path_reason=step.why)
 
 
 def _step(mha: MultiHeadAttention, x: Tensor, batch: PagedBatch, causal: bool) -> Tensor:

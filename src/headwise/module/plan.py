@@ -31,8 +31,9 @@ class Plan:
         path: ``"dense"`` (the (B, S) batch, padding included), ``"packed"`` (only the real
             tokens: projections on (T, E), attention per length bucket), ``"fused"`` (a small
             call without gradients: ``nn.MultiheadAttention``'s fused inference op runs the
-            projections, attention and output projection in one call) or
-            ``"context parallel"`` (this rank's shard of the sequence).
+            projections, attention and output projection in one call),
+            ``"context parallel"`` (this rank's shard of the sequence) or ``"paged"`` (a
+            :class:`~headwise.PagedKVCache` step: :func:`headwise.paged_attention`).
         why: why this path, in one sentence.
         is_causal: the causal flag in effect (the call's, else the constructor's).
         padding: (B, S) bool, True where x holds a real token, when a 2-D mask describes
