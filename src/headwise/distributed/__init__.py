@@ -16,9 +16,10 @@ In every process, after ``torch.distributed.init_process_group(...)``::
     full = hwd.unshard(y, dim=2)                                # (B, H, S, D) on every rank
 
 Every rank validates its inputs, then one small all-gather of metadata checks that the
-ranks agree (shapes, dtype, layout, flags, shard lengths) in ``attention``, ``shard``,
-``unshard`` and ``global_positions``; any problem raises the same
-ValueError on every rank before any data moves, so a mistake never hangs the group.
+ranks agree (shapes, dtype, layout, flags, ALiBi slopes, shard lengths) in ``attention``,
+``shard``, ``unshard`` and ``global_positions``; any problem raises on every rank before any
+data moves (a rank that refused its own inputs raises its error, the others an error naming
+it and its message), so a mistake never hangs the group.
 
 Legend: B batch, H query heads, Hkv key/value heads, S / Sk global query / key length,
 S_l / Sk_l this rank's lengths, D head dim, N world size.
@@ -468,8 +469,8 @@ tensor, then the local 'auto' kernel attends whole sequences
 
 
 _FIELDS = ("inputs valid", "batch B", "num_heads H", "num_kv_heads Hkv", "head_dim D", "dtype", "is_causal",
-           "window", "alibi_slopes", "scale", "mask kind", "mask batch", "mask heads", "mask key length", "method", "layout",
-           "dropout_p", "device type", "needs grad")
+           "window", "alibi_slopes", "scale", "mask kind", "mask batch", "mask heads", "mask key length", "method",
+           "layout", "dropout_p", "device type", "needs grad")
 _MASK_KINDS = ("none", "bool (B, Sk_l) key padding", "float (B, Sk_l) key padding", "bool (.., S_l, Sk)",
                "float (.., S_l, Sk)")
 
@@ -545,8 +546,8 @@ def _agree(rows: list[list[float]], world: int, alibi_slopes: Tensor | None):
         if len(set(values)) > 1 and name == "alibi_slopes":
             groups = [[r for r, x in enumerate(values) if x == value] for value in dict.fromkeys(values)]
             mine = None if alibi_slopes is None else alibi_slopes.tolist()
-            raise ValueError(f"the ranks disagree on alibi_slopes: ranks {groups} pass different ones (this "
-                             f"rank's: {mine}); every rank must pass the same (H,) slopes, or none")
+            raise ValueError(f"the ranks disagree on alibi_slopes: the groups of ranks {groups} pass different ones "
+                             f"(this rank's: {mine}); every rank must pass the same (H,) slopes, or none")
         if len(set(values)) > 1:
             shown = [_MASK_KINDS[int(x)] if name == "mask kind" else x for x in values]
             why = ("every rank must pass tensors of the same batch, heads, head dim and dtype, and the same flags"

@@ -22,6 +22,12 @@ flash kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, 
 returns exactly the pair's share of the gradients given the merged output and lse), in
 parts of at most ``policy.RING_FUSED_ROWS`` rows.
 
+The mask contract's NaN rule holds tile by tile: where a mask or the causal / window rule
+leaves a query row of a tile nothing to attend, or a key of it no row, that row's query or
+that key and value count as zeros in the tile (their probabilities there are 0 anyway), so
+NaN or inf at a padded key, a masked column or a dead query row reaches no result and no
+gradient (``0 * nan`` would).
+
 The kv heads go round in passes of at most ``policy.RING_PASS_BYTES`` of K/V per message (a
 pass takes whole kv heads with their G query heads, at least one). The backward pass holds
 four block-sized buffers at once (the K/V being used and the one arriving, the dK/dV

@@ -50,9 +50,8 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
     finite = False
     if padding is not None:  # what a padded position holds reaches no result and no gradient
         x, finite = proj.hide_padding(x, padding)
-    keys = _context_padding(attention_mask, context)  # (B, Sk_l) or None
-    if keys is not None:  # NaN / inf there would reach k_proj's and v_proj's gradients
-        context, _ = proj.hide_padding(context, keys)
+    if context is not None:  # NaN / inf at its padding would reach k_proj's and v_proj's gradients
+        context = _hide_context_padding(attention_mask, context)
     q, k, v = proj.project_heads(mha, x, context)  # (B, H, S_l, D), (B, Hkv, Sk_l, D)
     q, k = proj.normalize(mha, q, k)
     if mha.rope is not None:  # rotate by global positions (dynamic NTK: by the global length)
@@ -67,14 +66,16 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
     return out if padding is None else proj.zero_padding_(out, padding, finite)
 
 
-def _context_padding(mask: Tensor | None, context: Tensor | None) -> Tensor | None:
-    """(B, Sk_l) bool, True at a token, where a 2-D mask is the padding of this rank's context shard;
-    None otherwise (a mask that does not fit is refused by :func:`headwise.distributed.attention`
-    on every rank, so nothing here may raise on one rank alone)."""
-    if (context is None or not isinstance(mask, Tensor) or mask.dim() != 2 or mask.device != context.device
+def _hide_context_padding(mask: Tensor | None, context: Tensor) -> Tensor:
+    """This rank's context shard (B, Sk_l, E) with its padded positions hidden where a 2-D mask is
+    their padding (:func:`~headwise.module.projections.hide_padding`). A mask that does not fit is
+    left to :func:`headwise.distributed.attention`, which refuses it on every rank: nothing here may
+    raise on one rank alone."""
+    if (not isinstance(mask, Tensor) or mask.dim() != 2 or mask.device != context.device
             or mask.shape[1] != context.shape[1] or mask.shape[0] not in (1, context.shape[0])):
-        return None
-    return proj.as_padding(mask).expand(context.shape[0], -1)  # (B|1, Sk_l) -> (B, Sk_l)
+        return context
+    keys = proj.as_padding(mask).expand(context.shape[0], -1)  # (B|1, Sk_l) -> (B, Sk_l), True at a token
+    return proj.hide_padding(context, keys)[0]
 
 
 def dispatch(mha: MultiHeadAttention, attention_mask: Tensor | None, plan: Plan) -> Dispatch:
