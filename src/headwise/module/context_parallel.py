@@ -1,5 +1,7 @@
 """The context-parallel path: x is this rank's shard (B, S_l, E) of the sequence, and
 attention runs across the ranks (:mod:`headwise.distributed`); rotary positions are global.
+A call's checks run on every rank before anything else, and one small all-gather tells every
+rank whether any refused: a refusal raises on every rank, so none waits for the others.
 
 Legend: B batch, H query heads, Hkv key/value heads, S_l this rank's positions, S the
 whole sequence, D head dim, E embed dim.
