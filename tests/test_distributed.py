@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -386,6 +387,8 @@ def _worker(rank: int, world: int, port: int, cases_path: str, out_path: str) ->
             results[name] = _run_module(hwd, name, world)
         except Exception as error:  # noqa: BLE001
             results[name] = f"{type(error).__name__}: {error}"
+    for name in spec.get("scenarios", []):
+        results[name] = _run_scenario(hwd, name, rank, world)
     if rank != 0:  # only rank 0 keeps tensors; every rank keeps its errors
         results = {n: r for n, r in results.items() if isinstance(r, (tuple, str))}
     torch.save(results, f"{out_path}.{rank}")
@@ -605,6 +608,279 @@ def test_module_refuses_what_context_parallel_cannot_do():
         mha(x, cache=mha.new_cache(1, 8), is_causal=True)
     with pytest.raises(ValueError, match="forward_packed runs in one process"):
         mha.forward_packed(x[0], torch.tensor([0, 5]))
+
+
+# ---------------------------------------------------------------- issue 35: NaN, +inf and refusals on 2 ranks
+
+# NaN / inf where a rule excludes a position for every query: (method, mask kind, causal, window, S, Sk)
+NAN_CASES = {
+    "pad-bool-ring": ("ring", "pad-bool", False, None, 7, 7),
+    "pad-float-ring": ("ring", "pad-float", False, None, 7, 9),
+    "dense-bool-ring": ("ring", "dense-bool", False, None, 7, 7),
+    "dense-float-ring": ("ring", "dense-float", False, None, 6, 7),
+    "window-cross-ring": ("ring", None, True, 3, 5, 12),  # keys 0..4 precede every query's window
+    "causal-dead-rows-ring": ("ring", None, True, None, 9, 4),  # queries 0..4 may attend nothing
+    "causal-dead-rows-unfused-ring": ("ring", None, True, None, 9, 4),  # the ring's own tiles, not the CPU's kernel
+    "pad-bool-ulysses": ("ulysses", "pad-bool", False, None, 7, 7),
+    "dense-float-ulysses": ("ulysses", "dense-float", False, None, 6, 7),
+}
+
+
+def nan_inputs(name: str) -> dict:
+    """Global float64 q, k, v, dout and mask of a NaN case; ``hidden``: the same with zeros where
+    NaN / inf stand (what no query may use), the input of the reference."""
+    _, kind, causal, window, S, Sk = NAN_CASES[name]
+    gen = torch.Generator().manual_seed(_seed(name))
+    B, H, Hkv, D = 2, 4, 2, 4
+    q, dout = (torch.randn(B, H, S, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Sk, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    dead_keys = torch.zeros(B, Sk, dtype=torch.bool)  # excluded for every query
+    dead_rows = torch.zeros(B, S, dtype=torch.bool)  # may attend no key
+    mask = None
+    if kind in ("pad-bool", "pad-float"):
+        dead_keys[0, Sk - 3:] = True  # right padding
+        dead_keys[1, 2] = True  # a hole
+        mask = ~dead_keys if kind == "pad-bool" else torch.zeros(B, Sk, dtype=torch.float64).masked_fill(
+            dead_keys, -math.inf) + 0.1 * torch.randn(B, Sk, generator=gen, dtype=torch.float64)
+    elif kind in ("dense-bool", "dense-float"):
+        keep = torch.rand(B, H, S, Sk, generator=gen) > 0.3
+        dead_keys[:, 3] = True  # a column no query of any head may attend
+        dead_rows[0, 4] = True  # a query row of every head that may attend nothing
+        keep &= ~dead_keys[:, None, None, :] & ~dead_rows[:, None, :, None]
+        mask = keep if kind == "dense-bool" else torch.randn(B, H, S, Sk, generator=gen,
+                                                             dtype=torch.float64).masked_fill(~keep, -math.inf)
+    elif window is not None:
+        dead_keys[:, :Sk - S - window + 1] = True
+    else:
+        dead_rows[:, :S - Sk] = True
+    hidden = {"q": q, "k": k, "v": v}
+    q, k, v = q.clone(), k.clone(), v.clone()
+    q.masked_fill_(dead_rows[:, None, :, None], math.nan)
+    k.masked_fill_(dead_keys[:, None, :, None], math.nan)
+    v.masked_fill_(dead_keys[:, None, :, None], math.inf)
+    return {"q": q, "k": k, "v": v, "dout": dout, "mask": mask, "hidden": hidden}
+
+
+def _run_nan_case(hwd, name):
+    method, kind, causal, window, _, _ = NAN_CASES[name]
+    import headwise.distributed.ring as ring
+
+    t = nan_inputs(name)
+    q, k, v = (hwd.shard(t[n], dim=2).requires_grad_() for n in ("q", "k", "v"))
+    mask = t["mask"]
+    if mask is not None:
+        mask = hwd.shard(mask, dim=1 if mask.dim() == 2 else 2)
+    fused, ring._FUSED_CPU = ring._FUSED_CPU, None if "unfused" in name else ring._FUSED_CPU
+    try:
+        out = hwd.attention(q, k, v, mask, is_causal=causal, window=window, method=method)
+        out.backward(hwd.shard(t["dout"], dim=2))
+    finally:
+        ring._FUSED_CPU = fused
+    return {n: hwd.unshard(x.detach(), dim=2) for n, x in (("out", out), ("dq", q.grad), ("dk", k.grad),
+                                                              ("dv", v.grad))}
+
+
+# rank 1 refuses (or both do); every rank must raise, none may hang: name -> (type, regex every rank matches)
+REFUSALS = {
+    "inf-pad-ring": ("ValueError", r"attention_mask holds \+inf"),
+    "inf-dense-ring": ("ValueError", r"attention_mask holds \+inf"),
+    "inf-head0-ulysses": ("ValueError", r"attention_mask holds \+inf"),
+    "inf-head0-one-rank-ulysses": ("ValueError", r"attention_mask holds \+inf"),
+    "unknown-keyword-ulysses": ("TypeError", r"unexpected keyword argument 'bogus'"),
+    "unknown-keyword-ring": ("TypeError", r"unexpected keyword argument 'bogus'"),
+    "alibi-differ-ring": ("ValueError", r"the ranks disagree on alibi_slopes"),
+    "alibi-differ-ulysses": ("ValueError", r"the ranks disagree on alibi_slopes"),
+    "module-float64-x": ("TypeError", None),  # None: the message of the module in one process
+    "module-wrong-E": ("ValueError", None),
+    "module-need-weights": ("ValueError", r"takes no cache= and no need_weights=True"),
+    "module-mask-mod": ("ValueError", r"mask_mod / score_mod with context_parallel"),
+}
+
+# the ranks that refuse (else rank 1); ranks that disagree all raise the same error themselves
+REFUSERS = {"inf-dense-ring": (0,), "inf-head0-ulysses": (0, 1), "alibi-differ-ring": (0, 1),
+            "alibi-differ-ulysses": (0, 1)}
+
+
+def refusing_call(name: str, rank: int | None, world: int):
+    """(what to call, the module or None) of a refusal on ``rank``; ``rank=None``: the call of
+    the module in one process on rank 1's arguments (whose message rank 1 must give)."""
+    import headwise
+    import headwise.distributed as hwd
+    from headwise.distributed.layout import positions_of
+
+    B, H, S, D = 2, 4, 7, 8
+    gen = torch.Generator().manual_seed(_seed(name))
+    mine = positions_of(S, world, 1 if rank is None else rank, "zigzag")  # this rank's shard
+    q = torch.randn(B, H, S, D, generator=gen).index_select(2, mine)
+    method = name.rsplit("-", 1)[-1]
+    if name.startswith("inf-"):
+        heads = H if "head0" in name else 1
+        mask = torch.zeros(B, heads, len(mine), S)  # float (.., S_l, Sk): an additive bias
+        if rank in REFUSERS.get(name, (1,)):
+            mask[0, 0, 0, 1] = math.inf
+        if name == "inf-pad-ring":  # (B, Sk_l) key padding, +inf on rank 1 only
+            mask = mask[:, 0, 0, :len(mine)]
+        return (lambda: hwd.attention(q, q, q, mask, method=method)), None
+    if name.startswith("unknown-keyword"):
+        extra: dict[str, Any] = {"bogus": 1} if rank == 1 else {}
+        return (lambda: hwd.attention(q, q, q, method=method, **extra)), None
+    if name.startswith("alibi-differ"):
+        slopes = 0.5 ** torch.arange(1, H + 1, dtype=torch.float32) * (2.0 if rank == 1 else 1.0)
+        return (lambda: hwd.attention(q, q, q, alibi_slopes=slopes, method=method)), None
+    torch.manual_seed(11)
+    mha = headwise.MultiHeadAttention(16, 4, context_parallel=None if rank is None else hwd.ContextParallel())
+    x = torch.randn(B, S, 16, generator=gen).index_select(1, mine)
+    bad = rank != 0
+    args, kwargs = (x,), dict[str, Any]()
+    if name == "module-float64-x" and bad:
+        args = (x.double(),)
+    elif name == "module-wrong-E" and bad:
+        args = (x[..., :8],)
+    elif name == "module-need-weights" and bad:
+        kwargs = {"need_weights": True}
+    elif name == "module-mask-mod" and bad:
+        kwargs = {"mask_mod": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx}
+    return (lambda: mha(*args, **kwargs)), mha
+
+
+def _run_refusal(hwd, name, rank, world):
+    """(error type, message, module state unchanged, the next good call ran) on this rank."""
+    call, mha = refusing_call(name, rank, world)
+    before = None if mha is None else {n: t.clone() for n, t in mha.state_dict().items()}
+    try:
+        call()
+        kind, message = "no error", ""
+    except Exception as error:  # noqa: BLE001  (the test checks the type and message)
+        kind, message = type(error).__name__, str(error)
+    same = mha is None or before is not None and all(torch.equal(t, mha.state_dict()[n]) for n, t in before.items())
+    x = torch.randn(1, 2, 8, 4)  # the ranks are still in step: a good call goes through
+    after: bool | str
+    try:
+        after = bool(torch.isfinite(hwd.attention(x, x, x)).all())
+    except Exception as error:  # noqa: BLE001
+        after = f"{type(error).__name__}: {error}"
+    return kind, message, same, after
+
+
+MODULE_NAN_CASES = ("ring", "ulysses")
+
+
+def module_nan_inputs(world: int):
+    """Cross-attention: x (B, S, E), context (B, Sk, E) with NaN / inf at its padded positions,
+    the (B, Sk) keep mask, dout."""
+    gen = torch.Generator().manual_seed(5)
+    B, S, Sk, E = 2, 2 * world + 1, 2 * world * 2 + 1, 16
+    x = torch.randn(B, S, E, generator=gen, dtype=torch.float64)
+    context = torch.randn(B, Sk, E, generator=gen, dtype=torch.float64)
+    keep = torch.ones(B, Sk, dtype=torch.bool)
+    keep[0, Sk - 3:] = False
+    keep[1, 1] = False
+    context[~keep] = math.nan
+    context[1, 1, 0] = math.inf
+    return x, context, keep, torch.randn(B, S, E, generator=gen, dtype=torch.float64)
+
+
+def module_for_nan(method: str | None):
+    import headwise
+    import headwise.distributed as hwd
+
+    torch.manual_seed(9)
+    cp = None if method is None else hwd.ContextParallel(method=method)
+    return headwise.MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64, context_parallel=cp)
+
+
+def _run_module_nan(hwd, method, world):
+    mha = module_for_nan(method)
+    x, context, keep, dout = module_nan_inputs(world)
+    xs, cs = hwd.shard(x, dim=1).requires_grad_(), hwd.shard(context, dim=1).requires_grad_()
+    y = mha(xs, hwd.shard(keep, dim=1), context=cs)
+    y.backward(hwd.shard(dout, dim=1))
+    grads = {}
+    for pname, p in mha.named_parameters():
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g)  # the gradients of every rank's part of the sequence add up
+        grads[pname] = g
+    return {"out": hwd.unshard(y.detach(), dim=1), "dx": hwd.unshard(xs.grad, dim=1),
+            "dcontext": hwd.unshard(cs.grad, dim=1), **grads}
+
+
+def _run_scenario(hwd, name, rank, world):
+    try:
+        if name in NAN_CASES:
+            return _run_nan_case(hwd, name)
+        if name in REFUSALS:
+            return _run_refusal(hwd, name, rank, world)
+        return _run_module_nan(hwd, name.removeprefix("module-nan-"), world)
+    except Exception as error:  # noqa: BLE001  (reported by the parent)
+        return f"{type(error).__name__}: {error}"
+
+
+SCENARIOS = [*NAN_CASES, *REFUSALS, *(f"module-nan-{m}" for m in MODULE_NAN_CASES)]
+
+
+@pytest.fixture(scope="module")
+def scenario_results(tmp_path_factory):
+    """Every scenario on one group of 2 ranks, with a short gloo timeout: a hang fails within a minute."""
+    spec = {"cases": [], "errors": [], "modules": [], "scenarios": SCENARIOS, "group_timeout_s": 60}
+    return launch(2, spec, tmp_path_factory.mktemp("issue35"), timeout=240)
+
+
+@pytest.mark.parametrize("name", list(NAN_CASES))
+def test_nan_where_no_query_looks_stays_out(scenario_results, name):
+    """NaN / inf at keys or query rows excluded for every query: outputs and every gradient
+    equal the float64 reference on the same inputs with zeros there (one process)."""
+    got = scenario_results[0][name]
+    assert not isinstance(got, str), got
+    t = nan_inputs(name)
+    _, _, causal, window, _, _ = NAN_CASES[name]
+    leaves = {n: t["hidden"][n].clone().requires_grad_() for n in ("q", "k", "v")}
+    out = reference(leaves["q"], leaves["k"], leaves["v"], t["mask"], causal=causal, window=window)
+    out.backward(t["dout"])
+    want = {"out": out.detach(), **{f"d{n}": leaves[n].grad for n in ("q", "k", "v")}}
+    for n, ref in want.items():
+        assert torch.isfinite(got[n]).all(), f"{n} has NaN/inf"
+        torch.testing.assert_close(got[n], ref, rtol=0, atol=1e-10, msg=n)
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_a_refusal_reaches_every_rank(scenario_results, name):
+    """Every rank raises (none waits for the group's timeout); the refusing rank gives its own
+    message, the others name it and its message; the module is unchanged; the group stays in step."""
+    kind, pattern = REFUSALS[name]
+    if pattern is None:  # what the module says in one process on rank 1's arguments
+        call, _ = refusing_call(name, None, 2)
+        with pytest.raises({"TypeError": TypeError, "ValueError": ValueError}[kind]) as info:
+            call()
+        pattern = __import__("re").escape(str(info.value))
+    for rank, results in enumerate(scenario_results):
+        got = results[name]
+        assert not isinstance(got, str), f"rank {rank}: {got}"
+        got_kind, message, same, after = got
+        assert got_kind == kind, f"rank {rank}: {got_kind}: {message}"
+        assert __import__("re").search(pattern, message), f"rank {rank}: {message}"
+        refusers = REFUSERS.get(name, (1,))
+        if rank not in refusers:
+            assert f"rank(s) {list(refusers)} of 2 rejected" in message, message
+        assert same, f"rank {rank}: the module's state changed"
+        assert after is True, f"rank {rank}: the next call: {after}"
+
+
+@pytest.mark.parametrize("method", MODULE_NAN_CASES)
+def test_module_cross_attention_hides_padded_context(scenario_results, method):
+    """NaN / inf at the padded context positions: the same finite results as the module in one process."""
+    got = scenario_results[0][f"module-nan-{method}"]
+    assert not isinstance(got, str), got
+    mha = module_for_nan(None)
+    x, context, keep, dout = module_nan_inputs(2)
+    x, context = x.requires_grad_(), context.requires_grad_()
+    y = mha(x, keep, context=context)
+    y.backward(dout)
+    want = {"out": y.detach(), "dx": x.grad, "dcontext": context.grad,
+            **{n: p.grad for n, p in mha.named_parameters()}}
+    for n, ref in want.items():
+        assert torch.isfinite(ref).all(), f"one process: {n}"
+        assert torch.isfinite(got[n]).all(), f"{n} has NaN/inf"
+        torch.testing.assert_close(got[n], ref, rtol=0, atol=1e-10, msg=n)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

@@ -16,9 +16,10 @@ In every process, after ``torch.distributed.init_process_group(...)``::
     full = hwd.unshard(y, dim=2)                                # (B, H, S, D) on every rank
 
 Every rank validates its inputs, then one small all-gather of metadata checks that the
-ranks agree (shapes, dtype, layout, flags, shard lengths) in ``attention``, ``shard``,
-``unshard`` and ``global_positions``; any problem raises the same
-ValueError on every rank before any data moves, so a mistake never hangs the group.
+ranks agree (shapes, dtype, layout, flags, ALiBi slopes, shard lengths) in ``attention``,
+``shard``, ``unshard`` and ``global_positions``; any problem raises on every rank before any
+data moves (a rank that refused its own inputs raises its error, the others an error naming
+it and its message), so a mistake never hangs the group.
 
 Legend: B batch, H query heads, Hkv key/value heads, S / Sk global query / key length,
 S_l / Sk_l this rank's lengths, D head dim, N world size.
@@ -27,9 +28,10 @@ S_l / Sk_l this rank's lengths, D head dim, N world size.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -40,7 +42,7 @@ from headwise.distributed import ring as _ring
 from headwise.distributed import ulysses as _ulysses
 from headwise.distributed.layout import LAYOUTS, check_layout, local_length, positions_of, segments
 from headwise.functional import _check_inputs, _check_structure
-from headwise.masks import normalize_mask
+from headwise.masks import check_mask_values, normalize_mask
 
 __all__ = ["ContextParallel", "MethodChoice", "METHODS", "LAYOUTS", "attention", "choose_method",
            "global_length", "global_positions", "positions", "shard", "unshard"]
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("ring", "ulysses", "auto")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -111,9 +114,8 @@ def _comm_device(group, like: Tensor | torch.device | None) -> torch.device:
     return torch.device("cpu") if like is None else like
 
 
-def _all_gather_rows(values: list[float], group, world: int, device: torch.device) -> list[list[float]]:
-    """One all-gather of a few numbers per rank (float64: integers up to 2**53 stay exact)."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
+def _all_gather(mine: Tensor, group, world: int) -> list[Tensor]:
+    """One all-gather of a small tensor, the same shape on every rank."""
     every = [torch.empty_like(mine) for _ in range(world)]
     try:
         dist.all_gather(every, mine, group=group)
@@ -121,14 +123,47 @@ def _all_gather_rows(values: list[float], group, world: int, device: torch.devic
         raise RuntimeError(f"context parallel: rank {dist.get_rank(group)} of {world} could not exchange metadata "
                            f"with the other ranks; a rank has died or stopped calling, or the group's timeout "
                            f"passed. Cause: {error}") from error
-    return torch.stack(every).cpu().tolist()
+    return every
+
+
+def _all_gather_rows(values: list[float], group, world: int, device: torch.device) -> list[list[float]]:
+    """One all-gather of a few numbers per rank (float64: integers up to 2**53 stay exact)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    return torch.stack(_all_gather(mine, group, world)).cpu().tolist()
+
+
+_MESSAGE_BYTES = 4096  # of a refusing rank's message that reaches the others (UTF-8, cut beyond)
+
+
+def _refused(ok: list[bool], error: Exception | None, group, world: int, device: torch.device) -> None:
+    """After an exchange in which every rank said whether its own checks passed (``ok``, rank by
+    rank): when one refused, raise on every rank, so every rank stops at the same point and none
+    waits in a collective for the others.
+
+    The refusing ranks' messages travel in one more all-gather; a refusing rank raises its own
+    ``error``, the others the first refusing rank's kind (TypeError or ValueError) naming the ranks
+    and their messages.
+    """
+    bad = [r for r, good in enumerate(ok) if not good]
+    if not bad:
+        return
+    text = b"" if error is None else f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
+    mine = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    mine[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    every = [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in _all_gather(mine, group, world)]
+    if error is not None:
+        raise error
+    kind = TypeError if every[bad[0]].startswith("TypeError:") else ValueError
+    raise kind(f"rank(s) {bad} of {world} rejected their inputs, so every rank stops before any data moves; "
+               + "; ".join(f"rank {r}: {every[r]}" for r in bad))
 
 
 def _checked_rows(local, width: int, group, world: int, device: torch.device) -> list[list[float]]:
     """Every rank's metadata row (``local()``, ``width`` numbers), gathered whatever a rank's own check says.
 
-    A rank whose ``local`` raised sends zeros and re-raises its own error; the others raise a
-    ValueError naming it, so every rank stops at the same point and no data moves.
+    A rank whose ``local`` raised sends zeros and re-raises its own error; the others raise an
+    error naming it and its message (:func:`_refused`), so every rank stops at the same point and
+    no data moves.
     """
     error: Exception | None = None
     try:
@@ -136,13 +171,38 @@ def _checked_rows(local, width: int, group, world: int, device: torch.device) ->
     except (TypeError, ValueError) as caught:
         error, row = caught, [0.0] * (width + 1)
     rows = _all_gather_rows(row, group, world, device)
+    _refused([every[0] == 1 for every in rows], error, group, world, device)
+    return [every[1:] for every in rows]
+
+
+def _checked_together(check: Callable[[], _T], group=None, like: Tensor | torch.device | None = None) -> _T:
+    """``check()`` on this rank, then one small all-gather: its result where every rank's check
+    passed, else an error on every rank (:func:`_refused`). For a caller whose own checks run
+    before it reaches :func:`attention` (the module): a refusal on one rank must not leave the
+    others waiting in the next collective.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised (after a check that passed).
+        ValueError / TypeError: a check refused on some rank (on every rank).
+    """
+    error: Exception | None = None
+    try:
+        result = check()
+    except (TypeError, ValueError) as caught:
+        error = caught
+    try:
+        _, world = _group_info(group)
+    except RuntimeError:
+        if error is not None:
+            raise error from None
+        raise
+    if world > 1:
+        device = _comm_device(group, like)
+        ok = _all_gather_rows([float(error is None)], group, world, device)
+        _refused([row[0] == 1 for row in ok], error, group, world, device)
     if error is not None:
         raise error
-    bad = [r for r, every in enumerate(rows) if every[0] != 1]
-    if bad:
-        raise ValueError(f"rank(s) {bad} of {world} rejected their inputs (their own errors say why); "
-                         "every rank stops before any data moves")
-    return [every[1:] for every in rows]
+    return result
 
 
 _DTYPE_NAMES = tuple(sorted({str(d).removeprefix("torch.") for d in vars(torch).values()
@@ -409,8 +469,8 @@ tensor, then the local 'auto' kernel attends whole sequences
 
 
 _FIELDS = ("inputs valid", "batch B", "num_heads H", "num_kv_heads Hkv", "head_dim D", "dtype", "is_causal",
-           "window", "alibi", "scale", "mask kind", "mask batch", "mask heads", "mask key length", "method", "layout",
-           "dropout_p", "device type", "needs grad")
+           "window", "alibi_slopes", "scale", "mask kind", "mask batch", "mask heads", "mask key length", "method",
+           "layout", "dropout_p", "device type", "needs grad")
 _MASK_KINDS = ("none", "bool (B, Sk_l) key padding", "float (B, Sk_l) key padding", "bool (.., S_l, Sk)",
                "float (.., S_l, Sk)")
 
@@ -423,8 +483,25 @@ def _same_value_dim(k: Tensor, v: Tensor) -> None:
                          "for a value head dim of its own")
 
 
-def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale, dropout_p, method, layout):
+def _unexpected(unexpected: dict) -> None:
+    """A keyword attention does not take: TypeError (on every rank: a rank alone raising would hang the others)."""
+    if unexpected:
+        raise TypeError(f"hwd.attention() got an unexpected keyword argument {next(iter(unexpected))!r}; it takes "
+                        "attention_mask, is_causal, window, alibi_slopes, scale, dropout_p, method, layout and group")
+
+
+def _slopes_print(slopes: Tensor | None) -> float:
+    """-1 for no ALiBi, else a CRC-32 of the slopes' float64 values: ranks that pass other slopes differ."""
+    if slopes is None:
+        return -1.0
+    raw = slopes.detach().to("cpu", torch.float64).contiguous().view(torch.uint8)  # (8 H,) bytes
+    return float(zlib.crc32(bytes(raw.tolist())))
+
+
+def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale, dropout_p, method, layout,
+                 unexpected):
     """Validate this rank's arguments; returns (normalised masks, metadata row, q/k lengths, dense mask rows)."""
+    _unexpected(unexpected)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_layout(layout)
@@ -439,6 +516,8 @@ def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale
     pad = dense = None
     mask_kind, mask_b, mask_h, mask_rows, mask_sk = 0, 0, 0, -1, -1
     m = attention_mask
+    if isinstance(m, Tensor):  # +inf makes a softmax NaN: refused here, before the ranks exchange anything
+        check_mask_values(m)
     if m is not None:
         if isinstance(m, Tensor) and m.dim() == 2:
             pad4 = cast(Tensor, normalize_mask(m, batch=B, heads=H, q_len=S_l, k_len=Sk_l, device=q.device,
@@ -453,23 +532,22 @@ def _local_check(q, k, v, attention_mask, is_causal, window, alibi_slopes, scale
             mask_kind = 3 if dense.dtype == torch.bool else 4
             mask_b, mask_h, mask_rows, mask_sk = dense.shape[0], dense.shape[1], dense.shape[2], k_len
     row = [1, B, H, k.shape[1], D, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, int(bool(is_causal)),
-           -1 if window is None else window, int(alibi_slopes is not None), -1.0 if scale is None else float(scale),
+           -1 if window is None else window, _slopes_print(alibi_slopes), -1.0 if scale is None else float(scale),
            mask_kind, mask_b, mask_h, mask_sk, METHODS.index(method), LAYOUTS.index(layout),
            float(dropout_p), 0 if q.device.type == "cpu" else 1,
            int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))]  # backward is collective
     return pad, dense, row, S_l, Sk_l, mask_rows
 
 
-def _agree(rows: list[list[float]], rank: int, world: int, error: Exception | None, layout: str):
+def _agree(rows: list[list[float]], world: int, alibi_slopes: Tensor | None):
     """Raise the same error on every rank when the ranks' metadata disagree."""
-    bad = [r for r, row in enumerate(rows) if row[0] != 1]
-    if error is not None:
-        raise error
-    if bad:
-        raise ValueError(f"rank(s) {bad} of {world} rejected their inputs (their own errors say why); "
-                         "every rank stops before any data moves")
     for i, name in enumerate(_FIELDS):
         values = [row[i] for row in rows]
+        if len(set(values)) > 1 and name == "alibi_slopes":
+            groups = [[r for r, x in enumerate(values) if x == value] for value in dict.fromkeys(values)]
+            mine = None if alibi_slopes is None else alibi_slopes.tolist()
+            raise ValueError(f"the ranks disagree on alibi_slopes: the groups of ranks {groups} pass different ones "
+                             f"(this rank's: {mine}); every rank must pass the same (H,) slopes, or none")
         if len(set(values)) > 1:
             shown = [_MASK_KINDS[int(x)] if name == "mask kind" else x for x in values]
             why = ("every rank must pass tensors of the same batch, heads, head dim and dtype, and the same flags"
@@ -516,6 +594,7 @@ def attention(
     method: str = "ring",
     layout: str = "zigzag",
     group=None,  # None: the default process group
+    **unexpected: Any,  # none: TypeError on every rank (one rank alone raising would hang the others)
 ) -> Tensor:
     """Exact attention of this rank's queries over the keys of every rank in ``group``.
 
@@ -545,11 +624,14 @@ def attention(
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or a rank died / timed out.
-        ValueError / TypeError: bad input on any rank (raised on every rank), ranks that
-            disagree on shapes, flags or shard lengths, dropout, or heads ulysses cannot split.
+        ValueError / TypeError: bad input on any rank (raised on every rank: the refusing rank
+            raises its own error, the others one naming it and its message), an unknown keyword,
+            ``+inf`` in a float mask, ranks that disagree on shapes, flags, ALiBi slopes or shard
+            lengths, dropout, or heads ulysses cannot split.
     """
     rank, world = _group_info(group)
     if world == 1:
+        _unexpected(unexpected)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         check_layout(layout)
@@ -559,12 +641,14 @@ def attention(
     error, pad, dense, row, S_l, Sk_l, mask_rows = None, None, None, [0] * len(_FIELDS), -1, -1, -1
     try:
         pad, dense, row, S_l, Sk_l, mask_rows = _local_check(q, k, v, attention_mask, is_causal, window,
-                                                             alibi_slopes, scale, dropout_p, method, layout)
+                                                             alibi_slopes, scale, dropout_p, method, layout,
+                                                             unexpected)
     except (TypeError, ValueError) as caught:
         error = caught
     device = _comm_device(group, q)
     rows = _all_gather_rows([*row, S_l, Sk_l, mask_rows], group, world, device)
-    _agree([r[:len(_FIELDS)] for r in rows], rank, world, error, layout)
+    _refused([r[0] == 1 for r in rows], error, group, world, device)
+    _agree([r[:len(_FIELDS)] for r in rows], world, alibi_slopes)
     q_lens = _lengths([int(r[-3]) for r in rows], world, layout, "q")
     k_lens = _lengths([int(r[-2]) for r in rows], world, layout, "k/v")
     # each rank's rows are its queries' unless every rank passes one row to broadcast

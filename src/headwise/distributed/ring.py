@@ -22,6 +22,12 @@ flash kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, 
 returns exactly the pair's share of the gradients given the merged output and lse), in
 parts of at most ``policy.RING_FUSED_ROWS`` rows.
 
+The mask contract's NaN rule holds tile by tile: where a mask or the causal / window rule
+leaves a query row of a tile nothing to attend, or a key of it no row, that row's query or
+that key and value count as zeros in the tile (their probabilities there are 0 anyway), so
+NaN or inf at a padded key, a masked column or a dead query row reaches no result and no
+gradient (``0 * nan`` would).
+
 The kv heads go round in passes of at most ``policy.RING_PASS_BYTES`` of K/V per message (a
 pass takes whole kv heads with their G query heads, at least one). The backward pass holds
 four block-sized buffers at once (the K/V being used and the one arriving, the dK/dV
@@ -206,18 +212,56 @@ class RingPlan:
             blocked |= j <= i - W
         return blocked  # (bq, bk)
 
-    def scores(self, q: Tensor, kt: Tensor, q_tile: tuple[int, int, int], k_tile: tuple[int, int, int],
+    def excluded(self, q_tile: tuple[int, int, int], k_tile: tuple[int, int, int], pad: Tensor | None,
+                 blocked: Tensor | None) -> Tensor | None:
+        """What the masks and the causal / window rule exclude in one tile: (B|1, Hkv|1, G|1, bq|1, bk)
+        bool, True = excluded; None when nothing does. ALiBi excludes nothing."""
+        lq0, lq1, _ = q_tile
+        lk0, lk1, gk0 = k_tile
+        parts = []
+        if self.dense5 is not None:
+            rows = slice(lq0, lq1) if self.dense5.shape[3] != 1 else slice(None)
+            m = self.dense5[:, :, :, rows, gk0:gk0 + lk1 - lk0]  # (B|1, Hkv|1, G|1, bq|1, bk)
+            parts.append(m if m.dtype == torch.bool else torch.isneginf(m))
+        if pad is not None:
+            p = pad[:, None, None, None, lk0:lk1]  # (B|1, 1, 1, 1, bk)
+            parts.append(p if p.dtype == torch.bool else torch.isneginf(p))
+        if blocked is not None:
+            parts.append(blocked[None, None, None])  # (bq, bk) -> (1, 1, 1, bq, bk)
+        if not parts:
+            return None
+        out = parts[0]
+        for part in parts[1:]:
+            out = out | part
+        return out
+
+    @staticmethod
+    def hide(qt: Tensor, kt: Tensor, vt: Tensor, excluded: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """One tile's queries (B, Hkv, G, bq, D), keys and values (B, Hkv, bk, D) with zeros at the
+        rows that may attend no key of the tile and at the keys no row of it may attend.
+
+        Their probabilities are 0 in this tile, so the tile's results are the same, but ``0 * nan``
+        is NaN: what the rules exclude must not reach a result or a gradient even as NaN or inf
+        (the mask contract). A key or row excluded for some rows only is a live input and is kept.
+        """
+        if excluded is None:
+            return qt, kt, vt
+        dead_rows = excluded.all(-1, keepdim=True)  # (B|1, Hkv|1, G|1, bq|1, 1)
+        dead_keys = excluded.all(-2).all(2).unsqueeze(-1)  # (B|1, Hkv|1, G|1, bk) -> (B|1, Hkv|1, bk, 1)
+        return torch.where(dead_rows, 0.0, qt), torch.where(dead_keys, 0.0, kt), torch.where(dead_keys, 0.0, vt)
+
+    def scores(self, qt: Tensor, kt: Tensor, q_tile: tuple[int, int, int], k_tile: tuple[int, int, int],
                pad: Tensor | None, blocked: Tensor | None) -> Tensor:
-        """Masked scaled scores (B, Hkv, G, bq, bk) of one tile of ``q`` (B, Hkv, G, S_l, D).
+        """Masked scaled scores (B, Hkv, G, bq, bk) of one tile's queries ``qt`` (B, Hkv, G, bq, D).
 
         ``pad`` is the block's key padding (B|1, Skb), bool True = blocked, or float.
         """
         lq0, lq1, gq0 = q_tile
         lk0, lk1, gk0 = k_tile
-        B, Hkv, G, _, D = q.shape
+        B, Hkv, G, _, D = qt.shape
         bq, bk = lq1 - lq0, lk1 - lk0
-        qt = q[:, :, :, lq0:lq1].reshape(B, Hkv, G * bq, D)
-        s = torch.matmul(qt, kt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk).mul_(self.scale)
+        s = torch.matmul(qt.reshape(B, Hkv, G * bq, D), kt.transpose(-2, -1)).reshape(B, Hkv, G, bq, bk)
+        s = s.mul_(self.scale)
         # (B, Hkv, G*bq, D) x (B, Hkv, D, bk) -> (B, Hkv, G, bq, bk)
         if self.dense5 is not None:
             m = self.dense5
@@ -264,14 +308,16 @@ def block_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, src: int,
             if blocked is False:
                 continue
             TRAFFIC.score_entries += G * bq * (lk1 - lk0)
-            s = plan.scores(q, k[:, :, lk0:lk1], q_tile, k_tile, pad, blocked)  # (B, Hkv, G, bq, bk)
+            qt, kt, vt = plan.hide(q[:, :, :, lq0:lq1], k[:, :, lk0:lk1], v[:, :, lk0:lk1],
+                                   plan.excluded(q_tile, k_tile, pad, blocked))
+            s = plan.scores(qt, kt, q_tile, k_tile, pad, blocked)  # (B, Hkv, G, bq, bk)
             m_new = s.amax(dim=-1, keepdim=True)  # (B, Hkv, G, bq, 1)
             if running is not None:
                 m_new = torch.maximum(running[0], m_new)
             # -inf max = nothing attended yet: shift by 0 so exp(-inf - 0) = 0, never NaN.
             m_new = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             p = s.sub_(m_new).exp_()  # (B, Hkv, G, bq, bk)
-            pv = torch.matmul(p.reshape(B, Hkv, G * bq, -1), v[:, :, lk0:lk1]).reshape(B, Hkv, G, bq, D)
+            pv = torch.matmul(p.reshape(B, Hkv, G * bq, -1), vt).reshape(B, Hkv, G, bq, D)
             # (B, Hkv, G*bq, bk) x (B, Hkv, bk, D) -> (B, Hkv, G, bq, D)
             if running is None:
                 running = m_new, p.sum(dim=-1, keepdim=True), pv
@@ -335,7 +381,6 @@ def _block_backward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, src: int, p
     for q_tile in plan.q_tiles:
         lq0, lq1, gq0 = q_tile
         bq = lq1 - lq0
-        qt = q[:, :, :, lq0:lq1].reshape(B, Hkv, G * bq, D)
         dot = dout[:, :, :, lq0:lq1].reshape(B, Hkv, G * bq, D)
         for k_tile in plan.k_tiles[src]:
             lk0, lk1, gk0 = k_tile
@@ -343,8 +388,10 @@ def _block_backward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, src: int, p
             blocked = plan.causal_tile(gq0, bq, gk0, bk, q.device)
             if blocked is False:
                 continue
-            kt, vt = k[:, :, lk0:lk1], v[:, :, lk0:lk1]  # (B, Hkv, bk, D)
-            s = plan.scores(q, kt, q_tile, k_tile, pad, blocked)
+            q5, kt, vt = plan.hide(q[:, :, :, lq0:lq1], k[:, :, lk0:lk1], v[:, :, lk0:lk1],
+                                   plan.excluded(q_tile, k_tile, pad, blocked))  # (B, Hkv, G, bq, D), (B, Hkv, bk, D)
+            qt = q5.reshape(B, Hkv, G * bq, D)
+            s = plan.scores(q5, kt, q_tile, k_tile, pad, blocked)
             p = s.sub_(lse[:, :, :, lq0:lq1]).exp_()  # (B, Hkv, G, bq, bk), the merged probabilities
             p3 = p.reshape(B, Hkv, G * bq, bk)
             dkv[1, :, :, lk0:lk1] += torch.matmul(p3.transpose(-2, -1), dot)

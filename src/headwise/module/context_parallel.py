@@ -1,5 +1,7 @@
 """The context-parallel path: x is this rank's shard (B, S_l, E) of the sequence, and
 attention runs across the ranks (:mod:`headwise.distributed`); rotary positions are global.
+A call's checks run on every rank before anything else, and one small all-gather tells every
+rank whether any refused: a refusal raises on every rank, so none waits for the others.
 
 Legend: B batch, H query heads, Hkv key/value heads, S_l this rank's positions, S the
 whole sequence, D head dim, E embed dim.
@@ -8,11 +10,10 @@ whole sequence, D head dim, E embed dim.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from headwise.cache import KVCache
 from headwise.dispatch import Dispatch
 from headwise.module import projections as proj
 from headwise.module.plan import Plan, query_padding
@@ -22,19 +23,37 @@ if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
 
 
+def call(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+         is_causal: bool | None, need_weights: bool, cache: Any, mask_mod: Any, score_mod: Any,
+         weights_heads: Any, weights_rows: Any) -> Tensor:
+    """:meth:`MultiHeadAttention.forward` of a context-parallel module: every check first, on
+    every rank together (one small all-gather), so a refusal on one rank raises on every rank
+    instead of leaving the others waiting in the ranks' next exchange; then :func:`forward`."""
+    from headwise.distributed import _checked_together
+
+    def check() -> Plan:
+        if cache is not None or need_weights or weights_heads is not None or weights_rows is not None:
+            raise ValueError("context_parallel attends sharded whole sequences: it takes no cache= and no "
+                             "need_weights=True; build the module without context_parallel for decoding")
+        return mha.plan(x, attention_mask, context=context, is_causal=is_causal, mask_mod=mask_mod,
+                        score_mod=score_mod)  # checks the call (rules refused); computes nothing
+
+    plan = _checked_together(check, mha.context_parallel.group, mha.reference_weight().device)
+    return forward(mha, x, attention_mask, context, plan.is_causal)
+
+
 def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
-            causal: bool, need_weights: bool, cache: KVCache | None) -> Tensor:
-    """x (B, S_l, E) is this rank's shard of the sequence (``context`` too) -> (B, S_l, E)."""
+            causal: bool) -> Tensor:
+    """x (B, S_l, E) is this rank's shard of the sequence (``context`` too) -> (B, S_l, E); checked by :func:`call`."""
     import headwise.distributed as hwd
 
-    if cache is not None or need_weights:
-        raise ValueError("context_parallel attends sharded whole sequences: it takes no cache= and no "
-                         "need_weights=True; build the module without context_parallel for decoding")
     cp = mha.context_parallel
     padding = query_padding(x, attention_mask, context, None)  # (B, S_l) or None
     finite = False
     if padding is not None:  # what a padded position holds reaches no result and no gradient
         x, finite = proj.hide_padding(x, padding)
+    if context is not None:  # NaN / inf at its padding would reach k_proj's and v_proj's gradients
+        context = _hide_context_padding(attention_mask, context)
     q, k, v = proj.project_heads(mha, x, context)  # (B, H, S_l, D), (B, Hkv, Sk_l, D)
     q, k = proj.normalize(mha, q, k)
     if mha.rope is not None:  # rotate by global positions (dynamic NTK: by the global length)
@@ -47,6 +66,18 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
                         method=cp.method, layout=cp.layout, group=cp.group)  # (B, H, S_l, D)
     out = mha.out_proj(out.transpose(1, 2).flatten(2))  # (B, H, S_l, D) -> (B, S_l, E)
     return out if padding is None else proj.zero_padding_(out, padding, finite)
+
+
+def _hide_context_padding(mask: Tensor | None, context: Tensor) -> Tensor:
+    """This rank's context shard (B, Sk_l, E) with its padded positions hidden where a 2-D mask is
+    their padding (:func:`~headwise.module.projections.hide_padding`). A mask that does not fit is
+    left to :func:`headwise.distributed.attention`, which refuses it on every rank: nothing here may
+    raise on one rank alone."""
+    if (not isinstance(mask, Tensor) or mask.dim() != 2 or mask.device != context.device
+            or mask.shape[1] != context.shape[1] or mask.shape[0] not in (1, context.shape[0])):
+        return context
+    keys = proj.as_padding(mask).expand(context.shape[0], -1)  # (B|1, Sk_l) -> (B, Sk_l), True at a token
+    return proj.hide_padding(context, keys)[0]
 
 
 def dispatch(mha: MultiHeadAttention, attention_mask: Tensor | None, plan: Plan) -> Dispatch:

@@ -359,6 +359,9 @@ class MultiHeadAttention(nn.Module):
         Raises:
             ValueError / TypeError: inputs or mask that do not fit; see the messages.
         """
+        if self.context_parallel is not None:  # module/context_parallel.py: checked on every rank together
+            return context_parallel.call(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod,
+                                         score_mod, weights_heads, weights_rows)
         if isinstance(cache, paged_path.PAGED):  # a PagedKVCache (or its batch()): module/paged.py
             return paged_path.forward(self, x, attention_mask, context, is_causal, need_weights, cache, mask_mod,
                                       score_mod)
@@ -394,8 +397,6 @@ class MultiHeadAttention(nn.Module):
             out = fused.forward(self, x)
         elif plan.path == "packed":
             out = packed.forward(self, x, plan)
-        elif plan.path == "context parallel":
-            return context_parallel.forward(self, x, attention_mask, context, plan.is_causal, need_weights, cache)
         elif cache is not None:
             return cached.forward(self, x, attention_mask, plan, need_weights, cache, key=key)
         else:
