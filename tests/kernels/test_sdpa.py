@@ -63,29 +63,29 @@ def _masks():
             "causal": (None, True, every & causal)}
 
 
+@pytest.mark.parametrize("mask", ["no mask", "key padding", "causal"])
 @pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out+lse"])
 @pytest.mark.parametrize("which", ["q", "k", "v", "q, k, v"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("Dv", [D, 6], ids=["Dv=D", "Dv<D"])
 @pytest.mark.parametrize("Hkv", [H, 2], ids=["MHA", "GQA"])
 @pytest.mark.parametrize("backend", ["sdpa", "varlen"])
-def test_any_strides_give_the_reference(backend, Hkv, Dv, layout, which, return_lse):
+def test_any_strides_give_the_reference(backend, Hkv, Dv, layout, which, return_lse, mask):
+    attention_mask, is_causal, allowed = _masks()[mask]
     gen = torch.Generator().manual_seed(0)
     leaves = [torch.randn(B, heads, n, d, generator=gen, dtype=torch.float64, requires_grad=True)
               for heads, n, d in ((H, S, D), (Hkv, Sk, D), (Hkv, Sk, Dv))]
-    for name, (mask, is_causal, allowed) in _masks().items():
-        q, k, v = (_layout(t, layout) if n in which else t for n, t in zip("qkv", leaves, strict=True))
-        result = headwise.attention(q, k, v, mask, is_causal=is_causal, backend=backend, return_lse=return_lse)
-        out, lse = result if return_lse else (result, None)
-        want, want_lse = _reference(q, k, v, allowed)
-        torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10, msg=lambda m: f"{name}: {m}")
-        g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-        loss, want_loss = (out * g).sum(), (want * g).sum()
-        if lse is not None:
-            torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-10, msg=lambda m: f"{name} lse: {m}")
-            gl = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
-            loss = loss + (lse.masked_fill(torch.isneginf(lse), 0.0) * gl).sum()
-            want_loss = want_loss + (want_lse.masked_fill(torch.isneginf(want_lse), 0.0) * gl).sum()
-        grads = torch.autograd.grad(loss, leaves)
-        for got, expected in zip(grads, torch.autograd.grad(want_loss, leaves), strict=True):
-            torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10, msg=lambda m: f"{name} grad: {m}")
+    q, k, v = (_layout(t, layout) if n in which else t for n, t in zip("qkv", leaves, strict=True))
+    result = headwise.attention(q, k, v, attention_mask, is_causal=is_causal, backend=backend, return_lse=return_lse)
+    out, lse = result if return_lse else (result, None)
+    want, want_lse = _reference(q, k, v, allowed)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    loss, want_loss = (out * g).sum(), (want * g).sum()
+    if lse is not None:
+        torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-10)
+        gl = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+        loss = loss + (lse.masked_fill(torch.isneginf(lse), 0.0) * gl).sum()
+        want_loss = want_loss + (want_lse.masked_fill(torch.isneginf(want_lse), 0.0) * gl).sum()
+    for got, expected in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(want_loss, leaves), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
