@@ -481,6 +481,11 @@ def from_block_mask(block_mask: Any, S: int, Sk: int, *, B: int | None = None, H
     Raises:
         ValueError: the BlockMask was built for another (S, Sk), another batch size or head
             count (each must match or be 1), covers fewer queries than S, or was sliced.
+
+    >>> from torch.nn.attention.flex_attention import BlockMask
+    >>> blocks = BlockMask.from_kv_blocks(torch.tensor([[[1, 1]]]), torch.tensor([[[[1, 0], [0, 1]]]]), BLOCK_SIZE=2)
+    >>> from_block_mask(blocks, 4, 4)(0, 0, torch.arange(4)[:, None], torch.arange(4)[None, :]).int().tolist()
+    [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]]
     """
     from torch.nn.attention import flex_attention as flex  # where is_block_mask found a BlockMask
 
