@@ -170,6 +170,17 @@ def test_non_tensor_is_a_type_error(mask, name):
         norm(mask)
 
 
+def test_a_block_mask_where_only_tensors_are_taken_names_its_remedy():
+    """headwise.attention takes a FlexAttention BlockMask as the mask; where only tensors are
+    taken (the module's attention_mask), the message says how to pass its rule instead."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    block_mask = flex.create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 4, 4, device="cpu", BLOCK_SIZE=2)
+    with pytest.raises(TypeError, match=r"attention_mask is a FlexAttention BlockMask, which headwise.attention "
+                                        r"takes but this call does not; pass its rule as "
+                                        r"mask_mod=headwise.rules.from_block_mask\(block_mask, S, Sk\)"):
+        norm(block_mask)
+
+
 def test_wrong_device():
     mask = torch.ones(B, Sk, dtype=torch.bool, device="meta")
     with pytest.raises(

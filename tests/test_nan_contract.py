@@ -146,6 +146,49 @@ def test_padded_keys_never_reach_a_result_on_every_kernel(backend, interpreter):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def _block_masks():
+    """FlexAttention BlockMasks (S = 5, Sk = 6, 2 x 2 blocks), the pairs they allow (1, 1, S, Sk)
+    and what they exclude for every query: keys and values (1, 1, Sk, 1), queries (1, 1, S, 1)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def rule(b, h, q_idx, kv_idx):  # keys 1 and 4 for no query, query 2 attends nothing
+        return (kv_idx != 1) & (kv_idx != 4) & (q_idx != 2)
+
+    keys = (torch.arange(Sk) == 1) | (torch.arange(Sk) == 4)
+    built = flex.create_block_mask(rule, None, None, S, Sk, device="cpu", BLOCK_SIZE=2)
+    # every query block attends key blocks 0 and 2 and no mask_mod: keys 2, 3 for no query
+    num, index = torch.tensor([[[2, 2, 2]]], dtype=torch.int32), torch.tensor([[[[0, 2, 1]] * 3]], dtype=torch.int32)
+    blocks = flex.BlockMask.from_kv_blocks(num, index, BLOCK_SIZE=2, seq_lengths=(S, Sk))
+    none = torch.zeros(1, 1, S, 1, dtype=torch.bool)
+    i, j = torch.arange(S).view(1, 1, S, 1), torch.arange(Sk).view(1, 1, 1, Sk)
+    return {"create_block_mask": (built, rule(0, 0, i, j), keys.view(1, 1, Sk, 1), (i == 2)),
+            "from_kv_blocks": (blocks, (j // 2 != 1).expand(1, 1, S, Sk), (j // 2 == 1).view(1, 1, Sk, 1), none)}
+
+
+def _results(q, k, v, mask, backend):
+    """Output, weights, lse and the gradients of q, k, v through all three."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, weights, lse = attention(*leaves, mask, backend=backend, need_weights=True, return_lse=True)
+    loss = ((out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum() + weights.sum()
+            + lse.masked_fill(torch.isneginf(lse), 0.0).sum())
+    return (out, weights, lse), torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("kind", ["create_block_mask", "from_kv_blocks"])
+@pytest.mark.parametrize("backend", _backends_with_triton())
+def test_what_a_block_mask_excludes_never_reaches_a_result(backend, kind, interpreter, ref):
+    """As the same rule given as mask_mod: NaN or inf at keys, values and queries a BlockMask
+    excludes for every query reach no output, weight, lse or gradient (in fp32, as triton runs)."""
+    block_mask, allowed, keys, queries = _block_masks()[kind]
+    q, k, v = (t.float() for t in _inputs())
+    want = _results(q, k, v, block_mask, backend)
+    torch.testing.assert_close(want[0][0], ref(q, k, v, allowed)[0].float(), atol=1e-5, rtol=1e-5)
+    got = _results(_plant(q, queries, NAN), _plant(k, keys, NAN), _plant(v, keys, INF), block_mask, backend)
+    for a, b in zip((*got[0], *got[1]), (*want[0], *want[1]), strict=True):
+        assert not a.isnan().any() and not a.isposinf().any()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 # --- dead query rows ----------------------------------------------------------------------
 
 

@@ -269,3 +269,26 @@ def test_refusals_name_the_values():
         paged_attention(q, k_pages, v_pages, table, lens, sink_tokens=1)  # headwise.attention's own checks
     with pytest.raises(TypeError, match="q, k, v dtypes differ"):
         paged_attention(q.float(), k_pages, v_pages, table, lens)
+
+
+@pytest.mark.parametrize("Hkv", [4, 2], ids=["MHA", "GQA"])
+@pytest.mark.parametrize("T", [1, 6], ids=["decode, 2 shared pages", "T=6, 1 shared page"])
+def test_a_value_pool_of_vllm_layout_gives_the_reference_through_a_shared_prefix(Hkv, T):
+    """vLLM keeps values as (N, Hkv, Dv, P).transpose(-1, -2), last stride P: the shared prefix's
+    lse path gives the reference, lse and gradients too (one shared page is read as a view of
+    the pool with that stride)."""
+    k_pages, v_pages = pools(Hkv, 8, 8)
+    k_pages = k_pages.requires_grad_()
+    v_t = v_pages.transpose(-1, -2).contiguous().requires_grad_()  # (N, Hkv, Dv, P)
+    v_pages = v_t.transpose(-1, -2)  # (N, Hkv, P, Dv)
+    q = torch.randn(4, 4, T, 8, dtype=torch.float64, requires_grad=True)
+    out, lse = paged_attention(q, k_pages, v_pages, torch.tensor(TABLE), torch.tensor(LENS), share_prefix=True,
+                               return_lse=True)
+    ref, ref_lse = reference(q, k_pages, v_pages, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum() + lse.sum(), (q, k_pages, v_t))
+    ref_grads = torch.autograd.grad((ref * weights).sum() + ref_lse.sum(), (q, k_pages, v_t))
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)

@@ -230,6 +230,114 @@ def test_a_flex_block_mask_is_accepted_as_the_mask():
         headwise.attention(*inputs(6, 6), block_mask)
 
 
+def _block_rule(block_mask, B, H, S, Sk):
+    """Flex's rule of a BlockMask, written out with its public API: a pair in one of the full
+    blocks may attend, a pair in one of the partial blocks where the mask_mod allows it, any
+    other pair not: bool (B, H, S, Sk)."""
+    flex = torch.nn.attention.flex_attention
+    bq, bk = block_mask.BLOCK_SIZE
+
+    def pairs(num, index):  # the blocks' pairs: (B|1, H|1, nq, nk) -> (B, H, S, Sk)
+        blocks = flex.BlockMask.from_kv_blocks(num, index, BLOCK_SIZE=(bq, bk)).to_dense().bool()
+        return blocks.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :S, :Sk].expand(B, H, S, Sk)
+
+    b, h, i, j = grid(B, H, (0, S), (0, Sk), None)
+    allowed = pairs(block_mask.kv_num_blocks, block_mask.kv_indices) & block_mask.mask_mod(b, h, i, j)
+    if block_mask.full_kv_num_blocks is not None:
+        allowed = allowed | pairs(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    return allowed
+
+
+def _kv_blocks(rows, nk=3):
+    """(kv_num_blocks, kv_indices) int32 of per (b, h) lists of key blocks per query block, of nk in all."""
+    num = torch.tensor([[[len(blocks) for blocks in bh] for bh in b] for b in rows], dtype=torch.int32)
+    index = torch.tensor([[[blocks + [j for j in range(nk) if j not in blocks] for blocks in bh] for bh in b]
+                          for b in rows], dtype=torch.int32)
+    return num, index
+
+
+def _block_masks():
+    """BlockMasks built from their blocks, as Flex users build them (B = 2, H = 4, 4 x 4 blocks)."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    # per batch row and head, per query block, its key blocks: no block is every block
+    rows = [[[[1], [0, 2], [2]], [[0], [1], [1, 2]], [[2], [], [0]], [[0, 1], [1], [0]]],
+            [[[0], [0, 1], [2]], [[2], [2], [2]], [[1], [0], [0, 1]], [[0], [2], [1]]]]
+    num, index = _kv_blocks(rows)
+    even = lambda b, h, q_idx, kv_idx: (q_idx + kv_idx + h) % 2 == 0  # noqa: E731
+    full_num, full_index = _kv_blocks([[[[0], [], [1]]] * 4] * 2)  # (2, 4, 3): full blocks beside partial ones
+    return {
+        "pattern only": flex.BlockMask.from_kv_blocks(num, index, BLOCK_SIZE=4),
+        "one pattern for every row and head": flex.BlockMask.from_kv_blocks(num[:1, :1], index[:1, :1], BLOCK_SIZE=4),
+        "partial and full blocks": flex.BlockMask.from_kv_blocks(num, index, full_num, full_index, BLOCK_SIZE=4),
+        "mask_mod on partial blocks only": flex.BlockMask.from_kv_blocks(num, index, full_num, full_index,
+                                                                         BLOCK_SIZE=4, mask_mod=even),
+        "lengths past the blocks' end": flex.BlockMask.from_kv_blocks(num, index, BLOCK_SIZE=(4, 4), mask_mod=even,
+                                                                      seq_lengths=(11, 10)),
+    }
+
+
+@pytest.mark.parametrize("case", ["pattern only", "one pattern for every row and head", "partial and full blocks",
+                                  "mask_mod on partial blocks only", "lengths past the blocks' end"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_block_mask_is_attended_as_its_blocks(backend, case, small_tiles):
+    block_mask = _block_masks()[case]
+    S, Sk = block_mask.seq_lengths
+    q, k, v = inputs(S, Sk)
+    allowed = _block_rule(block_mask, B, H, S, Sk)
+    assert not allowed.all() and allowed.any()
+    want = oracle(q, k, v, attention_mask=allowed)
+    scores = q @ k.repeat_interleave(H // Hkv, 1).transpose(-2, -1) / D ** 0.5  # (B, H, S, Sk)
+    want_lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), -1)  # (B, H, S), -inf: no key
+    out, lse = headwise.attention(q, k, v, block_mask, backend=backend, return_lse=True)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-10)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_a_block_mask_and_a_mask_mod_combine_with_and():
+    block_mask = _block_masks()["mask_mod on partial blocks only"]
+    q, k, v = inputs()
+    allowed = _block_rule(block_mask, B, H, 12, 12) & mm.causal(None, None, *grid(1, 1, (0, 12), (0, 12), None)[2:])
+    out = headwise.attention(q, k, v, block_mask, mask_mod=mm.causal, backend="chunked")
+    torch.testing.assert_close(out, oracle(q, k, v, attention_mask=allowed), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("block", [(4, 4), (2, 4), (8, 8), (3, 5)], ids=str)
+def test_a_block_masks_tiles_are_never_called_full_or_empty_wrongly(block):
+    from headwise.rules import from_block_mask
+
+    for case, block_mask in _block_masks().items():
+        S, Sk = block_mask.seq_lengths
+        rule = from_block_mask(block_mask, S, Sk, B=B, H=H)
+        allowed = evaluate_mask(rule, B, H, (0, S), (0, Sk), None).expand(B, H, S, Sk)
+        assert torch.equal(allowed, _block_rule(block_mask, B, H, S, Sk)), case
+        states = tile_map(rule, B, H, S, Sk, block=block).states.expand(B, H, -1, -1)  # (B, H, nq, nk)
+        for qi, kj in ((qi, kj) for qi in range(states.shape[2]) for kj in range(states.shape[3])):
+            tile = allowed[:, :, qi * block[0]:(qi + 1) * block[0], kj * block[1]:(kj + 1) * block[1]]
+            full, empty = tile.flatten(2).all(-1), ~tile.flatten(2).any(-1)  # (B, H)
+            assert not ((states[:, :, qi, kj] == 2) & ~full).any(), (case, qi, kj)
+            assert not ((states[:, :, qi, kj] == 0) & ~empty).any(), (case, qi, kj)
+        if block == (4, 4) and case == "pattern only":  # its own blocks, no mask_mod: no pair to evaluate
+            assert not (states == 1).any()
+
+
+def test_a_block_mask_that_does_not_fit_the_call_is_refused():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    block_mask = _block_masks()["pattern only"]  # B = 2, H = 4
+    with pytest.raises(ValueError, match=r"BlockMask has batch size 2 and 4 heads \(kv_num_blocks \(2, 4, 3\)\), "
+                                         r"but the call has B = 1 and H = 4; each must match or be 1"):
+        headwise.attention(*(t[:1] for t in inputs()), block_mask)
+    with pytest.raises(ValueError, match=r"BlockMask covers 3 query blocks of 4 \(12 queries\), but its "
+                                         r"seq_lengths say 13"):
+        headwise.attention(*inputs(13, 12), flex.BlockMask.from_kv_blocks(
+            block_mask.kv_num_blocks, block_mask.kv_indices, BLOCK_SIZE=4, seq_lengths=(13, 12)))
+    with pytest.raises(ValueError, match=r"this BlockMask was sliced \(block_mask\[...\]\), which drops its "
+                                         r"mask_mod"):
+        headwise.attention(*(t[:1] for t in inputs()), block_mask[:1])
+
+
 def test_auto_picks_by_the_rule_and_says_why(monkeypatch):
     q, k, v = (torch.randn(1, 2, 2048, 16) for _ in range(3))
     ids = torch.arange(2048) // 256

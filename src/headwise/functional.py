@@ -248,7 +248,7 @@ def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backen
     check_functions(mask_mod, score_mod)
     B, H, S, _ = q.shape
     if is_block_mask(attention_mask):  # FlexAttention's BlockMask: its mask_mod
-        block_rule = from_block_mask(attention_mask, S, k.shape[2])
+        block_rule = from_block_mask(attention_mask, S, k.shape[2], B=B, H=H)
         mask_mod = block_rule if mask_mod is None else and_masks(block_rule, mask_mod)
         attention_mask = None
     if isinstance(mask_mod, Document):
@@ -342,7 +342,9 @@ def attention(
             helpers of :mod:`headwise.masks` (``causal``, ``sliding_window``, ``document``,
             ``prefix_lm``, ``and_masks``, ``or_masks``) know their tiles, so blockwise kernels
             skip empty ones; a :class:`headwise.rules.TileMap` is reused as built. A
-            FlexAttention ``BlockMask`` may be given as ``attention_mask`` instead.
+            FlexAttention ``BlockMask`` may be given as ``attention_mask`` instead: attended
+            as Flex attends it, its full blocks whole and its partial blocks where its own
+            mask_mod allows (:class:`headwise.rules.BlockRule`).
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the
             scaled score, after softcap and ALiBi and before the mask. Tensors it reads get
             their gradients (``headwise.masks.relative_position_bias`` is T5's learned bias).
@@ -554,7 +556,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     # What the mask excludes for every query must not reach a result, even as NaN or inf.
     if not excluded_finite:
         q, k, v = hide_excluded(q, k, v, mask, is_causal=rules.is_causal, window=window, sink_tokens=sink_tokens,
-                                mask_mod=rules.structure(S, k.shape[2]) if mask_mod is not None else None)
+                                mask_mod=rules.structure(S, k.shape[2]) if rules.mask_mod is not None else None)
     out, weights, *lse = call_kernel(dispatch.kernel.fn, q, k, v, mask, rules, args)
     if trace.ACTIVE and trace.recording():
         call = Call(q, k, v, attention_mask=mask, rules=rules, dropout_p=args["dropout_p"], scale=args["scale"],

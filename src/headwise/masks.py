@@ -47,7 +47,7 @@ from headwise.mask_mods import (
     relative_position_bias,
     sliding_window,
 )
-from headwise.rules import TileMap, tile_map
+from headwise.rules import TileMap, is_block_mask, tile_map
 
 __all__ = [
     "normalize_mask",
@@ -105,7 +105,8 @@ def normalize_mask(
         bool masks; integer masks become bool.
 
     Raises:
-        TypeError: the mask is not a tensor, or has a complex dtype.
+        TypeError: the mask is not a tensor (a FlexAttention ``BlockMask`` included: only
+            :func:`headwise.attention` takes one), or has a complex dtype.
         ValueError: the mask has the wrong number of dimensions, a wrong size, or lives
             on another device.
 
@@ -116,6 +117,11 @@ def normalize_mask(
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, Tensor):
+        if is_block_mask(attention_mask):
+            raise TypeError(
+                "attention_mask is a FlexAttention BlockMask, which headwise.attention takes but this call does "
+                "not; pass its rule as mask_mod=headwise.rules.from_block_mask(block_mask, S, Sk)"
+            )
         raise TypeError(
             f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}; "
             "wrap it with torch.as_tensor(...)"

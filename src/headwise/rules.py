@@ -47,12 +47,13 @@ from headwise.mask_mods import (
     Shifted,
     SoftCap,
     as_4d,
+    states,
 )
 
 __all__ = ["Rules", "TileMap", "tile_map", "grid", "grid_at", "evaluate_mask", "evaluate_score", "evaluate_score_at",
            "evaluated_tile_states",
            "mask_tile_states", "knows_tiles", "document_lengths", "document_rule", "score_mod_needs_grad",
-           "check_functions", "from_block_mask", "is_block_mask"]
+           "check_functions", "BlockRule", "from_block_mask", "is_block_mask"]
 
 # Pairs evaluated at once when a plain mask_mod is read on the whole grid: bounds the memory
 # of building a tile map to a few tens of MiB whatever S and Sk are.
@@ -407,13 +408,108 @@ def check_functions(mask_mod: Any, score_mod: Any) -> None:
             raise TypeError(f"{name} must be a function {sig} or None, got {type(fn).__name__}")
 
 
-def from_block_mask(block_mask: Any, S: int, Sk: int) -> MaskMod:
-    """The mask_mod of a FlexAttention ``BlockMask`` built for (S, Sk); ValueError for another shape."""
+class BlockRule(MaskRule):
+    """A FlexAttention ``BlockMask`` as a mask_mod, with Flex's meaning: query ``i`` may attend
+    key ``j`` iff ``i < Q_LEN``, ``j < KV_LEN`` and block ``(i // bq, j // bk)`` of its (b, h) is
+    one of the full blocks, or one of the partial blocks and ``mask_mod(b, h, i, j)`` allows it
+    (a BlockMask built from its blocks alone has Flex's ``noop_mask``: every pair of a listed
+    block). A block past a row's count is not listed.
+
+    Attributes:
+        partial: bool (B|1, H|1, nq, nk), the partial blocks (``kv_num_blocks`` / ``kv_indices``).
+        full: bool (B|1, H|1, nq, nk), the full blocks, or None.
+        block: (bq, bk), the BlockMask's ``BLOCK_SIZE``.
+        lengths: (Q_LEN, KV_LEN), its ``seq_lengths``.
+        mask_mod: its mask_mod, None where it is Flex's ``noop_mask``.
+    """
+
+    def __init__(self, partial: Tensor, full: Tensor | None, block: tuple[int, int], lengths: tuple[int, int],
+                 mask_mod: MaskMod | None):
+        self.partial, self.full, self.block, self.lengths, self.mask_mod = partial, full, block, lengths, mask_mod
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        (bq, bk), (Q, K) = self.block, self.lengths
+        q_idx, kv_idx = torch.as_tensor(q_idx), torch.as_tensor(kv_idx)
+        inside = (q_idx >= 0) & (q_idx < Q) & (kv_idx >= 0) & (kv_idx < K)
+        # (b, h, block row, block column): broadcasts to the index arguments' (B|1, H|1, S|1, Sk|1)
+        at = (0 if self.partial.shape[0] == 1 else b, 0 if self.partial.shape[1] == 1 else h,
+              q_idx.clamp(0, Q - 1) // bq, kv_idx.clamp(0, K - 1) // bk)
+        allowed = self.partial.to(q_idx.device)[at]
+        if self.mask_mod is not None:
+            allowed = allowed & self.mask_mod(b, h, q_idx, kv_idx)
+        if self.full is not None:
+            allowed = allowed | self.full.to(q_idx.device)[at]
+        return allowed & inside
+
+    def tile_states(self, bounds, B, H):
+        """A tile is full where every block it overlaps is, empty where every one is; from 2-D
+        prefix counts of the blocks, so tiles of any size cost a few ops on the block grid."""
+        listed = self.partial if self.full is None else self.partial | self.full  # (B|1, H|1, nq, nk)
+        full = self.partial if self.mask_mod is None else torch.zeros_like(self.partial)
+        full = full if self.full is None else full | self.full
+        (bq, bk), device = self.block, bounds.device
+        r0, r1 = bounds.q_lo // bq, bounds.q_hi // bq + 1  # (nt_q, 1) the block rows [r0, r1) of each tile row
+        c0, c1 = bounds.k_lo // bk, bounds.k_hi // bk + 1  # (1, nt_k)
+
+        def count(blocks: Tensor) -> Tensor:  # blocks set in each tile's span: (B|1, H|1, nt_q, nt_k)
+            sums = blocks.to(device=device, dtype=torch.int32).cumsum(-1).cumsum(-2)  # blocks in [0, r) x [0, c)
+            sums = torch.nn.functional.pad(sums, (1, 0, 1, 0))  # (B|1, H|1, nq + 1, nk + 1), 0 at r = 0 or c = 0
+            return sums[..., r1, c1] - sums[..., r0, c1] - sums[..., r1, c0] + sums[..., r0, c0]
+
+        return states(count(full) == (r1 - r0) * (c1 - c0), count(listed) == 0)
+
+    def __repr__(self) -> str:
+        rule = "" if self.mask_mod is None else f", mask_mod={getattr(self.mask_mod, '__name__', self.mask_mod)}"
+        return f"BlockMask(BLOCK_SIZE={self.block}, seq_lengths={self.lengths}{rule})"
+
+
+def _listed(num: Tensor, index: Tensor, nk: int) -> Tensor:
+    """The blocks a (num_blocks, indices) pair lists, bool (B|1, H|1, nq, nk): the first
+    ``num[b, h, i]`` of ``index[b, h, i]``; indices outside 0..nk-1 list nothing."""
+    while index.dim() < 4:  # (nq, n) or (H|1, nq, n) -> (B|1, H|1, nq, n)
+        num, index = num.unsqueeze(0), index.unsqueeze(0)
+    first = torch.arange(index.shape[-1], device=index.device) < num[..., None]  # (B|1, H|1, nq, n)
+    cols = torch.where(first & (index >= 0) & (index < nk), index.long(), nk)  # the rest to a spare column
+    dense = torch.zeros(*index.shape[:-1], nk + 1, dtype=torch.bool, device=index.device)
+    return dense.scatter_(-1, cols, True)[..., :nk]  # (B|1, H|1, nq, nk)
+
+
+def from_block_mask(block_mask: Any, S: int, Sk: int, *, B: int | None = None, H: int | None = None) -> BlockRule:
+    """The rule of a FlexAttention ``BlockMask`` built for (S, Sk), as Flex reads it (see
+    :class:`BlockRule`); ``B``, ``H``: the call's batch and heads (None: not checked).
+
+    Raises:
+        ValueError: the BlockMask was built for another (S, Sk), another batch size or head
+            count (each must match or be 1), covers fewer queries than S, or was sliced.
+
+    >>> from torch.nn.attention.flex_attention import BlockMask
+    >>> blocks = BlockMask.from_kv_blocks(torch.tensor([[[1, 1]]]), torch.tensor([[[[1, 0], [0, 1]]]]), BLOCK_SIZE=2)
+    >>> from_block_mask(blocks, 4, 4)(0, 0, torch.arange(4)[:, None], torch.arange(4)[None, :]).int().tolist()
+    [[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]]
+    """
+    from torch.nn.attention import flex_attention as flex  # where is_block_mask found a BlockMask
+
     lengths = tuple(getattr(block_mask, "seq_lengths", (S, Sk)))
     if lengths != (S, Sk):
         raise ValueError(f"the BlockMask was built for (Q_LEN, KV_LEN) = {lengths}, but the call has (S, Sk) = "
                          f"{(S, Sk)}; build it with create_block_mask(mask_mod, B, H, {S}, {Sk})")
-    return block_mask.mask_mod
+    if block_mask.mask_mod is getattr(flex, "_sliced_mask_mod_error", None):
+        raise ValueError("this BlockMask was sliced (block_mask[...]), which drops its mask_mod; set "
+                         "sliced.mask_mod = the original's mask_mod (flex_attention.noop_mask where it had none)")
+    num, index, (bq, bk) = block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.BLOCK_SIZE
+    sizes = (1,) * (3 - num.dim()) + tuple(num.shape)  # (B|1, H|1, nq)
+    if (B is not None and sizes[0] not in (1, B)) or (H is not None and sizes[1] not in (1, H)):
+        raise ValueError(f"the BlockMask has batch size {sizes[0]} and {sizes[1]} heads (kv_num_blocks "
+                         f"{tuple(num.shape)}), but the call has B = {B} and H = {H}; each must match or be 1")
+    if sizes[2] * bq < S:
+        raise ValueError(f"the BlockMask covers {sizes[2]} query blocks of {bq} ({sizes[2] * bq} queries), but its "
+                         f"seq_lengths say {S}; give kv_num_blocks and kv_indices one row per block of queries")
+    nk = -(-Sk // bk)  # key blocks covering Sk
+    full = None
+    if block_mask.full_kv_num_blocks is not None:
+        full = _listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nk)
+    mask_mod = None if block_mask.mask_mod is flex.noop_mask else block_mask.mask_mod
+    return BlockRule(_listed(num, index, nk), full, (bq, bk), (S, Sk), mask_mod)
 
 
 def is_block_mask(mask: Any) -> bool:

@@ -92,3 +92,29 @@ def test_dropout_reaches_buckets_that_need_no_mask(ref):
     assert not torch.allclose(out[1], out[2])  # dropout drew different masks in the unmasked bucket
     expected, _ = ref(q1, k1, v1)
     torch.testing.assert_close(out[1:].double().mean(0, keepdim=True), expected, atol=0.08, rtol=0)
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out+lse"])
+def test_documents_with_values_of_vllm_layout_give_the_reference(ref, return_lse):
+    """A document rule splits into packed documents; values whose last dim has stride != 1
+    ((B, Hkv, Dv, Sk).transpose(-1, -2)) give the float64 reference, lse and gradients too."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 9, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 4, 9, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    v_t = torch.randn(2, 4, 8, 9, generator=gen, dtype=torch.float64, requires_grad=True)  # (B, Hkv, Dv, Sk)
+    v = v_t.transpose(-1, -2)  # (B, Hkv, Sk, Dv), last stride Sk
+    ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2])
+    rule = headwise.masks.and_masks(headwise.masks.causal, headwise.masks.document(ids))
+    result = headwise.attention(q, k, v, backend="varlen", mask_mod=rule, return_lse=return_lse)
+    out, lse = result if return_lse else (result, None)
+    allowed = rule(None, None, torch.arange(9)[:, None], torch.arange(9)[None, :])  # (S, Sk)
+    want, _ = ref(q, k, v, allowed[None, None])
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    loss, want_loss = out.sum(), want.sum()
+    if lse is not None:
+        scores = (q @ k.transpose(-2, -1) / 8 ** 0.5).masked_fill(~allowed, float("-inf"))  # (B, H, S, Sk)
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-10, rtol=1e-10)
+        loss, want_loss = loss + lse.sum(), want_loss + torch.logsumexp(scores, -1).sum()
+    for got, expected in zip(torch.autograd.grad(loss, (q, k, v_t)), torch.autograd.grad(want_loss, (q, k, v_t)),
+                             strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)

@@ -110,7 +110,8 @@ def sdpa_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal:
     returns none for it); rows that may attend nothing are zeros with ``lse = -inf``. k and
     v are repeated to H heads for grouped-query attention, and the narrower of the head
     dims is padded with zeros to the wider (the kernel takes equal head counts and head
-    dims; zero columns change no score and no output).
+    dims; zero columns change no score and no output). An operand whose last dimension has
+    stride != 1 is copied first, as the kernel misreads it (:func:`_unit_last_stride`).
     """
     if mask is not None and mask.requires_grad and torch.is_grad_enabled():
         raise ValueError("sdpa_lse: the CPU flash kernel returns no gradient for the mask, and this mask requires "
@@ -129,12 +130,24 @@ def sdpa_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, is_causal:
             mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         dead = row_is_dead(mask)  # (B|1, H|1, S|1, 1)
         mask = mask.to(q.dtype).masked_fill(dead, 0.0)  # a dead row attends everything, then is zeroed
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     out, lse = _FlashWithLse.apply(q, k, v, mask, is_causal, scale)  # (B, H, S, width), (B, H, S)
     out, lse = out[..., :Dv], lse.to(lse_dtype(q.dtype))  # (B, H, S, Dv)
     if dead is not None:
         out = out.masked_fill(dead, 0.0)
         lse = lse.masked_fill(dead[..., 0], float("-inf"))
     return out, lse
+
+
+def _unit_last_stride(t: Tensor) -> Tensor:
+    """``t`` where its last dimension has stride 1, else a contiguous copy of it.
+
+    torch's CPU flash kernel (``_FLASH_CPU``, torch 2.13) reads an operand whose last stride
+    is not 1 wrongly (vLLM's value layout ``(N, Hkv, D, P).transpose(-1, -2)``, a slice
+    ``x[..., ::2]``, a head dim expanded from one element): output and lse off by about 2.
+    Every other stride, storage offset and expansion it reads right, so only these are copied.
+    """
+    return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
 
 
 def keep_nan_rows(out: Tensor, q: Tensor) -> Tensor:
