@@ -234,6 +234,12 @@ class PrefixLM(MaskRule):
             raise ValueError(f"prefix_lm's prefix_lengths must be an int or an integer tensor (B,), got "
                              f"{p.dtype} {tuple(p.shape)}")
         self.prefix = p.reshape(-1)  # (B|1,)
+        if self.prefix.device.type != "meta" and not torch.compiler.is_compiling():  # values to read
+            negative = (self.prefix < 0).nonzero().flatten().tolist()
+            if negative:
+                row = negative[0]
+                raise ValueError(f"prefix_lm's prefix_lengths must be >= 0, got {int(self.prefix[row])} at row {row}; "
+                                 "a prefix is a count of keys (0: plain causal)")
 
     def _p(self, device) -> Tensor:
         return self.prefix.to(device).reshape(-1, 1, 1, 1)  # (B|1, 1, 1, 1)
@@ -258,7 +264,11 @@ def prefix_lm(prefix_lengths: Any) -> PrefixLM:
     ``b``; after them the mask is causal (``kv_idx <= q_idx``).
 
     Args:
-        prefix_lengths: an int, or an integer tensor (B,), one prefix length per row.
+        prefix_lengths: an int, or an integer tensor (B,), one prefix length per row, each >= 0
+            (0: plain causal).
+
+    Raises:
+        ValueError: a length is negative, or the lengths are not integers in at most one dim.
     """
     return PrefixLM(prefix_lengths)
 
