@@ -5,8 +5,13 @@ batch row ``b`` and query head ``h`` may attend key ``kv_idx``; ``score_mod(scor
 q_idx, kv_idx)`` returns the new score. The index arguments are integer tensors that
 broadcast against each other (``b`` (B, 1, 1, 1), ``h`` (1, H, 1, 1), ``q_idx`` (1, 1, S, 1),
 ``kv_idx`` (1, 1, 1, Sk)), so a function written for FlexAttention or for transformers'
-``masking_utils`` runs unchanged. As in Flex, ``q_idx`` and ``kv_idx`` are raw positions
-(0..S-1 and 0..Sk-1), also when S != Sk, and ``h`` is the query head.
+``masking_utils`` runs unchanged. A function written for Flex's one-scalar-at-a-time indices
+(``bias[b][q_idx]``), which raises on these tensors or returns a result that does not
+broadcast to the grid, is evaluated as Flex evaluates it: ``torch.vmap`` over scalar
+indices (slower; the broadcast call is kept for every function that runs on it). A result
+that broadcasts (per head, per key, a number) is expanded to the grid. As in Flex,
+``q_idx`` and ``kv_idx`` are raw positions (0..S-1 and 0..Sk-1), also when S != Sk, and
+``h`` is the query head.
 
 The helpers here are callables of that signature that also know their tiles: for a grid
 of (bq, bk) tiles each can say, with a few vectorised ops on block bounds, which tiles no
