@@ -500,8 +500,10 @@ def test_a_flex_function_with_chained_indexing_runs_unchanged(backend, case, siz
     Bn, S = sizes
     table = ROW_BIAS[:Bn, :S].clone().requires_grad_(True)
     kwargs = _flex_cases(table)[case]
-    if backend in ("sdpa", "varlen") and "score_mod" in kwargs:
-        pytest.skip("a general score_mod: sdpa and varlen refuse it (tested above)")
+    if backend in ("sdpa", "varlen") and "score_mod" in kwargs:  # a general score_mod: refused, as any other
+        with pytest.raises(ValueError, match=f"backend '{backend}' cannot run a general score_mod"):
+            headwise.attention(*flex_inputs(Bn, S), backend=backend, **kwargs)
+        return
     _check_against_loops(backend, q_k_v=flex_inputs(Bn, S), leaves=(table,), **kwargs)
 
 
