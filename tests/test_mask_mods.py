@@ -119,3 +119,10 @@ def test_helpers_refuse_what_cannot_be_a_rule():
         mm.relative_position_bias(torch.zeros(8, dtype=torch.long))
     with pytest.raises(ValueError, match=r"doc_ids \(1, 4\) must cover B = 1 rows \(or 1\) and max\(S, Sk\) = 6"):
         mm.document(torch.zeros(4, dtype=torch.long)).check(6, 6, 1)
+
+
+@pytest.mark.parametrize("lengths", [-3, torch.tensor([2, -1]), [4, -2]], ids=["int", "tensor", "list"])
+def test_prefix_lm_refuses_a_negative_prefix_length(lengths):
+    with pytest.raises(ValueError, match=r"prefix_lm's prefix_lengths must be >= 0, got -\d at row \d"):
+        mm.prefix_lm(lengths)
+    assert mm.prefix_lm(0)(0, 0, torch.tensor(1), torch.tensor(2)).item() is False  # 0: causal, still accepted

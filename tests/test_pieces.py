@@ -3,6 +3,8 @@ float64 formula, forward and backward, and merging partial attentions exactly.""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -177,3 +179,76 @@ def test_triton_returns_the_log_sum_exp_with_its_gradients(monkeypatch, case):
     ref = (want_out * g_out).sum() + torch.where(live, want * g_lse, 0.0).sum()
     for a, b in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(ref, exact), strict=True):
         torch.testing.assert_close(a.cpu().double(), b, atol=1e-5, rtol=1e-5)
+
+
+def _parts(P=3, shape=(2, 3, 5), Dv=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(*shape, Dv, generator=gen, dtype=torch.float64) for _ in range(P)]
+    lses = [torch.randn(*shape, generator=gen, dtype=torch.float64) * 3 for _ in range(P)]
+    return outs, lses
+
+
+def _merge_formula(outs, lses):
+    """The merge in float64 over the parts that carry weight only (lse > -inf), row by row:
+    a part whose lse is -inf is left out, whatever its out holds."""
+    out = torch.zeros_like(outs[0])
+    lse = torch.full_like(lses[0], float("-inf"))
+    for idx in itertools.product(*(range(n) for n in lses[0].shape)):
+        live = [n for n in range(len(lses)) if not torch.isneginf(lses[n][idx])]
+        if not live:
+            continue
+        row = torch.stack([lses[n][idx] for n in live])
+        lse[idx] = torch.logsumexp(row, 0)
+        out[idx] = sum(torch.exp(lses[n][idx] - lse[idx]) * outs[n][idx] for n in live)
+    return out, lse
+
+
+def test_merge_attentions_refuses_a_plus_inf_lse_naming_the_part_and_position():
+    outs, lses = _parts()
+    lses[1][1, 2, 3] = float("inf")
+    with pytest.raises(ValueError, match=r"merge_attentions: part 1's lse holds \+inf at 1 position\(s\), the first "
+                                         r"at \(1, 2, 3\)"):
+        headwise.merge_attentions(outs, lses)
+    meta_out, meta_lse = headwise.merge_attentions([o.to("meta") for o in outs], [s.to("meta") for s in lses])
+    assert meta_out.shape == outs[0].shape and meta_lse.shape == lses[0].shape  # no values to check on meta
+
+
+def test_a_nan_lse_propagates_to_its_row_of_out_and_lse():
+    outs, lses = _parts()
+    lses[2][0, 1, 4] = float("nan")
+    out, lse = headwise.merge_attentions(outs, lses)
+    assert torch.isnan(lse[0, 1, 4]) and torch.isnan(out[0, 1, 4]).all()
+    nan_row = torch.zeros(lse.shape, dtype=torch.bool)
+    nan_row[0, 1, 4] = True
+    assert not torch.isnan(lse[~nan_row]).any() and not torch.isnan(out[~nan_row]).any()
+    want_out, want_lse = _merge_formula(outs, lses)
+    torch.testing.assert_close(out[~nan_row], want_out[~nan_row], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse[~nan_row], want_lse[~nan_row], atol=1e-12, rtol=1e-12)
+
+
+def test_a_part_whose_lse_is_minus_inf_contributes_nothing_even_nan_with_exact_gradients():
+    outs, lses = _parts()
+    lses[0][0, 0, :] = float("-inf")  # part 0 attends nothing in these rows ...
+    outs[0][0, 0, :, 0] = float("nan")  # ... and holds NaN and inf there
+    outs[0][0, 0, :, 1] = float("inf")
+    for n in range(3):  # a row no part attends: zeros, lse -inf
+        lses[n][1, 2, 0] = float("-inf")
+    leaves = [t.clone().requires_grad_(True) for t in (*outs, *lses)]
+    out, lse = headwise.merge_attentions(leaves[:3], leaves[3:])
+    want_out, want_lse = _merge_formula(outs, lses)
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)
+    assert (out[1, 2, 0] == 0).all() and torch.isneginf(lse[1, 2, 0])
+    gen = torch.Generator().manual_seed(1)
+    g_out, g_lse = torch.randn(out.shape, generator=gen, dtype=torch.float64), torch.randn(lse.shape, generator=gen,
+                                                                                             dtype=torch.float64)
+    live = torch.isfinite(want_lse)
+    got = torch.autograd.grad((out * g_out).sum() + torch.where(live, lse * g_lse, 0.0).sum(), leaves)
+    ref_leaves = [t.clone().requires_grad_(True) for t in (*outs, *lses)]
+    ref_out, ref_lse = _merge_formula(ref_leaves[:3], ref_leaves[3:])
+    expected = torch.autograd.grad((ref_out * g_out).sum() + torch.where(live, ref_lse * g_lse, 0.0).sum(), ref_leaves,
+                                   allow_unused=True, materialize_grads=True)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    assert (got[0][0, 0] == 0).all() and (got[3][0, 0] == 0).all()  # the weightless part: zero gradients

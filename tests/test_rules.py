@@ -359,8 +359,8 @@ def test_rules_refuse_what_cannot_be_a_rule():
         headwise.attention(q, k, v, mask_mod=lambda b, h, qi, kv: kv - qi)
     with pytest.raises(ValueError, match=r"mask_mod <lambda> returned shape \(1, 1, 5, 1\), which does not broadcast"):
         headwise.attention(q, k, v, mask_mod=lambda b, h, qi, kv: torch.ones(1, 1, 5, 1, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"score_mod <lambda> must return the scores' shape"):
-        headwise.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s.sum(-1), backend="matmul")
+    with pytest.raises(ValueError, match=r"score_mod <lambda> returned shape \(5,\), which does not broadcast"):
+        headwise.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s.new_ones(5), backend="matmul")
     with pytest.raises(ValueError, match=r"document's doc_ids \(1, 4\) must cover"):
         headwise.attention(q, k, v, mask_mod=mm.document(torch.zeros(4, dtype=torch.long)))
     with pytest.raises(ValueError, match="backend 'triton'"):
@@ -416,3 +416,237 @@ def test_the_modules_plan_and_dispatch_say_what_a_call_with_rules_runs():
     d = wide.dispatch(torch.randn(1, 2048, 32), mask_mod=mm.document(ids))
     assert d.path == "dense" and d.backend == "varlen" and "a document mask over contiguous documents" in d.reason
     assert d.request.mask_mod and mha.dispatch(x, padding, score_mod=lambda s, *a: s * 2).backend == "chunked"
+
+
+# --- results that broadcast, and functions written for Flex (one scalar index at a time) ---------
+
+
+def loop_oracle(q, k, v, mask_mod=None, score_mod=None, attention_mask=None):
+    """FlexAttention's semantics as explicit loops, in float64: each function called once per
+    (b, h, i, j) with 0-d int64 indices and a 0-d score, as Flex's vmap calls it; zero rows where
+    nothing may be attended. Differentiable in q, k, v and whatever the functions read."""
+    q, k, v = (t.double() for t in (q, k, v))
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    Bq, Hq, S, _ = q.shape
+    Sk = k.shape[2]
+    s = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5  # (B, H, S, Sk)
+    rows = []
+    for b in range(Bq):
+        for h in range(Hq):
+            for i in range(S):
+                scores, keep = [], []
+                for j in range(Sk):
+                    idx = [torch.tensor(n) for n in (b, h, i, j)]
+                    score = s[b, h, i, j]
+                    if score_mod is not None:
+                        score = torch.as_tensor(score_mod(score, *idx)).to(s.dtype)
+                    allowed = True if mask_mod is None else bool(mask_mod(*idx))
+                    if attention_mask is not None:
+                        allowed = allowed and bool(attention_mask[b, j])
+                    scores.append(score)
+                    keep.append(allowed)
+                row, live = torch.stack(scores), torch.tensor(keep)
+                p = torch.softmax(row.masked_fill(~live, float("-inf")), -1) if live.any() else torch.zeros_like(row)
+                rows.append(p @ v[b, h])
+    return torch.stack(rows).reshape(Bq, Hq, S, v.shape[-1])
+
+
+class _Bias(mm.ScoreRule):
+    """An additive score_mod (it has ``bias``) whose bias broadcasts: SDPA and varlen fold it into the mask."""
+
+    additive = True
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def bias(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score + self.fn(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return "_Bias()"
+
+
+BROADCAST_SCORES = {  # each result broadcasts to (B, H, S, Sk) without being that shape
+    "per-key": lambda s, b, h, i, j: j * 0.3,
+    "per-head": lambda s, b, h, i, j: h * 0.5,
+    "per-query": lambda s, b, h, i, j: i * 0.25 - 1,
+    "per-batch-row": lambda s, b, h, i, j: b * 0.75,
+    "a 0-d tensor": lambda s, b, h, i, j: torch.tensor(1.5),
+    "a python float": lambda s, b, h, i, j: 2.0,
+    "another dtype": lambda s, b, h, i, j: (s * 2).float() + j,
+}
+BROADCAST_BIASES = {
+    "per-key": lambda b, h, i, j: j * 0.3,
+    "per-head": lambda b, h, i, j: h * 0.5,
+    "per-query": lambda b, h, i, j: i * 0.25 - 1,
+    "a 0-d tensor": lambda b, h, i, j: torch.tensor(1.5),
+    "another dtype": lambda b, h, i, j: (j * 0.3).float(),
+}
+BROADCAST_MASKS = {  # each result broadcasts to (B, H, S, Sk) without being that shape
+    "python True": lambda b, h, i, j: True,
+    "python False": lambda b, h, i, j: False,
+    "a 0-d tensor": lambda b, h, i, j: torch.tensor(True),
+    "per-head": lambda b, h, i, j: h == 0,
+    "per-query": lambda b, h, i, j: i % 3 != 1,
+    "per-batch-and-key": lambda b, h, i, j: (b == 0) | (j < 6),
+}
+PAD = torch.tensor([[True] * 12, [True] * 9 + [False] * 3])
+
+
+def _check_against_loops(backend, mask_mod=None, score_mod=None, attention_mask=None, q_k_v=None, leaves=()):
+    q, k, v = inputs() if q_k_v is None else q_k_v
+    out = headwise.attention(q, k, v, attention_mask, backend=backend, mask_mod=mask_mod, score_mod=score_mod)
+    want = loop_oracle(q, k, v, mask_mod, score_mod, attention_mask)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    g = torch.randn(out.shape, dtype=torch.float64)
+    wrt = (q, k, v, *leaves)
+    got = torch.autograd.grad(out, wrt, g, allow_unused=True, materialize_grads=True)
+    expected = torch.autograd.grad(want, wrt, g, allow_unused=True, materialize_grads=True)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("case", BROADCAST_SCORES)
+@pytest.mark.parametrize("backend", ["matmul", "einsum", "bmm", "einops", "chunked", "auto"])
+def test_a_score_mod_result_that_broadcasts_is_expanded_to_the_scores(backend, case, small_tiles):
+    _check_against_loops(backend, score_mod=BROADCAST_SCORES[case])
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padding"])
+@pytest.mark.parametrize("case", BROADCAST_BIASES)
+@pytest.mark.parametrize("backend", ["sdpa", "varlen", "matmul", "chunked", "auto"])
+def test_a_bias_score_mod_whose_bias_broadcasts_is_expanded_on_the_mask_kernels(backend, case, padded, small_tiles):
+    _check_against_loops(backend, score_mod=_Bias(BROADCAST_BIASES[case]), attention_mask=PAD if padded else None)
+
+
+@pytest.mark.parametrize("case", BROADCAST_MASKS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mask_mod_result_that_broadcasts_is_expanded_to_the_grid(backend, case, small_tiles):
+    _check_against_loops(backend, mask_mod=BROADCAST_MASKS[case], attention_mask=PAD)
+
+
+def test_the_module_expands_a_score_mod_result_that_broadcasts():
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(16, 2, score_mod=lambda s, b, h, i, j: j * 0.3).double()
+    full = headwise.MultiHeadAttention(16, 2, score_mod=lambda s, b, h, i, j: s * 0 + j * 0.3).double()
+    full.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    out = mha(x)
+    assert out.shape == (2, 5, 16)
+    torch.testing.assert_close(out, full(x), atol=1e-12, rtol=1e-12)
+    call = headwise.MultiHeadAttention(16, 2).double()
+    call.load_state_dict(mha.state_dict())
+    torch.testing.assert_close(call(x, score_mod=lambda s, b, h, i, j: h * 0.5 + i),
+                               call(x, score_mod=lambda s, b, h, i, j: s * 0 + h * 0.5 + i), atol=1e-12, rtol=1e-12)
+
+
+def test_a_rule_result_that_cannot_broadcast_is_refused_with_its_shapes():
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match=r"score_mod <lambda> returned shape \(5,\), which does not broadcast to the "
+                                         r"scores' shape \(B, H, S, Sk\) = \(2, 4, 12, 12\)"):
+        headwise.attention(q, k, v, score_mod=lambda s, b, h, i, j: s.new_ones(5), backend="matmul")
+    with pytest.raises(ValueError, match=r"score_mod <lambda> returned shape \(5,\), which does not broadcast"):
+        headwise.attention(q, k, v, score_mod=lambda s, b, h, i, j: s.new_ones(5), backend="chunked")
+    with pytest.raises(ValueError, match=r"mask_mod <lambda> returned shape \(3, 1, 1, 1\), which does not broadcast "
+                                         r"to \(B, H, S, Sk\) = \(2, 4, 12, 12\)"):
+        headwise.attention(q, k, v, mask_mod=lambda b, h, i, j: torch.ones(3, 1, 1, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"score_mod _Bias\(\) returned shape \(7,\) from bias\(b, h, q_idx, kv_idx\), "
+                                         r"which does not broadcast to \(B, H, S, Sk\) = \(2, 4, 12, 12\)"):
+        headwise.attention(q, k, v, score_mod=_Bias(lambda b, h, i, j: torch.zeros(7)), backend="sdpa")
+
+
+def test_a_rule_that_returns_none_is_a_type_error_naming_it():
+    q, k, v = inputs()
+
+    def no_return(b, h, q_idx, kv_idx):
+        kv_idx <= q_idx  # noqa: B015 - the bug: the comparison is not returned
+
+    for backend in ("matmul", "sdpa", "chunked"):
+        with pytest.raises(TypeError, match=r"mask_mod no_return must return a bool tensor \(True = may attend\), "
+                                            r"got None"):
+            headwise.attention(q, k, v, mask_mod=no_return, backend=backend)
+    with pytest.raises(TypeError, match=r"score_mod <lambda> must return the new scores as a tensor, got None"):
+        headwise.attention(q, k, v, score_mod=lambda s, b, h, i, j: None, backend="matmul")
+
+
+FLEX_B, FLEX_S = 2, 12
+KEEP = torch.rand(4, 12, generator=torch.Generator().manual_seed(5)) > 0.3  # (B, Sk) per batch row
+ROW_BIAS = torch.randn(4, 12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)  # (B, S)
+HEAD_BIAS = torch.randn(H, 12, 12, generator=torch.Generator().manual_seed(7), dtype=torch.float64)  # (H, S, Sk)
+ALLOWED = torch.rand(H, 12, 12, generator=torch.Generator().manual_seed(8)) > 0.4  # (H, S, Sk)
+
+
+def _flex_cases(table):
+    """Rules written for Flex: chained, python-style indexing, one scalar index at a time."""
+    return {
+        "mask keep[b][kv]": dict(mask_mod=lambda b, h, q_idx, kv_idx: KEEP[b][kv_idx]),
+        "mask allowed[h][q][kv]": dict(mask_mod=lambda b, h, q_idx, kv_idx: ALLOWED[h][q_idx][kv_idx]),
+        "score s + bias[b][q]": dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + table[b][q_idx]),
+        "score s + bias[h][q][kv]": dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + HEAD_BIAS[h][q_idx][kv_idx]),
+        "both, anded with causal": dict(mask_mod=mm.and_masks(mm.causal, lambda b, h, q_idx, kv_idx: KEEP[b][kv_idx]),
+                                        score_mod=lambda s, b, h, q_idx, kv_idx: s + table[b][q_idx]),
+    }
+
+
+def flex_inputs(Bn, S, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(Bn, H, S, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(Bn, Hkv, S, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(Bn, Hkv, S, D + 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("sizes", [(2, 12), (4, 4)], ids=["B<S", "B==S"])
+@pytest.mark.parametrize("case", list(_flex_cases(None)))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_flex_function_with_chained_indexing_runs_unchanged(backend, case, sizes, small_tiles):
+    Bn, S = sizes
+    table = ROW_BIAS[:Bn, :S].clone().requires_grad_(True)
+    kwargs = _flex_cases(table)[case]
+    if backend in ("sdpa", "varlen") and "score_mod" in kwargs:  # a general score_mod: refused, as any other
+        with pytest.raises(ValueError, match=f"backend '{backend}' cannot run a general score_mod"):
+            headwise.attention(*flex_inputs(Bn, S), backend=backend, **kwargs)
+        return
+    _check_against_loops(backend, q_k_v=flex_inputs(Bn, S), leaves=(table,), **kwargs)
+
+
+@pytest.mark.parametrize("sizes", [(2, 12), (4, 4)], ids=["B<S", "B==S"])
+def test_every_evaluation_of_a_rule_reads_a_flex_function_the_flex_way(sizes):
+    from headwise.rules import evaluate_score, evaluate_score_at, grid_at
+
+    Bn, S = sizes
+    keep = lambda b, h, q_idx, kv_idx: KEEP[b][kv_idx] & ALLOWED[h][q_idx][kv_idx]  # noqa: E731
+    bias = lambda s, b, h, q_idx, kv_idx: s * 2 + ROW_BIAS[b][q_idx] + HEAD_BIAS[h][q_idx][kv_idx]  # noqa: E731
+    want_mask = KEEP[:Bn, None, None, :S] & ALLOWED[None, :, :S, :S]  # (B, H, S, Sk)
+    scores = torch.randn(Bn, H, S, S, dtype=torch.float64)
+    want_scores = scores * 2 + ROW_BIAS[:Bn, None, :S, None] + HEAD_BIAS[None, :, :S, :S]
+    got = evaluate_mask(keep, Bn, H, (1, S), (2, S), None)
+    assert torch.equal(got.expand(Bn, H, S - 1, S - 2), want_mask[:, :, 1:, 2:])
+    torch.testing.assert_close(evaluate_score(bias, scores[:, :, 1:, 2:], (1, S), (2, S)), want_scores[:, :, 1:, 2:])
+    heads, rows = torch.tensor([3, 1]), torch.tensor([S - 1, 0])
+    at = grid_at(Bn, heads, rows, S)
+    torch.testing.assert_close(evaluate_score_at(bias, scores[:, heads][:, :, rows], *at),
+                               want_scores[:, heads][:, :, rows])
+    assert torch.equal(evaluate_mask(keep, Bn, H, (0, 0), (0, 0), None, at=at).expand(Bn, 2, 2, S),
+                       want_mask[:, heads][:, :, rows])
+    tiles = tile_map(keep, Bn, H, S, S, block=(2, 3)).states  # (B, H, nq, nk)
+    padded = torch.nn.functional.pad(want_mask.to(torch.int8), (0, (-S) % 3, 0, (-S) % 2), mode="replicate")
+    blocks = padded.reshape(Bn, H, -1, 2, padded.shape[-1] // 3, 3)
+    want_tiles = torch.where(blocks.amin((3, 5)) == 1, 2, torch.where(blocks.amax((3, 5)) == 1, 1, 0))
+    assert torch.equal(tiles.expand_as(want_tiles).long(), want_tiles.long())
+
+
+def test_a_broadcast_safe_function_keeps_the_fast_evaluation():
+    seen = []
+
+    def rule(b, h, q_idx, kv_idx):
+        seen.append(q_idx.dim())
+        return kv_idx <= q_idx
+
+    headwise.attention(*inputs(), mask_mod=rule, score_mod=lambda s, b, h, i, j: s + 0 * i, backend="matmul")
+    assert seen == [4]  # one call on the broadcast (1, 1, S, 1) indices, never per scalar

@@ -5,8 +5,13 @@ batch row ``b`` and query head ``h`` may attend key ``kv_idx``; ``score_mod(scor
 q_idx, kv_idx)`` returns the new score. The index arguments are integer tensors that
 broadcast against each other (``b`` (B, 1, 1, 1), ``h`` (1, H, 1, 1), ``q_idx`` (1, 1, S, 1),
 ``kv_idx`` (1, 1, 1, Sk)), so a function written for FlexAttention or for transformers'
-``masking_utils`` runs unchanged. As in Flex, ``q_idx`` and ``kv_idx`` are raw positions
-(0..S-1 and 0..Sk-1), also when S != Sk, and ``h`` is the query head.
+``masking_utils`` runs unchanged. A function written for Flex's one-scalar-at-a-time indices
+(``bias[b][q_idx]``), which raises on these tensors or returns a result that does not
+broadcast to the grid, is evaluated as Flex evaluates it: ``torch.vmap`` over scalar
+indices (slower; the broadcast call is kept for every function that runs on it). A result
+that broadcasts (per head, per key, a number) is expanded to the grid. As in Flex,
+``q_idx`` and ``kv_idx`` are raw positions (0..S-1 and 0..Sk-1), also when S != Sk, and
+``h`` is the query head.
 
 The helpers here are callables of that signature that also know their tiles: for a grid
 of (bq, bk) tiles each can say, with a few vectorised ops on block bounds, which tiles no
@@ -234,6 +239,12 @@ class PrefixLM(MaskRule):
             raise ValueError(f"prefix_lm's prefix_lengths must be an int or an integer tensor (B,), got "
                              f"{p.dtype} {tuple(p.shape)}")
         self.prefix = p.reshape(-1)  # (B|1,)
+        if self.prefix.device.type != "meta" and not torch.compiler.is_compiling():  # values to read
+            negative = (self.prefix < 0).nonzero().flatten().tolist()
+            if negative:
+                row = negative[0]
+                raise ValueError(f"prefix_lm's prefix_lengths must be >= 0, got {int(self.prefix[row])} at row {row}; "
+                                 "a prefix is a count of keys (0: plain causal)")
 
     def _p(self, device) -> Tensor:
         return self.prefix.to(device).reshape(-1, 1, 1, 1)  # (B|1, 1, 1, 1)
@@ -258,7 +269,11 @@ def prefix_lm(prefix_lengths: Any) -> PrefixLM:
     ``b``; after them the mask is causal (``kv_idx <= q_idx``).
 
     Args:
-        prefix_lengths: an int, or an integer tensor (B,), one prefix length per row.
+        prefix_lengths: an int, or an integer tensor (B,), one prefix length per row, each >= 0
+            (0: plain causal).
+
+    Raises:
+        ValueError: a length is negative, or the lengths are not integers in at most one dim.
     """
     return PrefixLM(prefix_lengths)
 

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from headwise import policy
+
 __all__ = ["merge_attentions", "merge_into"]
 
 
@@ -36,6 +38,14 @@ def _check(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> None:
         if o.shape[:-1] != s.shape or o.shape != outs[0].shape:
             raise ValueError(f"part {n}: out {tuple(o.shape)} and lse {tuple(s.shape)} must be (..., S, Dv) and "
                              f"(..., S), every part like part 0's out {tuple(outs[0].shape)}")
+    for n, s in enumerate(lses):
+        if not policy.reads_values(s):  # meta, an accelerator (a host sync), torch.compile: as the mask's check
+            continue
+        positive = torch.isposinf(s)
+        if bool(positive.any()):
+            first = tuple(positive.nonzero()[0].tolist())
+            raise ValueError(f"merge_attentions: part {n}'s lse holds +inf at {int(positive.sum())} position(s), the "
+                             f"first at {first}; a log-sum-exp is finite, or -inf where the row attended nothing")
 
 
 def merge_attentions(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -46,11 +56,16 @@ def merge_attentions(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Te
         lses: each part's log-sum-exp (..., S): ``-inf`` where the row attended nothing there.
 
     Returns:
-        ``(out, lse)``: (..., S, Dv) in the outputs' dtype and (..., S) in float32 (float64
-        for float64 inputs); exact to float64 rounding, differentiable in every input.
+        A tuple ``(out, lse)``: the merged output (..., S, Dv) in the outputs' dtype and its
+        log-sum-exp (..., S) in float32 (float64 for float64 inputs); exact to float64
+        rounding, differentiable in every input. A part whose lse is ``-inf`` in a row adds
+        nothing to it (even NaN or inf in its out) and gets zero gradients there; a row no
+        part attends is zeros with lse ``-inf``; a NaN lse makes its row's out and lse NaN.
 
     Raises:
-        ValueError / TypeError: parts that are not tensors or whose shapes differ.
+        ValueError / TypeError: parts that are not tensors or whose shapes differ; an lse that
+            holds ``+inf`` (checked where its values are read without cost, as the mask's
+            +inf: a CPU tensor outside torch.compile; elsewhere the row comes back NaN).
 
     >>> import torch, headwise
     >>> q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
@@ -63,14 +78,17 @@ def merge_attentions(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Te
     _check(outs, lses)
     acc = torch.float64 if any(t.dtype == torch.float64 for t in (*outs, *lses)) else torch.float32
     stacked = torch.stack([s.to(acc) for s in lses])  # (P, ..., S)
-    top = stacked.detach().amax(dim=0)  # (..., S): the largest part, a shift for exp
-    top = torch.where(torch.isinf(top), 0.0, top)  # every part empty (-inf): shift by 0, all weights 0
+    empty = torch.isneginf(stacked.detach())  # (P, ..., S): a part the row attends nothing in, weight 0
+    top = stacked.detach().amax(dim=0)  # (..., S): the largest part, a shift for exp (NaN where an lse is NaN)
+    top = torch.where(torch.isneginf(top), 0.0, top)  # every part empty (-inf): shift by 0, all weights 0
     weights = torch.exp(stacked - top)  # (P, ..., S), 0 for an empty part
-    total = weights.sum(dim=0)  # (..., S)
-    some = total > 0
-    lse = torch.where(some, top + torch.log(torch.where(some, total, 1.0)), float("-inf"))  # (..., S)
-    share = weights / torch.where(some, total, 1.0)  # (P, ..., S): each part's share of the row's mass
-    out = torch.stack([share[n].unsqueeze(-1) * o.to(acc) for n, o in enumerate(outs)]).sum(dim=0)  # (..., S, Dv)
+    total = weights.sum(dim=0)  # (..., S): NaN where an lse is NaN
+    dead = total == 0  # (..., S): no part attends the row
+    lse = torch.where(dead, float("-inf"), top + torch.log(torch.where(dead, 1.0, total)))  # (..., S)
+    share = weights / torch.where(dead, 1.0, total)  # (P, ..., S): each part's share of the row's mass
+    # An empty part's out may hold anything (NaN, inf): zeroed, so neither it nor its gradient reaches the merge.
+    parts = [share[n].unsqueeze(-1) * torch.where(empty[n].unsqueeze(-1), 0.0, o.to(acc)) for n, o in enumerate(outs)]
+    out = torch.stack(parts).sum(dim=0)  # (P, ..., S, Dv) -> (..., S, Dv)
     return out.to(outs[0].dtype), lse
 
 

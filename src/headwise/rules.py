@@ -83,28 +83,75 @@ def _name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or repr(fn)
 
 
+def _broadcasts(out: Any, want: tuple[int, ...]) -> bool:
+    """Whether ``out`` is a tensor that broadcasts to ``want`` (4 dims) without growing it."""
+    return isinstance(out, Tensor) and out.dim() <= 4 and all(
+        n in (1, w) for n, w in zip(reversed(out.shape), reversed(want), strict=False))
+
+
+def _flex_way(fn: Any, index: tuple[Tensor, Tensor, Tensor, Tensor], score: Tensor | None) -> Tensor | None:
+    """``fn`` evaluated as FlexAttention does (torch's ``_vmap_for_bhqkv``): ``torch.vmap`` over
+    one scalar ``b``, ``h``, ``q_idx``, ``kv_idx`` (and score) at a time, kv innermost:
+    (B, h, s, k), the grid of the four index tensors. None where that fails too."""
+    flat = tuple(t.reshape(-1) for t in index)  # (B,), (h,), (s,), (k,)
+    lead = () if score is None else (0,)
+    f = fn
+    for pos in (3, 2, 1, 0):  # kv_idx innermost, b outermost, as Flex nests them
+        f = torch.vmap(f, in_dims=(*lead, *(0 if n == pos else None for n in range(4))))
+    grid_shape = tuple(t.shape[0] for t in flat)
+    args = flat if score is None else (score.expand(grid_shape), *flat)
+    try:
+        out = f(*args)  # (B, h, s, k)
+    except Exception:  # noqa: BLE001 - the caller reports the broadcast call's own error or result
+        return None
+    return out if isinstance(out, Tensor) and tuple(out.shape) == grid_shape else None
+
+
+def _evaluate(fn: Any, index: tuple[Tensor, Tensor, Tensor, Tensor], score: Tensor | None = None) -> Any:
+    """``fn(b, h, q_idx, kv_idx)`` (``fn(score, ...)`` with a score) on broadcasting index tensors:
+    one call, the fast way. A function written for Flex's scalar indices (``bias[b][q_idx]``)
+    may raise there, or return a result that does not broadcast to the grid (it grows dims);
+    it is then evaluated the Flex way. A number comes back as a 0-d tensor; anything else
+    that is not a tensor comes back as it is, for the caller to name."""
+    want = tuple(score.shape) if score is not None else (
+        index[0].shape[0], index[1].shape[1], index[2].shape[2], index[3].shape[3])
+    args = index if score is None else (score, *index)
+    try:
+        out = fn(*args)
+    except Exception:
+        flex = _flex_way(fn, index, score)
+        if flex is None:
+            raise  # not a Flex function either: its own error
+        return flex
+    if isinstance(out, (bool, int, float)):
+        out = torch.as_tensor(out, device=index[0].device)
+    if not isinstance(out, Tensor) or _broadcasts(out, want):
+        return out
+    flex = _flex_way(fn, index, score)
+    return out if flex is None else flex  # None: the caller names the broadcast call's shape
+
+
 def evaluate_mask(mod: MaskMod, B: int, H: int, rows: tuple[int, int], cols: tuple[int, int],
                   device: torch.device | None, at: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """``mod`` on rows [i0, i1) x cols [j0, j1): bool (B|1, H|1, bq|1, bk|1), True = may attend
-    (``at``: on these index arguments instead, from :func:`grid_at`).
+    (``at``: on these index arguments instead, from :func:`grid_at`). A function written for
+    Flex's scalar indices is evaluated as Flex does (see :func:`_evaluate`).
 
     Raises:
-        TypeError: the function returned something other than a bool tensor.
+        TypeError: the function returned something other than a bool tensor (or a bool).
         ValueError: its result does not broadcast to (B, H, bq, bk).
     """
     b, h, q, kv = grid(B, H, rows, cols, device) if at is None else at
-    allowed = mod(b, h, q, kv)
-    if not isinstance(allowed, Tensor):
-        allowed = torch.as_tensor(allowed, device=device)
-    if allowed.dtype != torch.bool:
+    allowed = _evaluate(mod, (b, h, q, kv))
+    if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
+        got = allowed.dtype if isinstance(allowed, Tensor) else "None" if allowed is None else type(allowed).__name__
         raise TypeError(f"mask_mod {_name(mod)} must return a bool tensor (True = may attend), got "
-                        f"{allowed.dtype}; compare instead of computing, e.g. kv_idx <= q_idx")
-    allowed = as_4d(allowed)
+                        f"{got}; compare instead of computing, e.g. kv_idx <= q_idx")
     want = (B, h.shape[1], q.shape[2], kv.shape[3])
-    if allowed.dim() != 4 or any(n not in (1, w) for n, w in zip(allowed.shape, want, strict=True)):
+    if not _broadcasts(allowed, want):
         raise ValueError(f"mask_mod {_name(mod)} returned shape {tuple(allowed.shape)}, which does not broadcast "
                          f"to (B, H, S, Sk) = {want}; index with the b, h, q_idx, kv_idx tensors it is given")
-    return allowed
+    return as_4d(allowed)
 
 
 def evaluate_score(mod: ScoreMod, scores: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
@@ -114,16 +161,24 @@ def evaluate_score(mod: ScoreMod, scores: Tensor, rows: tuple[int, int], cols: t
 
 
 def evaluate_score_at(mod: ScoreMod, scores: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-    """``mod`` on scores (B, h, s, Sk) at the index arguments given, in the scores' dtype."""
-    out = mod(scores, b, h, q, kv)
-    try:
-        fits = isinstance(out, Tensor) and torch.broadcast_shapes(out.shape, scores.shape) == scores.shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-        raise ValueError(f"score_mod {_name(mod)} must return the scores' shape {tuple(scores.shape)}, got {got}")
-    return out.to(scores.dtype)
+    """``mod`` on scores (B, h, s, Sk) at the index arguments given: the new scores (B, h, s, Sk)
+    in the scores' dtype, a result that broadcasts (per key, per head, a number) expanded to
+    them. A function written for Flex's scalar indices is evaluated as Flex does.
+
+    Raises:
+        TypeError: the function returned something other than a tensor or a number.
+        ValueError: its result does not broadcast to the scores.
+    """
+    out = _evaluate(mod, (b, h, q, kv), scores)
+    if not isinstance(out, Tensor):
+        got = "None" if out is None else type(out).__name__
+        raise TypeError(f"score_mod {_name(mod)} must return the new scores as a tensor, got {got}; "
+                        "e.g. return score + bias")
+    if not _broadcasts(out, tuple(scores.shape)):
+        raise ValueError(f"score_mod {_name(mod)} returned shape {tuple(out.shape)}, which does not broadcast to the "
+                         f"scores' shape (B, H, S, Sk) = {tuple(scores.shape)}; return the scores' shape (or one "
+                         "that broadcasts to it), indexing with the b, h, q_idx, kv_idx tensors it is given")
+    return out.to(scores.dtype).expand(scores.shape)
 
 
 def evaluated_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tensor:
@@ -319,9 +374,15 @@ class Rules:
     def bias(self, B: int, H: int, S: int, Sk: int, device: torch.device | None, dtype: torch.dtype) -> Tensor | None:
         """The additive score rules (ALiBi, an additive score_mod) as one float (B|1, H|1, S, Sk); None: none."""
         total = None
+        b, h, q, kv = grid(B, H, (0, S), (0, Sk), device)
         for mod in self.score_rules(S, Sk):
-            b, h, q, kv = grid(B, H, (0, S), (0, Sk), device)
-            part = as_4d(mod.bias(b, h, q, kv, dtype) if isinstance(mod, Alibi) else mod.bias(b, h, q, kv)).to(dtype)
+            part = mod.bias(b, h, q, kv, dtype) if isinstance(mod, Alibi) else _evaluate(mod.bias, (b, h, q, kv))
+            if not _broadcasts(part, (B, H, S, Sk)):
+                got = tuple(part.shape) if isinstance(part, Tensor) else "None" if part is None else type(part).__name__
+                raise ValueError(f"score_mod {_name(mod)} returned shape {got} from bias(b, h, q_idx, kv_idx), which "
+                                 f"does not broadcast to (B, H, S, Sk) = {(B, H, S, Sk)}; return a tensor that does")
+            part = as_4d(part).to(dtype)
+            part = part.expand(part.shape[0], part.shape[1], S, Sk)  # (B|1, H|1, S, Sk): a bias per key and query
             total = part if total is None else total + part
         return total
 
@@ -395,8 +456,7 @@ def score_mod_needs_grad(score_mod: Any, device: torch.device | None) -> bool:
     weight = getattr(score_mod, "weight", None)
     if isinstance(weight, Tensor) and not isinstance(score_mod, Combined):
         return weight.requires_grad
-    b, h, q, kv = grid(1, 1, (0, 1), (0, 1), device)
-    probe = score_mod(torch.zeros(1, 1, 1, 1, device=device), b, h, q, kv)
+    probe = _evaluate(score_mod, grid(1, 1, (0, 1), (0, 1), device), torch.zeros(1, 1, 1, 1, device=device))
     return isinstance(probe, Tensor) and probe.requires_grad
 
 
