@@ -252,3 +252,23 @@ def test_a_part_whose_lse_is_minus_inf_contributes_nothing_even_nan_with_exact_g
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
     assert (got[0][0, 0] == 0).all() and (got[3][0, 0] == 0).all()  # the weightless part: zero gradients
+
+
+@pytest.mark.parametrize("trailing", [False, True], ids=["lse (S,)", "lse (S, 1)"])
+def test_merge_into_takes_nothing_from_a_part_whose_lse_is_minus_inf(trailing):
+    """The ring's running merge: a part that attends nothing (lse -inf) may hold NaN or inf in its out (a
+    kernel's excluded rows); it adds nothing, on either side of the merge."""
+    torch.manual_seed(0)
+    out, lse = torch.randn(2, 3, 4), torch.randn(2, 3)
+    out_b, lse_b = torch.randn(2, 3, 4), torch.randn(2, 3)
+    lse_b[0, 1], out_b[0, 1] = float("-inf"), float("nan")  # the new part is empty in one row
+    lse[1, 2], out[1, 2] = float("-inf"), float("inf")  # the running part is empty in another
+    lse[0, 0] = lse_b[0, 0] = float("-inf")  # both empty: zeros and -inf
+    out[0, 0], out_b[0, 0] = float("nan"), float("nan")
+    want, want_lse = headwise.merge_attentions([out.double(), out_b.double()], [lse.double(), lse_b.double()])
+    if trailing:
+        lse, lse_b = lse.unsqueeze(-1), lse_b.unsqueeze(-1)
+    headwise.pieces.merge_into(out, lse, out_b, lse_b)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse.reshape(2, 3).double(), want_lse, atol=1e-6, rtol=1e-6)

@@ -98,5 +98,14 @@ def merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     parts, for loops that merge many (the ring). ``lse`` may keep a trailing dimension of 1."""
     new = torch.logaddexp(lse, lse_b)  # (..., S[, 1])
     safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # both -inf: stay zeros and -inf
-    out.mul_(torch.exp(lse - safe)).add_(out_b.mul_(torch.exp(lse_b - safe)))
+    # A part whose lse is -inf carries no weight: its out may hold anything (NaN, inf), so it is zeroed, not
+    # multiplied by exp(-inf) = 0 (0 * NaN is NaN).
+    out.masked_fill_(_per_row(torch.isneginf(lse), out), 0.0)
+    out_b.masked_fill_(_per_row(torch.isneginf(lse_b), out_b), 0.0)
+    out.mul_(_per_row(torch.exp(lse - safe), out)).add_(out_b.mul_(_per_row(torch.exp(lse_b - safe), out_b)))
     lse.copy_(new)
+
+
+def _per_row(flags: Tensor, out: Tensor) -> Tensor:
+    """``flags`` (..., S) or (..., S, 1) as (..., S, 1), to broadcast over ``out`` (..., S, Dv)."""
+    return flags if flags.dim() == out.dim() else flags.unsqueeze(-1)
