@@ -241,3 +241,82 @@ def test_no_host_read_in_a_decoding_step(monkeypatch, kwargs):
         with torch.no_grad(), NoHostReads():
             mha(_inputs()["x"], PAD, cache=cache, is_causal=True)
             mha(torch.randn(B, 1, E), torch.tensor([[1], [0]]), cache=cache, is_causal=True)
+
+
+# ------------------------------------------------------------------ rules, lengths, the memo
+
+
+def _shifted(score, b, h, q_idx, kv_idx):
+    """A general score_mod (not a bias): a pure function of its arguments."""
+    return score * 0.5 + 0.1 * (kv_idx - q_idx)
+
+
+# name: (module kwargs, forward kwargs)
+RULES_CASES = {
+    "sliding-window-mask_mod": ({"mask_mod": headwise.masks.sliding_window(3)}, {}),
+    "causal-score_mod": ({"score_mod": _shifted, "is_causal": True}, {}),
+    "sliding-window-mask_mod-chunked": ({"mask_mod": headwise.masks.sliding_window(3), "backend": "chunked"}, {}),
+    "causal-mask_mod-score_mod-chunked": ({"mask_mod": headwise.masks.causal, "score_mod": _shifted,
+                                           "backend": "chunked"}, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(RULES_CASES))
+def test_rules_compile_whole_and_equal_eager(name):
+    """A mask_mod or score_mod neither reads a tile map on the host nor reads "auto"'s share
+    of empty tiles as a number under torch.compile: the module compiles whole."""
+    kwargs, fwd = RULES_CASES[name]
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, **kwargs)
+    x = _inputs()["x"].requires_grad_()
+    got = torch.compile(mha, fullgraph=True, backend="aot_eager")(x, **fwd)
+    want = mha(x, **fwd)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    (gx,) = torch.autograd.grad(got.sum(), x)
+    (wx,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(gx, wx, atol=1e-5, rtol=1e-5)
+
+
+# name: module kwargs of a call that runs the chunked kernel on the CPU
+LENGTH_CASES = {
+    "softcap": {"softcap": 2.0},
+    "score_mod": {"score_mod": _shifted, "is_causal": True},
+    "mask_mod-chunked": {"mask_mod": headwise.masks.sliding_window(3), "backend": "chunked"},
+}
+
+
+@pytest.mark.parametrize("name", list(LENGTH_CASES))
+def test_compiled_calls_across_sequence_lengths_stay_within_two_graphs(name):
+    """The first length compiles a static graph, the second a dynamic one that serves every
+    later length (no guard on S): not one graph per length (the ninth failed under fullgraph)."""
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, **LENGTH_CASES[name])
+    counter = dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(mha, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(3)
+    for S_ in (3, 4, 6, 9, 11):
+        x = torch.randn(B, S_, E, generator=gen, requires_grad=True)
+        got, want = compiled(x), mha(x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        (gx,) = torch.autograd.grad(got.sum(), x)
+        (wx,) = torch.autograd.grad(want.sum(), x)
+        torch.testing.assert_close(gx, wx, atol=1e-5, rtol=1e-5)
+    assert counter.frame_count <= 2
+
+
+def test_eager_calls_with_new_signatures_do_not_recompile_a_compiled_call():
+    """The compiled call reads nothing of the module's eager memo: the memo growing (each new
+    eager signature adds an entry) guards nothing of the compiled graph."""
+    mha = headwise.MultiHeadAttention(E, H)
+    counter = dynamo.testing.CompileCounter()
+    compiled = torch.compile(mha, fullgraph=True, backend=counter)
+    x = _inputs()["x"]
+    compiled(x)
+    compiled(x)
+    assert counter.frame_count == 1
+    for S_ in range(1, 5):
+        mha(torch.randn(B, S_, E))  # a new eager signature: remembered
+        mha(torch.randn(B, S_, E), PAD[:, :S_])
+        torch.testing.assert_close(compiled(x), mha(x))
+    assert len(mha._repeats) > 1
+    assert counter.frame_count == 1

@@ -270,6 +270,41 @@ def test_no_keys_gives_zeros(backend):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+def _tilted(score, b, h, q_idx, kv_idx):
+    """A general score_mod (not a bias)."""
+    return score * 0.5 + 0.1 * (kv_idx - q_idx)
+
+
+EMPTY_RULES = {
+    "score_mod": {"score_mod": _tilted},
+    "mask_mod": {"mask_mod": headwise.masks.sliding_window(2)},
+    "both": {"mask_mod": headwise.masks.sliding_window(2), "score_mod": _tilted},
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+@pytest.mark.parametrize("rules", list(EMPTY_RULES))
+@pytest.mark.parametrize("sizes", [(B, 0, Sk), (B, S, 0), (0, S, Sk)], ids=["S=0", "Sk=0", "B=0"])
+def test_empty_sizes_with_rules_give_zeros_and_zero_gradients(backend, rules, sizes):
+    """No queries, no keys or no batch rows with a mask_mod or score_mod: every backend that takes
+    the rules returns what matmul returns (zeros where rows attend nothing), with gradients."""
+    batch, q_len, k_len = sizes
+    q = torch.randn(batch, H, q_len, D, requires_grad=True)
+    k, v = (torch.randn(batch, Hkv, k_len, D, requires_grad=True) for _ in range(2))
+    kwargs = EMPTY_RULES[rules]
+    try:
+        choose_backend(q, k, v, backend=backend, **kwargs)
+    except ValueError as refusal:  # only a kernel that cannot run the rules may say so, by name
+        assert backend not in ("auto", "matmul", "chunked") and f"backend {backend!r}" in str(refusal), refusal
+        return
+    out = attention(q, k, v, backend=backend, **kwargs)
+    assert torch.equal(out, torch.zeros(batch, H, q_len, D))
+    torch.testing.assert_close(out, attention(q, k, v, backend="matmul", **kwargs))
+    out.mul(2.0).sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+
+
 def test_no_keys_gives_zero_weights():
     q, k, v = qkv(k_len=0)
     out, weights = attention(q, k, v, torch.ones(B, 0, dtype=torch.bool), need_weights=True)

@@ -228,7 +228,10 @@ def _rule_fields(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.de
     if rules.mask_mod is not None and knows_tiles(structure):
         block = (policy.CHUNKED_BLOCK_Q, policy.CHUNKED_BLOCK_K)
         states = rules.tile_states(B, H, S, Sk, block, device)  # (B|1, H|1, nq, nk)
-        if states is not None and states.device.type != "meta":  # a meta tensor has no values to count
+        # a meta tensor has no values to count, an empty grid no share, and under torch.compile
+        # the share would be a data-dependent number that the ranking cannot branch on
+        if (states is not None and states.device.type != "meta" and states.numel() > 0
+                and not torch.compiler.is_compiling()):
             fields["empty_tiles"] = round(20 * float(states.eq(0).float().mean())) / 20
         fields["documents"] = document_lengths(rules, B, S, Sk)
     return fields
@@ -348,6 +351,9 @@ def attention(
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the
             scaled score, after softcap and ALiBi and before the mask. Tensors it reads get
             their gradients (``headwise.masks.relative_position_bias`` is T5's learned bias).
+            It must be a pure function of its arguments (no state, no random numbers but
+            torch's default generator's): the ``chunked`` kernel calls it again in backward,
+            and raises a RuntimeError where it answers otherwise.
         return_lse: also return each row's log-sum-exp: the natural log of its softmax
             denominator over the final scores, sinks counted; ``-inf`` for a row that
             attends nothing. Gradients flow through it. :func:`headwise.merge_attentions`

@@ -118,3 +118,51 @@ def test_sink_tiles_are_never_skipped_and_the_rest_still_are(monkeypatch, window
                                        False))[0].note
     assert f"{len(live)} of {len(plan.q_blocks) * len(plan.k_blocks)} tiles" in note
     assert f"the tiles of the {sinks} sink keys are kept for every query" in note
+
+
+def _counting():
+    calls = []
+
+    def counting(score, b, h, q_idx, kv_idx):  # a score_mod with state: each call tilts the scores more
+        calls.append(1)
+        return score + 0.5 * len(calls) * (kv_idx - q_idx)
+
+    return counting
+
+
+def _own_noise():
+    gen = torch.Generator().manual_seed(0)
+
+    def own_noise(score, b, h, q_idx, kv_idx):  # randomness from its own generator, which no one replays
+        return score + torch.rand(score.shape, generator=gen)
+
+    return own_noise
+
+
+@pytest.mark.parametrize("make", [_counting, _own_noise], ids=["counting", "own-generator"])
+def test_a_score_mod_that_is_not_a_pure_function_is_refused_in_backward(make):
+    """chunked's backward recomputes each block's scores: a score_mod that answers otherwise the
+    second time would give a wrong gradient, so backward says so instead."""
+    q = torch.randn(1, 2, 6, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, 6, 8, requires_grad=True) for _ in range(2))
+    out = headwise.attention(q, k, v, score_mod=make(), backend="chunked")
+    with pytest.raises(RuntimeError, match=r"score_mod (counting|own_noise) gave other scores when chunked's "
+                                           r"backward recomputed them.*pure function.*backend='matmul'"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_a_pure_score_mod_passes_backward_with_the_gradient_of_matmul(dropout_p):
+    """The check reads the recomputed block against forward's (dropout replayed): no false alarm."""
+    def tilted(score, b, h, q_idx, kv_idx):
+        return score * 0.5 + 0.1 * (kv_idx - q_idx) + torch.rand(()) * 0  # global RNG: checkpoint replays it
+
+    q = torch.randn(2, 4, 9, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 7, 8, requires_grad=True) for _ in range(2))
+    got = headwise.attention(q, k, v, score_mod=tilted, backend="chunked", dropout_p=dropout_p)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    if dropout_p == 0:
+        want = headwise.attention(q, k, v, score_mod=tilted, backend="matmul")
+        torch.testing.assert_close(got, want)
+        for g, w in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v)), strict=True):
+            torch.testing.assert_close(g, w)

@@ -42,7 +42,7 @@ from headwise import policy
 from headwise.deprecation import moved
 from headwise.kernels import describe
 from headwise.kernels.chunked_rows import rows_attention
-from headwise.kernels.common import lse_dtype
+from headwise.kernels.common import blocks, lse_dtype
 from headwise.kernels.registry import Call, Kernel, KernelStage
 from headwise.mask_mods import EMPTY, FULL, Bounds, MaskMod
 from headwise.rules import Rules, evaluate_mask, mask_tile_states
@@ -105,13 +105,17 @@ class _Plan:
         self.sinks5 = None  # (1, Hkv, G, 1, 1) sink logits
         if rules.sinks is not None:
             self.sinks5 = rules.sinks.to(q.dtype).reshape(1, Hkv, self.G, 1, 1)
-        self.q_blocks = [(i, min(i + block_q, S)) for i in range(0, S, block_q)]
-        self.k_blocks = [(j, min(j + block_k, Sk)) for j in range(0, Sk, block_k)]
+        self.q_blocks = blocks(S, block_q)
+        self.k_blocks = blocks(Sk, block_k)
         # A mask_mod: its tiles' states over every (b, h), (nq, nk) each: the rule ANDed with causal.
         self.rule = rules.structure(S, Sk) if rules.mask_mod is not None else None
         self.some: list[list[bool]] = []
         self.every: list[list[bool]] = []
-        if self.rule is not None:
+        if self.rule is not None and torch.compiler.is_compiling():
+            # the states cannot be read on the host inside a graph: every tile is evaluated
+            self.some = [[True] * len(self.k_blocks) for _ in self.q_blocks]
+            self.every = [[False] * len(self.k_blocks) for _ in self.q_blocks]
+        elif self.rule is not None:
             states = mask_tile_states(self.rule, Bounds(S, Sk, block_q, block_k, q.device), B, H)
             self.some = (states.amax(dim=(0, 1)) != EMPTY).tolist()  # (nq, nk): some pair may attend
             self.every = (states.amin(dim=(0, 1)) == FULL).tolist()  # (nq, nk): every pair may

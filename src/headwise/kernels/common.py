@@ -67,6 +67,20 @@ def row_lse(scores: Tensor) -> Tensor:
     return lse.masked_fill(dead[..., 0], float("-inf"))
 
 
+def blocks(n: int, size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each block of ``size`` along ``n`` positions, the last one shorter.
+
+    Under torch.compile with dynamic shapes, the number of blocks becomes a guard but ``n``
+    stays symbolic: ``range(0, n, size)`` or ``min(start + size, n)`` would pin ``n`` to one
+    value, so every sequence length would compile a graph of its own.
+
+    >>> blocks(5, 2)
+    [(0, 2), (2, 4), (4, 5)]
+    """
+    count = int((n + size - 1) // size)  # a guard on the number of blocks, not on n
+    return [(i * size, n if i == count - 1 else i * size + size) for i in range(count)]
+
+
 def fold_rules(attention_mask: Tensor | None, rules: Rules, B: int, H: int, S: int, Sk: int,
                device: torch.device, dtype: torch.dtype) -> Tensor | None:
     """The one mask a kernel that takes a mask gets (B|1, H|1, S|1, Sk): the caller's, with the

@@ -766,17 +766,15 @@ def _interpreted(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-_TRITON_INSTALLED: list[bool] = []  # filled on the first look-up
+# Looked up once, at import: a find_spec walks sys.path (tens of microseconds), and dispatch
+# asks on every new request shape (each decoding step is one). A constant, not a list filled
+# on the first look-up: torch.compile traces this (dispatch runs inside the graph) and guards
+# on what it reads, so a list that fills after the first compiled call recompiled the second.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def _triton_installed() -> bool:
-    """Looked up once: a find_spec walks sys.path (tens of microseconds), and dispatch asks on
-    every new request shape (each decoding step is one). A module-level list, not lru_cache:
-    torch.compile traces through this function (dispatch runs inside the graph) and warns
-    about an lru_cache wrapper it has to ignore."""
-    if not _TRITON_INSTALLED:
-        _TRITON_INSTALLED.append(importlib.util.find_spec("triton") is not None)
-    return _TRITON_INSTALLED[0]
+    return _TRITON_INSTALLED
 
 
 def _available() -> str | None:

@@ -21,6 +21,7 @@ Legend: B batch, S query length, E embed dim.
 
 from __future__ import annotations
 
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -102,15 +103,60 @@ def preparable(mha: MultiHeadAttention) -> bool:
     return mha.window is None and checks.slopes(mha) is None and mha.softcap is None and checks.sinks(mha) is None
 
 
-class Memo(dict):
-    """Repeat per call signature, at most :data:`LIMIT` (it starts over when full)."""
+class Memo:
+    """Repeat per call signature, at most :data:`LIMIT` (it starts over when full).
+
+    A mapping, but not a ``dict``: torch.compile guards on the keys of a ``dict`` that a traced
+    call touches (the traced ``remember`` of a call it does not remember), so each new eager
+    signature would recompile an unchanged compiled call. An object's own dict is not guarded
+    unless it is read, and a compiled call reads none of it.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, Repeat] = {}
 
     def remember(self, key: tuple | None, repeat: Repeat) -> None:
         if key is None:
             return
-        if len(self) >= LIMIT:
-            self.clear()
-        self[key] = repeat
+        if len(self._entries) >= LIMIT:
+            self._entries.clear()
+        self._entries[key] = repeat
+
+    def get(self, key: tuple) -> Repeat | None:
+        return self._entries.get(key)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def keys(self) -> KeysView[tuple]:
+        return self._entries.keys()
+
+    def values(self) -> ValuesView[Repeat]:
+        return self._entries.values()
+
+    def items(self) -> ItemsView[tuple, Repeat]:
+        return self._entries.items()
+
+    def __getitem__(self, key: tuple) -> Repeat:
+        return self._entries[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __eq__(self, other: object) -> bool:
+        entries = other._entries if isinstance(other, Memo) else other
+        return isinstance(entries, Mapping) and self._entries == dict(entries)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dict
+
+    def __repr__(self) -> str:
+        return f"Memo({self._entries!r})"
 
     def __reduce__(self):  # pickled and copied empty: the remembered kernels are this process's
         return (Memo, ())
