@@ -27,11 +27,12 @@ SMALL = (2, 3)  # (B, S): the fused path (B x S x E <= policy.FUSED_MAX_ELEMENTS
 LARGE = (4, 300)  # (B, S): past FUSED_MAX_ELEMENTS, the dense path
 
 
-def reference(mha, x, padding=None):
+def reference(mha, x, padding=None, weights=None):
     """(B, S, E) float64: self-attention of ``mha``'s current weights written out, GQA and
     ``v_head_dim`` included; ``padding`` (B, S) bool, True at tokens: padded keys are not
-    attended and padded positions output zeros."""
-    w = {n: t.detach().double() for n, t in mha.state_dict().items()}
+    attended and padded positions output zeros. ``weights``: the state dict's tensors to use
+    instead, as they are (not detached: the transforms' tests differentiate through them)."""
+    w = {n: t.detach().double() for n, t in mha.state_dict().items()} if weights is None else weights
     x = x.double()  # not detached: the frozen-weights test takes its gradient
     B, S, _ = x.shape
     Hkv = mha.num_kv_heads
@@ -530,3 +531,106 @@ def test_pack_says_whether_the_weights_lie_in_rows_now():
     some.q_proj.bias = nn.Parameter(torch.zeros(E))
     assert qkv.pack(some) is False  # a bias on one projection of three
     check(some.eval(), LARGE)
+
+
+# ---------------------------------------------------------------- torch.func and forward AD
+# The rows are read through pointers; a functorch-wrapped weight has none, and a dual tensor
+# (forward AD) has the pointer of the tensor it wraps but a tangent the rows do not carry.
+
+
+def module64(**kwargs):
+    torch.manual_seed(5)
+    return headwise.MultiHeadAttention(E, H, dtype=torch.float64, **kwargs).eval()
+
+
+def tangents_of(params, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()}
+
+
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["fused", "dense"])
+def test_forward_ad_carries_the_tangents_of_the_q_k_v_weights(shape, grad_mode):
+    mha = module64()
+    x = inputs(shape, dtype=torch.float64)
+    params = {n: p.detach() for n, p in mha.named_parameters()}  # the rows' own memory
+    tangents = tangents_of(params)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level(), torch.set_grad_enabled(grad_mode):
+        dual = {n: fwAD.make_dual(p, tangents[n]) for n, p in params.items()}
+        out, tangent = fwAD.unpack_dual(torch.func.functional_call(mha, dual, (x,)))
+    assert tangent is not None
+    want, want_tangent = torch.func.jvp(lambda w: reference(mha, x, weights=w), (params,), (tangents,))
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+    torch.testing.assert_close(tangent, want_tangent, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["small", "large"])
+def test_torch_func_grad_and_jvp_over_functional_call_are_exact(shape):
+    mha = module64(num_kv_heads=2)
+    x = inputs(shape, dtype=torch.float64)
+    mha(x)  # remembered outside the transforms: the remembered kernel call must not serve them
+    with torch.no_grad():
+        mha(x)
+    params = {n: p.detach() for n, p in mha.named_parameters()}
+
+    def loss(w, f):
+        return f(w).square().sum()
+
+    got = torch.func.grad(loss)(params, lambda w: torch.func.functional_call(mha, w, (x,)))
+    want = torch.func.grad(loss)(params, lambda w: reference(mha, x, weights=w))
+    for name in params:
+        torch.testing.assert_close(got[name], want[name], atol=1e-9, rtol=0, msg=name)
+    tangents = tangents_of(params)
+    out, tangent = torch.func.jvp(lambda w: torch.func.functional_call(mha, w, (x,)), (params,), (tangents,))
+    want_out, want_tangent = torch.func.jvp(lambda w: reference(mha, x, weights=w), (params,), (tangents,))
+    torch.testing.assert_close(out, want_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(tangent, want_tangent, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["small", "large"])
+def test_vmap_over_an_ensemble_of_parameters_is_served_and_exact(shape, grad_mode):
+    mha = module64()
+    x = inputs(shape, dtype=torch.float64)
+    own = {n: p.detach() for n, p in mha.named_parameters()}
+    ensemble = {n: torch.stack([p, p + 0.1 * tangents_of(own, 1)[n], p - 0.1 * tangents_of(own, 2)[n]])
+                for n, p in own.items()}  # (3, ...) per parameter; the first is the module's own
+    with torch.set_grad_enabled(grad_mode):
+        got = torch.func.vmap(lambda w: torch.func.functional_call(mha, w, (x,)))(ensemble)  # (3, B, S, E)
+    for i in range(3):
+        want = reference(mha, x, weights={n: t[i] for n, t in ensemble.items()})
+        torch.testing.assert_close(got[i], want, atol=1e-10, rtol=0, msg=f"member {i}")
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no mask", "padding mask"])
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["small", "large"])
+def test_vmap_over_a_batch_of_inputs_is_served_and_exact(shape, grad_mode, padded):
+    mha = module64()
+    xs = torch.stack([inputs(shape, seed=s, dtype=torch.float64) for s in range(3)])  # (3, B, S, E)
+    masks = torch.ones(3, *shape, dtype=torch.bool)  # (3, B, S)
+    if padded:
+        masks[:, 0, -1] = False
+        masks[1, 1, 1:] = False
+    with torch.set_grad_enabled(grad_mode):
+        got = torch.func.vmap(mha)(xs, masks if padded else None) if padded else torch.func.vmap(mha)(xs)
+    for i in range(3):
+        want = reference(mha, xs[i], masks[i] if padded else None)
+        torch.testing.assert_close(got[i], want, atol=1e-10, rtol=0, msg=f"x {i}")
+
+
+def test_per_sample_gradients_by_vmap_of_grad_are_exact():
+    mha = module64()
+    xs = inputs((3, 4), dtype=torch.float64)  # 3 samples of (S=4, E)
+    params = {n: p.detach() for n, p in mha.named_parameters()}
+
+    def loss(w, x, f):
+        return f(w, x[None]).square().sum()
+
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, None))(
+        params, xs, lambda w, x: torch.func.functional_call(mha, w, (x,)))
+    for i in range(3):
+        want = torch.func.grad(loss)(params, xs[i], lambda w, x: reference(mha, x, weights=w))
+        for name in params:
+            torch.testing.assert_close(got[name][i], want[name], atol=1e-9, rtol=0, msg=f"{name}, sample {i}")

@@ -86,9 +86,9 @@ def _remembered(mha: MultiHeadAttention, x: Tensor, cache: KVCache, causal: bool
         k, v = cache.append(k, v)  # (B, Hkv, L, D), (B, Hkv, L, Dv): every cached position
         dropout_p = mha.dropout if mha.training else 0.0
         if attention is None:
-            attention = functional.prepare(q, k, v, is_causal=causal, dropout_p=dropout_p, backend=mha.backend)
+            attention = functional.prepare(q, k, v, is_causal=causal, dropout_p=dropout_p, backend=checks.backend(mha))
         if attention is None:  # no keys at all: the full path's zeros
-            out = attend(q, k, v, None, is_causal=causal, dropout_p=dropout_p, backend=mha.backend)
+            out = attend(q, k, v, None, is_causal=causal, dropout_p=dropout_p, backend=checks.backend(mha))
         else:
             out = attention(q, k, v)  # (B, H, T, Dv)
         out = proj.output(mha, out, None, plain=plain)  # (B, T, E)
@@ -128,7 +128,7 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
         if trace.ACTIVE:
             _record(cache, x.shape[1], k)
     out = attend(q, k, v, attention_mask, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
-                 backend=mha.backend, need_weights=need_weights, window=window, alibi_slopes=slopes,
+                 backend=checks.backend(mha), need_weights=need_weights, window=window, alibi_slopes=slopes,
                  softcap=mha.softcap, sinks=checks.sinks(mha), sink_tokens=sink_tokens, mask_mod=rules[0],
                  score_mod=rules[1])
     out, weights = out if need_weights else (out, None)

@@ -17,6 +17,7 @@ from headwise.cache import KVCache
 from headwise.deprecation import warn_once
 from headwise.kernels.registry import get_kernel
 from headwise.masks import normalize_mask
+from headwise.module import qkv
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -136,6 +137,16 @@ def check_backend(backend: str, packing: bool | str) -> tuple[str, bool | str]:
     if backend != "auto":
         get_kernel(backend)  # ValueError listing the known backends
     return backend, packing
+
+
+def backend(mha: MultiHeadAttention) -> str:
+    """The kernel the module's attention calls ask for: ``mha.backend``, except that "auto"
+    runs the plain-math ``"matmul"`` inside a ``torch.func`` transform or a forward-AD dual
+    level: every op of it has forward AD and a batching rule, while SDPA's CPU kernel has
+    neither and chunked's autograd Function has no forward AD."""
+    if mha.backend != "auto" or not qkv.functorch_or_dual():
+        return mha.backend
+    return "matmul"
 
 
 def slopes(mha: MultiHeadAttention) -> Tensor | None:

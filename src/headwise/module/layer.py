@@ -377,7 +377,9 @@ class MultiHeadAttention(nn.Module):
                need_weights: bool, cache: KVCache | None) -> Tensor | tuple[Tensor, Tensor]:
         """:meth:`forward` without rules or a paged cache: a remembered call signature's way
         (``module/memo.py``), else the checks, the plan and its path."""
-        signature = memos.signature(self, x, attention_mask, context, is_causal, need_weights, cache)
+        # inside torch.func or forward AD, "auto" runs another kernel (checks.backend): nothing remembered
+        signature = None if qkv.functorch_or_dual() else memos.signature(self, x, attention_mask, context, is_causal,
+                                                                         need_weights, cache)
         key, padding, lengths = (None, None, None) if signature is None else signature
         repeat = None if key is None else self._repeats.get(key)
         if repeat is not None and repeat.current():  # a remembered signature: its checks passed, its plan holds
