@@ -12,11 +12,13 @@ from __future__ import annotations
 import copy
 import io
 import math
+import re
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import headwise
 from headwise.module import qkv
@@ -634,3 +636,85 @@ def test_per_sample_gradients_by_vmap_of_grad_are_exact():
         want = torch.func.grad(loss)(params, xs[i], lambda w, x: reference(mha, x, weights=w))
         for name in params:
             torch.testing.assert_close(got[name][i], want[name], atol=1e-9, rtol=0, msg=f"{name}, sample {i}")
+
+
+# ---------------------------------------------------------------- parametrised projections
+# weight_norm, prune and spectral_norm (old style) take "weight" out of the Linear's parameter
+# dict and compute it in a forward pre-hook; the new-style parametrisations change its class.
+
+
+def _old_weight_norm(m):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for parametrizations.weight_norm
+        return nn.utils.weight_norm(m)
+
+
+PARAMETRISATIONS = {
+    "weight_norm": _old_weight_norm,
+    "prune.l1_unstructured": lambda m: prune.l1_unstructured(m, "weight", amount=0.3),
+    "prune.random_unstructured": lambda m: prune.random_unstructured(m, "weight", amount=0.3),
+    "spectral_norm": nn.utils.spectral_norm,
+    "parametrizations.weight_norm": nn.utils.parametrizations.weight_norm,
+    "parametrizations.spectral_norm": nn.utils.parametrizations.spectral_norm,
+    "parametrizations.orthogonal": nn.utils.parametrizations.orthogonal,
+}
+
+
+def parametrised(kind, proj, seed=5):
+    torch.manual_seed(seed)
+    mha = headwise.MultiHeadAttention(E, H, dtype=torch.float64).eval()
+    torch.manual_seed(seed)  # random_unstructured's mask
+    PARAMETRISATIONS[kind](getattr(mha, proj))
+    return mha
+
+
+def effective(mha):
+    """The weights the projections compute (read after a forward: the old-style hooks set them there)."""
+    return {f"{n}.{kind}": getattr(getattr(mha, n), kind).detach().double()
+            for n in ("q_proj", "k_proj", "v_proj", "out_proj") for kind in ("weight", "bias")}
+
+
+def check_effective(mha, shape, atol=1e-10):
+    x = inputs(shape, dtype=mha.q_proj.bias.dtype)
+    for grad_mode in (False, True):
+        with torch.set_grad_enabled(grad_mode):
+            got = mha(x)
+        torch.testing.assert_close(got.double(), reference(mha, x, weights=effective(mha)), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("proj", ["q_proj", "k_proj", "v_proj", "out_proj"])
+@pytest.mark.parametrize("kind", list(PARAMETRISATIONS))
+def test_a_parametrised_projection_converts_saves_and_loads_as_an_nn_linear_does(kind, proj):
+    mha = parametrised(kind, proj)
+    check_effective(mha, SMALL)
+    check_effective(mha, LARGE)
+    mha.float()
+    assert mha.q_proj.bias.dtype == torch.float32
+    check_effective(mha, SMALL, atol=1e-5)
+    mha.double()
+    check_effective(mha, LARGE)
+    mha.half()
+    assert all(p.dtype == torch.float16 for p in mha.parameters())
+    mha.to(torch.float64)
+    check_effective(mha, SMALL)
+    state = {n: t.clone() for n, t in mha.state_dict().items()}
+    other = parametrised(kind, proj, seed=6)
+    other.load_state_dict(state)
+    for name, t in other.state_dict().items():
+        torch.testing.assert_close(t, state[name], atol=0, rtol=0, msg=name)
+    x = inputs(LARGE, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), mha(x), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("proj", ["q_proj", "out_proj"])
+@pytest.mark.parametrize("kind", list(PARAMETRISATIONS))
+def test_a_refused_load_into_a_parametrised_module_changes_nothing(kind, proj):
+    mha = parametrised(kind, proj)
+    before = {n: t.clone() for n, t in mha.state_dict().items()}
+    wrong = {n: t + 1 for n, t in before.items()}
+    wrong["k_proj.bias"] = torch.zeros(E + 1, dtype=torch.float64) if "k_proj.bias" in wrong else None
+    with pytest.raises(RuntimeError, match=re.escape("nothing of this module was loaded")):
+        mha.load_state_dict(wrong)
+    for name, t in mha.state_dict().items():
+        assert torch.equal(t, before[name]), name

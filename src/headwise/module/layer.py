@@ -211,9 +211,17 @@ class MultiHeadAttention(nn.Module):
 
     def reference_weight(self) -> Tensor:
         """A weight of the module, whose dtype and device its inputs and caches must have:
-        ``out_proj.weight``, or the first parameter where ``out_proj`` was replaced by a module
-        without one."""
-        w = getattr(self.out_proj, "weight", None)
+        ``out_proj.weight``; where a parametrisation computes it (``weight_norm``, ``prune``,
+        ``spectral_norm``, ``torch.nn.utils.parametrize``), the first parameter of ``out_proj``
+        (what it is computed from: after ``to()`` the old-style attribute is stale until the
+        next call, and reading a new-style one would run the parametrisation); the first
+        parameter of the module where ``out_proj`` was replaced by a module without one."""
+        out = self.out_proj
+        w = out._parameters.get("weight")
+        if w is None and ("weight" in out.__dict__ or nn.utils.parametrize.is_parametrized(out, "weight")):
+            w = next(out.parameters(), None)
+        elif w is None:
+            w = getattr(out, "weight", None)  # a wrapper's (PEFT's LoRA forwards it to its base layer)
         return w if isinstance(w, Tensor) else next(self.parameters())
 
     def trains(self) -> bool:

@@ -138,7 +138,7 @@ def packed(mha: MultiHeadAttention, grad: bool) -> Pack | None:
     if type(q) is not nn.Linear or type(k) is not nn.Linear or type(v) is not nn.Linear:
         return None
     pq, pk, pv = q._parameters, k._parameters, v._parameters
-    params = (pq["weight"], pk["weight"], pv["weight"], pq["bias"], pk["bias"], pv["bias"])
+    params = (pq.get("weight"), pk.get("weight"), pv.get("weight"), pq.get("bias"), pk.get("bias"), pv.get("bias"))
     return pack if pack.holds(params, grad) else None
 
 
@@ -237,9 +237,10 @@ def _parts(mha: MultiHeadAttention, device_type: str | None = "cpu") -> tuple[nn
     modules: list[Any] = [mha._modules.get(name) for name in _NAMES]
     if not all(type(m) is nn.Linear for m in modules):
         return None
-    weights: list[Any] = [m._parameters["weight"] for m in modules]
-    biases: list[Any] = [m._parameters["bias"] for m in modules]
-    if any(b is None for b in biases) and any(b is not None for b in biases):
+    # .get: weight_norm, prune and spectral_norm take "weight" out of the dict (a hook computes it)
+    weights: list[Any] = [m._parameters.get("weight") for m in modules]
+    biases: list[Any] = [m._parameters.get("bias") for m in modules]
+    if any(w is None for w in weights) or (any(b is None for b in biases) and any(b is not None for b in biases)):
         return None
     params = tuple(weights + ([] if biases[0] is None else biases))
     first = weights[0]
