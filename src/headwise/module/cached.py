@@ -104,11 +104,13 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
         trace.begin_call()
         trace.record("input", x, "x: (B, S, E)")
     # x's padded positions are not zeroed here: their keys and values are cached as they are
-    # (a later mask may declare them tokens), the kernels hide what no query may attend
-    # (NaN included), and a step takes no gradients
+    # (a later mask may declare them tokens), and the kernels hide what no query may attend
+    # (NaN included); with gradients, _hidden_projections keeps them out of the gradients
     padding = plan.padding  # (B, T): the new positions' padding, or None
     plain = proj.plain_linears(mha)  # read once a step: only the kernel runs between the projections
     q, k, v = proj.project_heads(mha, x, None, plain)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv)
+    if padding is not None and q.requires_grad:
+        q, k, v = _hidden_projections(mha, x, padding, plain, (q, k, v))
     q, k, v = proj.in_cache_dtype(q, k, v, cache.k.dtype)  # (autocast's dtype -> the cache's)
     q, k = proj.normalize(mha, q, k)
     causal, window, slopes, sink_tokens = plan.is_causal, mha.window, checks.slopes(mha), mha.sink_tokens
@@ -139,6 +141,19 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
         rows = padding if not isinstance(need_weights, Selection) else need_weights.pick(padding, None, 1)  # (B, s)
         weights = weights.masked_fill(~rows[:, None, :, None], 0)  # (B, H, T, L)
     return out, weights
+
+
+def _hidden_projections(mha: MultiHeadAttention, x: Tensor, padding: Tensor, plain: bool,
+                        qkv: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """A step's q, k, v (B, H|Hkv, T, D|Dv) whose padded positions (``padding`` (B, T) False)
+    reach no gradient: their values as projected, detached; where x is not finite there, the
+    graph runs through the projections of x with zeros there (a NaN times a zero gradient
+    would still be NaN in the weights' gradients)."""
+    hidden, finite = proj.hide_padding(x, padding)
+    graph = qkv if finite else proj.project_heads(mha, hidden, None, plain)
+    keep = padding[:, None, :, None]  # (B, 1, T, 1)
+    q, k, v = (torch.where(keep, g, t.detach()) for g, t in zip(graph, qkv, strict=True))
+    return q, k, v
 
 
 def _record(cache: KVCache, T: int, k: Tensor) -> None:

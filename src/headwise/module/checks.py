@@ -246,11 +246,3 @@ def check_mask(mha: MultiHeadAttention, x: Tensor, mask: Any, context: Tensor | 
                 Sk = mask.shape[-1]  # the new positions' padding, or every position's (remembered)
     normalize_mask(mask, batch=B, heads=mha.num_heads, q_len=S, k_len=Sk, device=x.device,
                    dtype=reference_weight(mha).dtype)
-
-
-def check_no_grad(mha: MultiHeadAttention, x: Tensor, cache: KVCache | None) -> None:
-    """A cache step takes no gradients (checked after the inputs, whose errors come first)."""
-    if cache is not None and torch.is_grad_enabled() and (x.requires_grad or mha.trains()):
-        raise ValueError("a cache step writes the new keys and values into the cache in place, which autograd "
-                         "cannot differentiate; decode under torch.no_grad() (or torch.inference_mode()), or "
-                         "train without a cache")

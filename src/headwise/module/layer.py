@@ -346,7 +346,8 @@ class MultiHeadAttention(nn.Module):
                 and values are appended and the queries attend to every cached position
                 (Sk = len(cache) after appending; causal alignment is bottom-right). A 2-D
                 bool/integer mask may cover the T new positions (it is remembered) or all
-                Sk positions. Decode under ``torch.no_grad()``. A static cache
+                Sk positions. With gradients on, a step writes the cache out of place and
+                backward through every step is exact; decode under ``torch.no_grad()`` for speed. A static cache
                 (``new_cache(..., static=True)``) attends over all its slots through a mask
                 of the written ones and takes a (B, T) mask of the new positions. An evicting
                 cache (``new_cache(..., evict=True)``) attends over the positions it kept
