@@ -718,3 +718,20 @@ def test_a_refused_load_into_a_parametrised_module_changes_nothing(kind, proj):
         mha.load_state_dict(wrong)
     for name, t in mha.state_dict().items():
         assert torch.equal(t, before[name]), name
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no mask", "padding mask"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["small", "large"])
+def test_fake_tensors_trace_the_module_without_reading_memory_or_values(shape, padded):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mha = module64()
+    x = inputs(shape, dtype=torch.float64)
+    mask = torch.ones(shape, dtype=torch.bool)
+    mask[0, -1] = False
+    mode = FakeTensorMode()
+    with torch.no_grad():
+        params = {n: mode.from_tensor(p.detach()) for n, p in mha.named_parameters()}
+    with mode, torch.no_grad():
+        out = torch.func.functional_call(mha, params, (mode.from_tensor(x), mode.from_tensor(mask) if padded else None))
+    assert isinstance(out, FakeTensor) and out.shape == (*shape, E) and out.dtype == torch.float64
