@@ -41,6 +41,12 @@ class KVCache:
     it changes what ``k``, ``v`` and ``key_mask`` hold, and a static cache refuses it
     (moving keys between slots would take data-dependent shapes).
 
+    With gradients on (decoding without ``torch.no_grad()``, as transformers' caches allow),
+    a step whose keys or values take gradients writes new buffers out of place rather than
+    into these (``slice_scatter`` / ``index_copy``), so backward through every step is exact:
+    what an earlier step saved for backward is never written. Each such step copies the
+    buffers; decode under ``torch.no_grad()`` where no gradient is wanted.
+
     Attributes:
         k, v: (B, Hkv, max_seq_len, D) and (B, Hkv, max_seq_len, Dv) buffers; the first
             :attr:`held` slots are valid.
