@@ -735,3 +735,18 @@ def test_fake_tensors_trace_the_module_without_reading_memory_or_values(shape, p
     with mode, torch.no_grad():
         out = torch.func.functional_call(mha, params, (mode.from_tensor(x), mode.from_tensor(mask) if padded else None))
     assert isinstance(out, FakeTensor) and out.shape == (*shape, E) and out.dtype == torch.float64
+
+
+@pytest.mark.parametrize("kind", [None, *PARAMETRISATIONS])
+def test_a_strict_load_refused_for_missing_or_unexpected_keys_changes_nothing(kind):
+    mha = parametrised(kind, "q_proj") if kind is not None else module64()
+    before = {n: t.clone() for n, t in mha.state_dict().items()}
+    plain = {n: t + 1 for n, t in module64().state_dict().items()}  # q_proj.weight, not its parametrisation's
+    if kind is None:
+        del plain["q_proj.weight"]  # missing
+    with pytest.raises(RuntimeError, match="Missing key|Unexpected key"):
+        mha.load_state_dict(plain)
+    for name, t in mha.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    mha.load_state_dict(plain, strict=False)  # not refused: loads what it names, as torch does
+    assert torch.equal(mha.k_proj.weight, plain["k_proj.weight"])

@@ -169,6 +169,7 @@ class MultiHeadAttention(nn.Module):
         self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None)
         self.register_load_state_dict_pre_hook(_load_hook)
         self.register_load_state_dict_post_hook(qkv.after_load)
+        self.register_load_state_dict_post_hook(_undo_refused_load)
 
     def _add_projections(self, bias: bool, factory: dict[str, Any]) -> None:
         """q_proj, k_proj, v_proj and out_proj as ``nn.Linear``, the q, k, v weights in
@@ -250,6 +251,17 @@ class MultiHeadAttention(nn.Module):
         out = super()._apply(fn, recurse)
         qkv.after_apply(self, before)  # weights converted one by one: back into rows (module/qkv.py)
         return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a strict load that it refuses for missing or unexpected
+        keys changes nothing (torch copies every key that fits first). (Loaded as a part of a
+        larger module, the strict flag is the caller's alone, and torch's behaviour holds.)"""
+        self.__dict__["_strict_load"] = strict
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            self.__dict__.pop("_strict_load", None)
+            self.__dict__.pop("_before_load", None)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -536,6 +548,12 @@ def _load_hook(module: MultiHeadAttention, state_dict: dict, prefix: str, local_
     wrong = [(name, tuple(state_dict[name].shape), tuple(t.shape)) for name, t in own.items()
              if isinstance(state_dict.get(name), Tensor) and state_dict[name].shape != t.shape]
     if not wrong and not refused:
+        if module.__dict__.get("_strict_load") and (any(name not in state_dict for name in own)
+                       or any(name.startswith(prefix) and name not in own for name in state_dict)):
+            # torch would copy what fits, then refuse the missing or unexpected keys (a part's own
+            # hook may still supply them: _undo_refused_load decides from what torch reports)
+            module.__dict__["_before_load"] = (prefix, {n: t.detach().clone() for n, t in own.items()
+                                                        if isinstance(t, Tensor)})
         return
     for name, got, want in wrong:
         error_msgs.append(f"size mismatch for {name}: the checkpoint has shape {got}, this module needs {want} "
@@ -545,6 +563,26 @@ def _load_hook(module: MultiHeadAttention, state_dict: dict, prefix: str, local_
     for name, t in own.items():  # load what the module holds: nothing changes
         if name in state_dict:
             state_dict[name] = t.detach()
+
+
+def _undo_refused_load(module: MultiHeadAttention, incompatible_keys) -> None:
+    """A ``load_state_dict`` post-hook: where a strict load of this module reports missing or
+    unexpected keys (it raises once every part has loaded), put back the values
+    :func:`_load_hook` saved, so that a refused load changes nothing, as a refused shape does.
+    (torch hands the hooks ``strict=True`` always: :meth:`MultiHeadAttention.load_state_dict`
+    notes the caller's.)"""
+    saved = module.__dict__.pop("_before_load", None)
+    if saved is None:
+        return
+    prefix, values = saved
+    if not any(name.startswith(prefix) for name in (*incompatible_keys.missing_keys,
+                                                    *incompatible_keys.unexpected_keys)):
+        return
+    own = module.state_dict(prefix=prefix, keep_vars=True)
+    with torch.no_grad():
+        for name, t in values.items():
+            if isinstance(own.get(name), Tensor):
+                own[name].copy_(t)
 
 
 def _split_fused(module: MultiHeadAttention, state_dict: dict, prefix: str, error_msgs: list) -> bool:
