@@ -113,14 +113,15 @@ def transformed() -> bool:
     dual weight has its primal's pointer and a tangent the rows do not carry), a
     ``__torch_dispatch__`` mode (``FakeTensorMode``, ``make_fx``), torch.compile or a JIT
     trace. Global flags only, about a microsecond together."""
-    return (functorch_or_dual() or torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+    return (torch.compiler.is_compiling() or functorch_or_dual() or torch._C._len_torch_dispatch_stack() > 0
             or torch._C._get_tracing_state() is not None)
 
 
 def functorch_or_dual() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``jvp``, ``vmap``, ...) or a forward-AD
-    dual level is active."""
-    return forward_ad._current_level >= 0 or torch._C._functorch.maybe_current_level() is not None
+    dual level is active (False under torch.compile, which traces the transforms itself)."""
+    return not torch.compiler.is_compiling() and (forward_ad._current_level >= 0
+                                                  or torch._C._functorch.maybe_current_level() is not None)
 
 
 def packed(mha: MultiHeadAttention, grad: bool) -> Pack | None:
