@@ -557,3 +557,20 @@ def test_a_dynamic_cache_step_of_several_positions_refuses_a_mask_of_neither_the
         with pytest.raises(ValueError, match=re.escape("(2, 4)")):
             mha(x[:, 3:5], torch.ones(2, 4, dtype=torch.bool), cache=cache)  # neither 2 nor 6 + 2 positions
     assert len(cache) == 6
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jvp"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_cache_step_inside_a_torch_func_transform_is_refused_with_the_remedy(transform, static):
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True)
+    cache = mha.new_cache(2, 8, static=static)
+    xs = rand(3, 2, 2, E)
+    step = {"vmap": lambda: torch.func.vmap(lambda x: mha(x, cache=cache))(xs),
+            "grad": lambda: torch.func.grad(lambda x: mha(x, cache=cache).sum())(xs[0]),
+            "jvp": lambda: torch.func.jvp(lambda x: mha(x, cache=cache), (xs[0],), (xs[1],))}[transform]
+    message = ("a cache step writes the cache's buffers, which live outside torch.func's transforms (vmap, grad, "
+               "jvp, ...) and cannot hold their values; call the module without cache= inside the transform, or "
+               "decode outside it")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        step()
+    assert len(cache) == 0 and not cache.k.any()

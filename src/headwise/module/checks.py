@@ -214,6 +214,10 @@ def check_cache(mha: MultiHeadAttention, cache: Any, x: Any, context: Any) -> No
         raise TypeError(f"cache must come from mha.new_cache(...), got {type(cache).__name__}")
     if context is not None:
         raise ValueError("cache is for self-attention; cross-attention (context=...) takes no cache")
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise ValueError("a cache step writes the cache's buffers, which live outside torch.func's transforms (vmap, "
+                         "grad, jvp, ...) and cannot hold their values; call the module without cache= inside the "
+                         "transform, or decode outside it")
     _, Hkv, _, D = cache.k.shape
     Dv, w = cache.v.shape[-1], reference_weight(mha)
     want = (mha.num_kv_heads, mha.head_dim, mha.v_head_dim, w.dtype, w.device)
