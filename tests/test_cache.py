@@ -431,3 +431,19 @@ def test_rollback_of_a_step_with_gradients_puts_the_old_buffers_back():
     cache.rollback(saved)
     assert cache.k is k and cache.v is v and len(cache) == 2 and not k.requires_grad
     assert torch.equal(k[:, :, :3], torch.tensor([[[[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]]]))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_steps_under_inference_mode_and_no_grad_after_steps_with_gradients_keep_backward_exact(static):
+    cache = KVCache(1, 6, 1, 2, static=static)
+    k = torch.ones(1, 1, 2, 2, requires_grad=True)
+    held = cache.update_static(k, k)[0] if static else cache.update(k, k)[0]
+    with torch.inference_mode():
+        cache.update_static(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2)) if static else cache.append(
+            torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    with torch.no_grad():
+        cache.update_static(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2)) if static else cache.append(
+            torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    assert len(cache) == 4 and not cache.k.is_inference()
+    (held[:, :, :2] * 3).sum().backward()
+    torch.testing.assert_close(k.grad, torch.full((1, 1, 2, 2), 3.0), atol=0, rtol=0)

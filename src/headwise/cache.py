@@ -174,13 +174,18 @@ class KVCache:
         return sinks, min(recent, held - sinks)
 
     def _out_of_place(self, k: Tensor, v: Tensor) -> bool:
-        """Whether a step writing ``k``, ``v`` must leave the buffers as they are and make new
-        ones: autograd records it (the values take gradients), or the buffers hold a graph (a
-        step with gradients made them), whose views an earlier step saved for backward and a
-        write in place would change. Then every write of the step is out of place, and
-        :meth:`rollback` puts the old buffers back."""
-        return (self.k.requires_grad or self.v.requires_grad
-                or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)))
+        """Whether a step writing ``k``, ``v`` leaves the buffers as they are and makes new ones:
+        where autograd records it (the values take gradients). Then every write of the step is
+        out of place: what an earlier step saved for backward is never written, and
+        :meth:`rollback` puts the old buffers back. A step that autograd does not record, on
+        buffers that hold a graph (an earlier step's), writes in place into plain copies of them
+        (made outside inference mode, so that later steps may write them in place too)."""
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            return True
+        if self.k.requires_grad or self.v.requires_grad:
+            with torch.inference_mode(False), torch.no_grad():
+                self.k, self.v = self.k.clone(), self.v.clone()
+        return False
 
     def _evict(self, out_of_place: bool = False) -> None:
         """Keep :meth:`kept`'s slots, moving the recent ones up to the sinks (a copy of at most W - 1)."""
