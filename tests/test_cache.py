@@ -383,3 +383,67 @@ def test_rollback_restores_every_slot_a_step_wrote(history, masked):
         assert torch.equal(got, want)
     cache.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))  # and the next step appends where it should
     assert len(cache) == 4 and torch.equal(cache.k[:, :, 3], torch.ones(2, 2, 4))
+
+
+def _step(cache: KVCache, k: torch.Tensor, v: torch.Tensor, how: str):
+    if how == "update_static":
+        return cache.update_static(k, v)[:2]
+    return getattr(cache, how)(k, v)[:2]
+
+
+@pytest.mark.parametrize("how, kwargs", [("update", {}), ("append", {}), ("update_static", {"static": True}),
+                                         ("update", {"window": 2, "sink_tokens": 1})],
+                         ids=["update", "append", "update_static", "evicting"])
+def test_steps_of_values_that_take_gradients_write_new_buffers_and_backward_is_exact(how, kwargs):
+    # with gradients, every write is out of place: what an earlier step returned (and saved for
+    # backward) is never written, and the gradient of each step's keys is what read them
+    gen = torch.Generator().manual_seed(3)
+    cache = KVCache(1, 6, 1, 2, dtype=torch.float64, **kwargs)
+    ks = [torch.randn(1, 1, T, 2, generator=gen, dtype=torch.float64, requires_grad=True) for T in (2, 1, 1)]
+    vs = [torch.randn(1, 1, T, 2, generator=gen, dtype=torch.float64, requires_grad=True) for T in (2, 1, 1)]
+    first, loss = None, 0
+    for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
+        held_k, held_v = _step(cache, k, v, how)
+        first = held_k if first is None else first
+        loss = loss + (i + 1) * (held_k.sum() + 2 * held_v.sum())
+    assert torch.equal(first[:, :, :2], ks[0])  # what the first step returned was never written since
+    loss.backward()
+    # each key's gradient: the sum of the weights (i + 1) of the steps that held it
+    if kwargs.get("window"):  # window 2, 1 sink: position 1 is evicted before the third step
+        want_k = [torch.tensor([6.0, 3.0]), torch.tensor([5.0]), torch.tensor([3.0])]
+    else:
+        want_k = [torch.tensor([6.0, 6.0]), torch.tensor([5.0]), torch.tensor([3.0])]
+    for k, v, want in zip(ks, vs, want_k, strict=True):
+        torch.testing.assert_close(k.grad[0, 0, :, 0], want.double(), atol=0, rtol=0)
+        torch.testing.assert_close(v.grad[0, 0, :, 0], 2 * want.double(), atol=0, rtol=0)
+    with torch.no_grad():  # without gradients the buffers lose their graph: in place again from here
+        _step(cache, torch.ones(1, 1, 1, 2, dtype=torch.float64), torch.ones(1, 1, 1, 2, dtype=torch.float64), how)
+    assert not cache.k.requires_grad
+
+
+def test_rollback_of_a_step_with_gradients_puts_the_old_buffers_back():
+    cache = KVCache(1, 4, 1, 2)
+    cache.update(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2))
+    k, v = cache.k, cache.v
+    saved = cache.savepoint(1, masked=False)
+    cache.update(torch.full((1, 1, 1, 2), 5.0, requires_grad=True), torch.zeros(1, 1, 1, 2))
+    assert cache.k is not k and cache.k.requires_grad
+    cache.rollback(saved)
+    assert cache.k is k and cache.v is v and len(cache) == 2 and not k.requires_grad
+    assert torch.equal(k[:, :, :3], torch.tensor([[[[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]]]))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_steps_under_inference_mode_and_no_grad_after_steps_with_gradients_keep_backward_exact(static):
+    cache = KVCache(1, 6, 1, 2, static=static)
+    k = torch.ones(1, 1, 2, 2, requires_grad=True)
+    held = cache.update_static(k, k)[0] if static else cache.update(k, k)[0]
+    with torch.inference_mode():
+        cache.update_static(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2)) if static else cache.append(
+            torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    with torch.no_grad():
+        cache.update_static(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2)) if static else cache.append(
+            torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    assert len(cache) == 4 and not cache.k.is_inference()
+    (held[:, :, :2] * 3).sum().backward()
+    torch.testing.assert_close(k.grad, torch.full((1, 1, 2, 2), 3.0), atol=0, rtol=0)

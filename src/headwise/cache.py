@@ -41,6 +41,12 @@ class KVCache:
     it changes what ``k``, ``v`` and ``key_mask`` hold, and a static cache refuses it
     (moving keys between slots would take data-dependent shapes).
 
+    With gradients on (decoding without ``torch.no_grad()``, as transformers' caches allow),
+    a step whose keys or values take gradients writes new buffers out of place rather than
+    into these (``slice_scatter`` / ``index_copy``), so backward through every step is exact:
+    what an earlier step saved for backward is never written. Each such step copies the
+    buffers; decode under ``torch.no_grad()`` where no gradient is wanted.
+
     Attributes:
         k, v: (B, Hkv, max_seq_len, D) and (B, Hkv, max_seq_len, Dv) buffers; the first
             :attr:`held` slots are valid.
@@ -55,7 +61,7 @@ class KVCache:
     >>> import headwise
     >>> mha = headwise.MultiHeadAttention(32, 4)
     >>> cache = mha.new_cache(batch_size=2, max_seq_len=16)
-    >>> with torch.no_grad():  # a cache step takes no gradients
+    >>> with torch.no_grad():  # faster: with gradients on, a step writes new buffers (out of place)
     ...     _ = mha(torch.rand(2, 5, 32), cache=cache, is_causal=True)  # prefill 5
     ...     _ = mha(torch.rand(2, 1, 32), cache=cache, is_causal=True)  # one more step
     >>> len(cache)
@@ -167,7 +173,21 @@ class KVCache:
         recent = max(0, seen - max(self.sink_tokens, seen - window + 1))
         return sinks, min(recent, held - sinks)
 
-    def _evict(self) -> None:
+    def _out_of_place(self, k: Tensor, v: Tensor) -> bool:
+        """Whether a step writing ``k``, ``v`` leaves the buffers as they are and makes new ones:
+        where autograd records it (the values take gradients). Then every write of the step is
+        out of place: what an earlier step saved for backward is never written, and
+        :meth:`rollback` puts the old buffers back. A step that autograd does not record, on
+        buffers that hold a graph (an earlier step's), writes in place into plain copies of them
+        (made outside inference mode, so that later steps may write them in place too)."""
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            return True
+        if self.k.requires_grad or self.v.requires_grad:
+            with torch.inference_mode(False), torch.no_grad():
+                self.k, self.v = self.k.clone(), self.v.clone()
+        return False
+
+    def _evict(self, out_of_place: bool = False) -> None:
         """Keep :meth:`kept`'s slots, moving the recent ones up to the sinks (a copy of at most W - 1)."""
         sinks, recent = self.kept()
         held = self.held
@@ -175,8 +195,12 @@ class KVCache:
             return
         src = slice(held - recent, held)
         dst = slice(sinks, sinks + recent)
-        self.k[:, :, dst] = self.k[:, :, src].clone()  # (B, Hkv, recent, D): the ranges may overlap
-        self.v[:, :, dst] = self.v[:, :, src].clone()
+        if out_of_place:  # new buffers (see _out_of_place)
+            self.k = self.k.slice_scatter(self.k[:, :, src], 2, sinks, sinks + recent)  # (B, Hkv, L_max, D)
+            self.v = self.v.slice_scatter(self.v[:, :, src], 2, sinks, sinks + recent)  # (B, Hkv, L_max, Dv)
+        else:
+            self.k[:, :, dst] = self.k[:, :, src].clone()  # (B, Hkv, recent, D): the ranges may overlap
+            self.v[:, :, dst] = self.v[:, :, src].clone()
         self.key_mask[:, dst] = self.key_mask[:, src].clone()
         # the freed slots hold the moved positions' padding: a later step without a mask writes
         # real tokens there and must not read it
@@ -272,28 +296,34 @@ class KVCache:
         if self.static:
             slots = (self.position + torch.arange(new, device=self.position.device)).clamp(0, self.max_seq_len - 1)
             return (self.position.clone(), self.key_mask.clone() if keep_mask else None, slots,
-                    self.k.index_select(2, slots), self.v.index_select(2, slots))
+                    self.k.index_select(2, slots), self.v.index_select(2, slots), self.k, self.v)
         lo = self.kept()[0] if self.evicts else self._length  # eviction moves the recent slots to the sinks
         hi = min(self._length + new, self.max_seq_len)
         k = v = None  # zeros: slots lo..hi were never written
         if lo < self._written:
             k, v = self.k[:, :, lo:hi].clone(), self.v[:, :, lo:hi].clone()
         return (self._length, self._written, self.evicted, self.padded,
-                self.key_mask[:, :hi].clone() if keep_mask else None, lo, hi, k, v)
+                self.key_mask[:, :hi].clone() if keep_mask else None, lo, hi, k, v, self.k, self.v)
 
     def rollback(self, saved: tuple) -> None:
-        """Undo a step: back to what :meth:`savepoint` copied (after a refused call)."""
+        """Undo a step: back to what :meth:`savepoint` copied (after a refused call). A step
+        that wrote out of place left the old buffers as they were: they are put back."""
+        replaced = self.k is not saved[-2] or self.v is not saved[-1]
+        self.k, self.v = saved[-2], saved[-1]
         if self.static:
-            position, key_mask, slots, k, v = saved
+            position, key_mask, slots, k, v = saved[:-2]
             self.position.copy_(position)
             if key_mask is not None:
                 self.key_mask.copy_(key_mask)
-            self.k.index_copy_(2, slots, k)
-            self.v.index_copy_(2, slots, v)
+            if not replaced:
+                self.k.index_copy_(2, slots, k)
+                self.v.index_copy_(2, slots, v)
             return
-        self._length, self._written, self.evicted, self.padded, key_mask, lo, hi, k, v = saved
+        self._length, self._written, self.evicted, self.padded, key_mask, lo, hi, k, v = saved[:-2]
         if key_mask is not None:
             self.key_mask[:, :key_mask.shape[1]] = key_mask
+        if replaced:
+            return
         if k is None:  # the slots held zeros
             self.k[:, :, lo:hi].zero_()
             self.v[:, :, lo:hi].zero_()
@@ -322,8 +352,12 @@ class KVCache:
         if mask is not None and not isinstance(mask, Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
         positions = self.position + torch.arange(T, device=self.position.device)  # (T,)
-        self.k.index_copy_(2, positions, k)  # (B, Hkv, T, D) into (B, Hkv, L_max, D); v the same with Dv
-        self.v.index_copy_(2, positions, v)
+        if self._out_of_place(k, v):  # new buffers (see _out_of_place)
+            self.k = self.k.index_copy(2, positions, k.to(self.k.dtype))  # (B, Hkv, L_max, D)
+            self.v = self.v.index_copy(2, positions, v.to(self.v.dtype))  # (B, Hkv, L_max, Dv)
+        else:
+            self.k.index_copy_(2, positions, k)  # (B, Hkv, T, D) into (B, Hkv, L_max, D); v the same with Dv
+            self.v.index_copy_(2, positions, v)
         if mask is not None:
             self.key_mask.index_copy_(1, positions, mask.to(self.key_mask.device) != 0)
         self.position.add_(T)
@@ -383,7 +417,7 @@ class KVCache:
         B, _, T, _ = k.shape
         self.check(B, T)
         self.check_mask(mask, T)  # before eviction and the write: a refused mask changes nothing
-        self._evict()
+        self._evict(self._out_of_place(k, v))
         given, mask = mask, self._mask_for(mask, T)
         total = self._length + T
         if given is not None and mask is not None and mask.dim() == 2 and mask.shape[-1] == total:  # remember it
@@ -404,14 +438,18 @@ class KVCache:
         """
         self._dynamic("append")
         self.check(k.shape[0], k.shape[2])
-        self._evict()
+        self._evict(self._out_of_place(k, v))
         return self._write(k, v)
 
     def _write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """append() after its checks: (B, Hkv, T, D|Dv) into the buffers at the held length."""
         start, end = self._length, self._length + k.shape[2]
-        self.k[:, :, start:end] = k  # (B, Hkv, T, D) into (B, Hkv, L_max, D)
-        self.v[:, :, start:end] = v
+        if self._out_of_place(k, v):  # new buffers (see _out_of_place)
+            self.k = self.k.slice_scatter(k.to(self.k.dtype), 2, start, end)  # (B, Hkv, L_max, D)
+            self.v = self.v.slice_scatter(v.to(self.v.dtype), 2, start, end)  # (B, Hkv, L_max, Dv)
+        else:
+            self.k[:, :, start:end] = k  # (B, Hkv, T, D) into (B, Hkv, L_max, D)
+            self.v[:, :, start:end] = v
         self._length = end
         self._written = max(self._written, end)
         return self.k[:, :, :end], self.v[:, :, :end]  # (B, Hkv, L, D), (B, Hkv, L, Dv)

@@ -26,14 +26,17 @@ import torch
 def reads_values(t: torch.Tensor) -> bool:
     """Whether "auto" may read ``t``'s values to decide: only for a CPU tensor outside
     torch.compile. On an accelerator a read would sync the host with the device on every
-    call, and under torch.compile it would break the graph; there the decisions that would
-    read values (packing, the key-dropping kernel, skipping the dead-row guard) take the
-    path that needs no read.
+    call, under torch.compile it would break the graph, and inside a ``torch.func`` transform
+    or a ``__torch_dispatch__`` mode it may fail (``vmap`` and ``FakeTensorMode`` have no
+    ``.item()``); there the decisions that would read values
+    (packing, the key-dropping kernel, skipping the dead-row guard) take the path that needs
+    no read.
 
     >>> reads_values(torch.ones(2))
     True
     """
-    return t.is_cpu and not torch.compiler.is_compiling()
+    return (t.is_cpu and not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None
+            and torch._C._len_torch_dispatch_stack() == 0)
 
 
 # ---- the module's padding-free path ---------------------------------------------------

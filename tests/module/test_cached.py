@@ -412,3 +412,90 @@ def test_remembered_steps_of_several_positions_stay_causal(kind):
         got = decode(mha, x, cache, prompt=3, chunks=(2, 2, 3))
         torch.testing.assert_close(got, mha(x), rtol=0, atol=1e-12)
     assert len(mha._repeats) < 5  # the steps of one size were remembered (the prompt, then 2 and 3)
+
+
+# ---------------------------------------------------------------- gradients on
+# A step with gradients on writes the buffers out of place (autograd records it, and what an
+# earlier step saved for backward is never written), so decoding without torch.no_grad()
+# runs forward, as with transformers' caches, and backward through every step is exact.
+
+GRAD_CACHES = {
+    "dynamic": ({}, {}),
+    "static": ({}, {"static": True}),
+    "evicting": ({"window": 3, "sink_tokens": 1}, {"evict": True}),
+    "dynamic, rope + GQA": ({"rope": True, "num_kv_heads": 2}, {}),
+    "static, rope + GQA": ({"rope": True, "num_kv_heads": 2}, {"static": True}),
+}
+
+
+def grads_of(mha, x, loss_of):
+    """The loss's gradients for x and every parameter (x (B, S, E) a leaf)."""
+    mha.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    loss_of(x).backward()
+    return {"x": x.grad, **{n: p.grad for n, p in mha.named_parameters()}}
+
+
+@pytest.mark.parametrize("name", list(GRAD_CACHES))
+def test_decoding_with_gradients_on_equals_the_full_forward_and_its_gradients(name):
+    kwargs, cache_kwargs = GRAD_CACHES[name]
+    mha = module(**kwargs)
+    x = torch.randn(2, 7, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weight = torch.randn(2, 7, E, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want = mha(x)  # the full causal forward (with the module's window, if any)
+    caches = []
+
+    def decoded(x):
+        caches.append(mha.new_cache(2, 8, **cache_kwargs))
+        return decode(mha, x, caches[-1], prompt=3, chunks=(1, 2))
+
+    torch.testing.assert_close(decoded(x), want, atol=1e-12, rtol=0)
+    got = grads_of(mha, x, lambda x: (decoded(x) * weight).sum())
+    full = grads_of(mha, x, lambda x: (mha(x) * weight).sum())
+    for key in full:
+        torch.testing.assert_close(got[key], full[key], atol=1e-10, rtol=0, msg=key)
+    with torch.no_grad():  # the cache decodes on, without gradients
+        more = mha(x[:, :1], cache=caches[0])
+    assert not more.requires_grad and caches[0].k.requires_grad is False
+
+
+def test_backward_after_later_steps_and_a_refused_step_is_exact():
+    mha = module()
+    x = torch.randn(2, 6, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    cache = mha.new_cache(2, 6)
+    first = mha(x[:, :3], cache=cache)  # with gradients
+    with torch.no_grad():
+        mha(x[:, 3:5], cache=cache)  # later steps write the buffers the first one read
+    with pytest.raises(ValueError, match="cannot take 2 more"):
+        mha(x[:, :2], cache=cache)  # refused: changes nothing
+    mha(x[:, 5:], cache=cache)
+    cache.reset()
+    mha(x[:, :2], cache=cache)
+    got = grads_of(mha, x, lambda _: first.square().sum())
+    full = grads_of(mha, x, lambda x: mha(x[:, :3]).square().sum())
+    for key in full:
+        if key != "x":  # x was a leaf of the first call only
+            torch.testing.assert_close(got[key], full[key], atol=1e-10, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", ["dynamic", "static", "evicting"])
+def test_nan_at_a_padded_position_of_a_step_with_gradients_reaches_no_gradient(name):
+    kwargs, cache_kwargs = GRAD_CACHES[name]
+    mha = module(**kwargs)
+    x = torch.randn(2, 5, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    x[1, 0] = float("nan")  # padded: excluded for every query
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+
+    def decoded(x):
+        cache = mha.new_cache(2, 8, **cache_kwargs)
+        prompt = mha(x[:, :3], mask[:, :3], cache=cache)
+        return torch.cat([prompt, mha(x[:, 3:4], cache=cache), mha(x[:, 4:], cache=cache)], dim=1)
+
+    got = grads_of(mha, x, lambda x: decoded(x).square().sum())
+    full = grads_of(mha, x, lambda x: mha(x, mask).square().sum())
+    for key in full:
+        if key != "x":
+            assert got[key].isfinite().all(), key
+            torch.testing.assert_close(got[key], full[key], atol=1e-10, rtol=0, msg=key)
+    torch.testing.assert_close(got["x"][:, 1:], full["x"][:, 1:], atol=1e-10, rtol=0)
+    torch.testing.assert_close(got["x"][0], full["x"][0], atol=1e-10, rtol=0)

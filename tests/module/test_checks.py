@@ -427,20 +427,17 @@ def test_with_a_cache_x_of_another_type_or_shape_still_names_x(x, error, message
         mha(x, cache=cache)
 
 
-def test_a_cache_step_with_gradients_on_is_refused_with_the_remedy():
+def test_a_cache_step_with_gradients_on_is_not_refused():
+    # decoding without torch.no_grad() works, as with transformers' caches (tests/module/test_cached.py
+    # checks its gradients); the module's parameters, x, or one parameter take gradients
     mha = headwise.MultiHeadAttention(E, H, is_causal=True)
     cache = mha.new_cache(2, 8)
-    message = ("a cache step writes the new keys and values into the cache in place, which autograd cannot "
-               "differentiate; decode under torch.no_grad() (or torch.inference_mode()), or train without a cache")
-    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
-        mha(rand(2, 3, E), cache=cache)  # the module's parameters take gradients
+    assert mha(rand(2, 3, E), cache=cache).requires_grad
     mha.requires_grad_(False)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        mha(rand(2, 3, E).requires_grad_(), cache=cache)  # x takes them
-    mha.out_proj.requires_grad_(True)  # any parameter that trains
-    with pytest.raises(ValueError, match=re.escape(message)):
-        mha(rand(2, 3, E), cache=cache)
-    assert len(cache) == 0
+    assert mha(rand(2, 1, E).requires_grad_(), cache=cache).requires_grad
+    mha.out_proj.requires_grad_(True)
+    assert mha(rand(2, 1, E), cache=cache).requires_grad
+    assert len(cache) == 5
 
 
 def test_a_cache_step_of_a_frozen_module_runs_with_gradients_on():
@@ -560,3 +557,20 @@ def test_a_dynamic_cache_step_of_several_positions_refuses_a_mask_of_neither_the
         with pytest.raises(ValueError, match=re.escape("(2, 4)")):
             mha(x[:, 3:5], torch.ones(2, 4, dtype=torch.bool), cache=cache)  # neither 2 nor 6 + 2 positions
     assert len(cache) == 6
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jvp"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_cache_step_inside_a_torch_func_transform_is_refused_with_the_remedy(transform, static):
+    mha = headwise.MultiHeadAttention(E, H, is_causal=True)
+    cache = mha.new_cache(2, 8, static=static)
+    xs = rand(3, 2, 2, E)
+    step = {"vmap": lambda: torch.func.vmap(lambda x: mha(x, cache=cache))(xs),
+            "grad": lambda: torch.func.grad(lambda x: mha(x, cache=cache).sum())(xs[0]),
+            "jvp": lambda: torch.func.jvp(lambda x: mha(x, cache=cache), (xs[0],), (xs[1],))}[transform]
+    message = ("a cache step writes the cache's buffers, which live outside torch.func's transforms (vmap, grad, "
+               "jvp, ...) and cannot hold their values; call the module without cache= inside the transform, or "
+               "decode outside it")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        step()
+    assert len(cache) == 0 and not cache.k.any()

@@ -12,11 +12,13 @@ from __future__ import annotations
 import copy
 import io
 import math
+import re
 import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import headwise
 from headwise.module import qkv
@@ -27,11 +29,12 @@ SMALL = (2, 3)  # (B, S): the fused path (B x S x E <= policy.FUSED_MAX_ELEMENTS
 LARGE = (4, 300)  # (B, S): past FUSED_MAX_ELEMENTS, the dense path
 
 
-def reference(mha, x, padding=None):
+def reference(mha, x, padding=None, weights=None):
     """(B, S, E) float64: self-attention of ``mha``'s current weights written out, GQA and
     ``v_head_dim`` included; ``padding`` (B, S) bool, True at tokens: padded keys are not
-    attended and padded positions output zeros."""
-    w = {n: t.detach().double() for n, t in mha.state_dict().items()}
+    attended and padded positions output zeros. ``weights``: the state dict's tensors to use
+    instead, as they are (not detached: the transforms' tests differentiate through them)."""
+    w = {n: t.detach().double() for n, t in mha.state_dict().items()} if weights is None else weights
     x = x.double()  # not detached: the frozen-weights test takes its gradient
     B, S, _ = x.shape
     Hkv = mha.num_kv_heads
@@ -530,3 +533,220 @@ def test_pack_says_whether_the_weights_lie_in_rows_now():
     some.q_proj.bias = nn.Parameter(torch.zeros(E))
     assert qkv.pack(some) is False  # a bias on one projection of three
     check(some.eval(), LARGE)
+
+
+# ---------------------------------------------------------------- torch.func and forward AD
+# The rows are read through pointers; a functorch-wrapped weight has none, and a dual tensor
+# (forward AD) has the pointer of the tensor it wraps but a tangent the rows do not carry.
+
+
+def module64(**kwargs):
+    torch.manual_seed(5)
+    return headwise.MultiHeadAttention(E, H, dtype=torch.float64, **kwargs).eval()
+
+
+def tangents_of(params, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()}
+
+
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["fused", "dense"])
+def test_forward_ad_carries_the_tangents_of_the_q_k_v_weights(shape, grad_mode):
+    mha = module64()
+    x = inputs(shape, dtype=torch.float64)
+    params = {n: p.detach() for n, p in mha.named_parameters()}  # the rows' own memory
+    tangents = tangents_of(params)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level(), torch.set_grad_enabled(grad_mode):
+        dual = {n: fwAD.make_dual(p, tangents[n]) for n, p in params.items()}
+        out, tangent = fwAD.unpack_dual(torch.func.functional_call(mha, dual, (x,)))
+    assert tangent is not None
+    want, want_tangent = torch.func.jvp(lambda w: reference(mha, x, weights=w), (params,), (tangents,))
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+    torch.testing.assert_close(tangent, want_tangent, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["small", "large"])
+def test_torch_func_grad_and_jvp_over_functional_call_are_exact(shape):
+    mha = module64(num_kv_heads=2)
+    x = inputs(shape, dtype=torch.float64)
+    mha(x)  # remembered outside the transforms: the remembered kernel call must not serve them
+    with torch.no_grad():
+        mha(x)
+    params = {n: p.detach() for n, p in mha.named_parameters()}
+
+    def loss(w, f):
+        return f(w).square().sum()
+
+    got = torch.func.grad(loss)(params, lambda w: torch.func.functional_call(mha, w, (x,)))
+    want = torch.func.grad(loss)(params, lambda w: reference(mha, x, weights=w))
+    for name in params:
+        torch.testing.assert_close(got[name], want[name], atol=1e-9, rtol=0, msg=name)
+    tangents = tangents_of(params)
+    out, tangent = torch.func.jvp(lambda w: torch.func.functional_call(mha, w, (x,)), (params,), (tangents,))
+    want_out, want_tangent = torch.func.jvp(lambda w: reference(mha, x, weights=w), (params,), (tangents,))
+    torch.testing.assert_close(out, want_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(tangent, want_tangent, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["small", "large"])
+def test_vmap_over_an_ensemble_of_parameters_is_served_and_exact(shape, grad_mode):
+    mha = module64()
+    x = inputs(shape, dtype=torch.float64)
+    own = {n: p.detach() for n, p in mha.named_parameters()}
+    ensemble = {n: torch.stack([p, p + 0.1 * tangents_of(own, 1)[n], p - 0.1 * tangents_of(own, 2)[n]])
+                for n, p in own.items()}  # (3, ...) per parameter; the first is the module's own
+    with torch.set_grad_enabled(grad_mode):
+        got = torch.func.vmap(lambda w: torch.func.functional_call(mha, w, (x,)))(ensemble)  # (3, B, S, E)
+    for i in range(3):
+        want = reference(mha, x, weights={n: t[i] for n, t in ensemble.items()})
+        torch.testing.assert_close(got[i], want, atol=1e-10, rtol=0, msg=f"member {i}")
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no mask", "padding mask"])
+@pytest.mark.parametrize("grad_mode", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["small", "large"])
+def test_vmap_over_a_batch_of_inputs_is_served_and_exact(shape, grad_mode, padded):
+    mha = module64()
+    xs = torch.stack([inputs(shape, seed=s, dtype=torch.float64) for s in range(3)])  # (3, B, S, E)
+    masks = torch.ones(3, *shape, dtype=torch.bool)  # (3, B, S)
+    if padded:
+        masks[:, 0, -1] = False
+        masks[1, 1, 1:] = False
+    with torch.set_grad_enabled(grad_mode):
+        got = torch.func.vmap(mha)(xs, masks if padded else None) if padded else torch.func.vmap(mha)(xs)
+    for i in range(3):
+        want = reference(mha, xs[i], masks[i] if padded else None)
+        torch.testing.assert_close(got[i], want, atol=1e-10, rtol=0, msg=f"x {i}")
+
+
+def test_per_sample_gradients_by_vmap_of_grad_are_exact():
+    mha = module64()
+    xs = inputs((3, 4), dtype=torch.float64)  # 3 samples of (S=4, E)
+    params = {n: p.detach() for n, p in mha.named_parameters()}
+
+    def loss(w, x, f):
+        return f(w, x[None]).square().sum()
+
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, None))(
+        params, xs, lambda w, x: torch.func.functional_call(mha, w, (x,)))
+    for i in range(3):
+        want = torch.func.grad(loss)(params, xs[i], lambda w, x: reference(mha, x, weights=w))
+        for name in params:
+            torch.testing.assert_close(got[name][i], want[name], atol=1e-9, rtol=0, msg=f"{name}, sample {i}")
+
+
+# ---------------------------------------------------------------- parametrised projections
+# weight_norm, prune and spectral_norm (old style) take "weight" out of the Linear's parameter
+# dict and compute it in a forward pre-hook; the new-style parametrisations change its class.
+
+
+def _old_weight_norm(m):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for parametrizations.weight_norm
+        return nn.utils.weight_norm(m)
+
+
+PARAMETRISATIONS = {
+    "weight_norm": _old_weight_norm,
+    "prune.l1_unstructured": lambda m: prune.l1_unstructured(m, "weight", amount=0.3),
+    "prune.random_unstructured": lambda m: prune.random_unstructured(m, "weight", amount=0.3),
+    "spectral_norm": nn.utils.spectral_norm,
+    "parametrizations.weight_norm": nn.utils.parametrizations.weight_norm,
+    "parametrizations.spectral_norm": nn.utils.parametrizations.spectral_norm,
+    "parametrizations.orthogonal": nn.utils.parametrizations.orthogonal,
+}
+
+
+def parametrised(kind, proj, seed=5):
+    torch.manual_seed(seed)
+    mha = headwise.MultiHeadAttention(E, H, dtype=torch.float64).eval()
+    torch.manual_seed(seed)  # random_unstructured's mask
+    PARAMETRISATIONS[kind](getattr(mha, proj))
+    return mha
+
+
+def effective(mha):
+    """The weights the projections compute (read after a forward: the old-style hooks set them there)."""
+    return {f"{n}.{kind}": getattr(getattr(mha, n), kind).detach().double()
+            for n in ("q_proj", "k_proj", "v_proj", "out_proj") for kind in ("weight", "bias")}
+
+
+def check_effective(mha, shape, atol=1e-10):
+    x = inputs(shape, dtype=mha.q_proj.bias.dtype)
+    for grad_mode in (False, True):
+        with torch.set_grad_enabled(grad_mode):
+            got = mha(x)
+        torch.testing.assert_close(got.double(), reference(mha, x, weights=effective(mha)), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("proj", ["q_proj", "k_proj", "v_proj", "out_proj"])
+@pytest.mark.parametrize("kind", list(PARAMETRISATIONS))
+def test_a_parametrised_projection_converts_saves_and_loads_as_an_nn_linear_does(kind, proj):
+    mha = parametrised(kind, proj)
+    check_effective(mha, SMALL)
+    check_effective(mha, LARGE)
+    mha.float()
+    assert mha.q_proj.bias.dtype == torch.float32
+    check_effective(mha, SMALL, atol=1e-5)
+    mha.double()
+    check_effective(mha, LARGE)
+    mha.half()
+    assert all(p.dtype == torch.float16 for p in mha.parameters())
+    mha.to(torch.float64)
+    check_effective(mha, SMALL)
+    state = {n: t.clone() for n, t in mha.state_dict().items()}
+    other = parametrised(kind, proj, seed=6)
+    other.load_state_dict(state)
+    for name, t in other.state_dict().items():
+        torch.testing.assert_close(t, state[name], atol=0, rtol=0, msg=name)
+    x = inputs(LARGE, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), mha(x), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("proj", ["q_proj", "out_proj"])
+@pytest.mark.parametrize("kind", list(PARAMETRISATIONS))
+def test_a_refused_load_into_a_parametrised_module_changes_nothing(kind, proj):
+    mha = parametrised(kind, proj)
+    before = {n: t.clone() for n, t in mha.state_dict().items()}
+    wrong = {n: t + 1 for n, t in before.items()}
+    wrong["k_proj.bias"] = torch.zeros(E + 1, dtype=torch.float64) if "k_proj.bias" in wrong else None
+    with pytest.raises(RuntimeError, match=re.escape("nothing of this module was loaded")):
+        mha.load_state_dict(wrong)
+    for name, t in mha.state_dict().items():
+        assert torch.equal(t, before[name]), name
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no mask", "padding mask"])
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["small", "large"])
+def test_fake_tensors_trace_the_module_without_reading_memory_or_values(shape, padded):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mha = module64()
+    x = inputs(shape, dtype=torch.float64)
+    mask = torch.ones(shape, dtype=torch.bool)
+    mask[0, -1] = False
+    mode = FakeTensorMode()
+    with torch.no_grad():
+        params = {n: mode.from_tensor(p.detach()) for n, p in mha.named_parameters()}
+    with mode, torch.no_grad():
+        out = torch.func.functional_call(mha, params, (mode.from_tensor(x), mode.from_tensor(mask) if padded else None))
+    assert isinstance(out, FakeTensor) and out.shape == (*shape, E) and out.dtype == torch.float64
+
+
+@pytest.mark.parametrize("kind", [None, *PARAMETRISATIONS])
+def test_a_strict_load_refused_for_missing_or_unexpected_keys_changes_nothing(kind):
+    mha = parametrised(kind, "q_proj") if kind is not None else module64()
+    before = {n: t.clone() for n, t in mha.state_dict().items()}
+    plain = {n: t + 1 for n, t in module64().state_dict().items()}  # q_proj.weight, not its parametrisation's
+    if kind is None:
+        del plain["q_proj.weight"]  # missing
+    with pytest.raises(RuntimeError, match="Missing key|Unexpected key"):
+        mha.load_state_dict(plain)
+    for name, t in mha.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    mha.load_state_dict(plain, strict=False)  # not refused: loads what it names, as torch does
+    assert torch.equal(mha.k_proj.weight, plain["k_proj.weight"])

@@ -86,9 +86,9 @@ def _remembered(mha: MultiHeadAttention, x: Tensor, cache: KVCache, causal: bool
         k, v = cache.append(k, v)  # (B, Hkv, L, D), (B, Hkv, L, Dv): every cached position
         dropout_p = mha.dropout if mha.training else 0.0
         if attention is None:
-            attention = functional.prepare(q, k, v, is_causal=causal, dropout_p=dropout_p, backend=mha.backend)
+            attention = functional.prepare(q, k, v, is_causal=causal, dropout_p=dropout_p, backend=checks.backend(mha))
         if attention is None:  # no keys at all: the full path's zeros
-            out = attend(q, k, v, None, is_causal=causal, dropout_p=dropout_p, backend=mha.backend)
+            out = attend(q, k, v, None, is_causal=causal, dropout_p=dropout_p, backend=checks.backend(mha))
         else:
             out = attention(q, k, v)  # (B, H, T, Dv)
         out = proj.output(mha, out, None, plain=plain)  # (B, T, E)
@@ -104,11 +104,13 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
         trace.begin_call()
         trace.record("input", x, "x: (B, S, E)")
     # x's padded positions are not zeroed here: their keys and values are cached as they are
-    # (a later mask may declare them tokens), the kernels hide what no query may attend
-    # (NaN included), and a step takes no gradients
+    # (a later mask may declare them tokens), and the kernels hide what no query may attend
+    # (NaN included); with gradients, _hidden_projections keeps them out of the gradients
     padding = plan.padding  # (B, T): the new positions' padding, or None
     plain = proj.plain_linears(mha)  # read once a step: only the kernel runs between the projections
     q, k, v = proj.project_heads(mha, x, None, plain)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, Dv)
+    if padding is not None and q.requires_grad:
+        q, k, v = _hidden_projections(mha, x, padding, plain, (q, k, v))
     q, k, v = proj.in_cache_dtype(q, k, v, cache.k.dtype)  # (autocast's dtype -> the cache's)
     q, k = proj.normalize(mha, q, k)
     causal, window, slopes, sink_tokens = plan.is_causal, mha.window, checks.slopes(mha), mha.sink_tokens
@@ -128,7 +130,7 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
         if trace.ACTIVE:
             _record(cache, x.shape[1], k)
     out = attend(q, k, v, attention_mask, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
-                 backend=mha.backend, need_weights=need_weights, window=window, alibi_slopes=slopes,
+                 backend=checks.backend(mha), need_weights=need_weights, window=window, alibi_slopes=slopes,
                  softcap=mha.softcap, sinks=checks.sinks(mha), sink_tokens=sink_tokens, mask_mod=rules[0],
                  score_mod=rules[1])
     out, weights = out if need_weights else (out, None)
@@ -139,6 +141,19 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
         rows = padding if not isinstance(need_weights, Selection) else need_weights.pick(padding, None, 1)  # (B, s)
         weights = weights.masked_fill(~rows[:, None, :, None], 0)  # (B, H, T, L)
     return out, weights
+
+
+def _hidden_projections(mha: MultiHeadAttention, x: Tensor, padding: Tensor, plain: bool,
+                        qkv: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """A step's q, k, v (B, H|Hkv, T, D|Dv) whose padded positions (``padding`` (B, T) False)
+    reach no gradient: their values as projected, detached; where x is not finite there, the
+    graph runs through the projections of x with zeros there (a NaN times a zero gradient
+    would still be NaN in the weights' gradients)."""
+    hidden, finite = proj.hide_padding(x, padding)
+    graph = qkv if finite else proj.project_heads(mha, hidden, None, plain)
+    keep = padding[:, None, :, None]  # (B, 1, T, 1)
+    q, k, v = (torch.where(keep, g, t.detach()) for g, t in zip(graph, qkv, strict=True))
+    return q, k, v
 
 
 def _record(cache: KVCache, T: int, k: Tensor) -> None:

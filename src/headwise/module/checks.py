@@ -17,6 +17,7 @@ from headwise.cache import KVCache
 from headwise.deprecation import warn_once
 from headwise.kernels.registry import get_kernel
 from headwise.masks import normalize_mask
+from headwise.module import qkv
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -138,6 +139,16 @@ def check_backend(backend: str, packing: bool | str) -> tuple[str, bool | str]:
     return backend, packing
 
 
+def backend(mha: MultiHeadAttention) -> str:
+    """The kernel the module's attention calls ask for: ``mha.backend``, except that "auto"
+    runs the plain-math ``"matmul"`` inside a ``torch.func`` transform or a forward-AD dual
+    level: every op of it has forward AD and a batching rule, while SDPA's CPU kernel has
+    neither and chunked's autograd Function has no forward AD."""
+    if mha.backend != "auto" or not qkv.functorch_or_dual():
+        return mha.backend
+    return "matmul"
+
+
 def slopes(mha: MultiHeadAttention) -> Tensor | None:
     """``mha.alibi_slopes`` (H,) or None, read from the buffer dict: a registered buffer's
     attribute read goes through ``nn.Module.__getattr__`` (about a microsecond on one Zen 5
@@ -203,6 +214,10 @@ def check_cache(mha: MultiHeadAttention, cache: Any, x: Any, context: Any) -> No
         raise TypeError(f"cache must come from mha.new_cache(...), got {type(cache).__name__}")
     if context is not None:
         raise ValueError("cache is for self-attention; cross-attention (context=...) takes no cache")
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise ValueError("a cache step writes the cache's buffers, which live outside torch.func's transforms (vmap, "
+                         "grad, jvp, ...) and cannot hold their values; call the module without cache= inside the "
+                         "transform, or decode outside it")
     _, Hkv, _, D = cache.k.shape
     Dv, w = cache.v.shape[-1], reference_weight(mha)
     want = (mha.num_kv_heads, mha.head_dim, mha.v_head_dim, w.dtype, w.device)
@@ -235,11 +250,3 @@ def check_mask(mha: MultiHeadAttention, x: Tensor, mask: Any, context: Tensor | 
                 Sk = mask.shape[-1]  # the new positions' padding, or every position's (remembered)
     normalize_mask(mask, batch=B, heads=mha.num_heads, q_len=S, k_len=Sk, device=x.device,
                    dtype=reference_weight(mha).dtype)
-
-
-def check_no_grad(mha: MultiHeadAttention, x: Tensor, cache: KVCache | None) -> None:
-    """A cache step takes no gradients (checked after the inputs, whose errors come first)."""
-    if cache is not None and torch.is_grad_enabled() and (x.requires_grad or mha.trains()):
-        raise ValueError("a cache step writes the new keys and values into the cache in place, which autograd "
-                         "cannot differentiate; decode under torch.no_grad() (or torch.inference_mode()), or "
-                         "train without a cache")

@@ -57,12 +57,12 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
     if key is not None and preparable(mha):  # the attention call, checked and dispatched once for the memo
         mask_4d = None if padding is None else canonical_mask(padding)  # (B, 1, 1, S)
         attention = functional.prepare(q, k, v, attention_mask, mask_4d, is_causal=plan.is_causal,
-                                       dropout_p=dropout_p, backend=mha.backend, key_lengths=key_lengths)
+                                       dropout_p=dropout_p, backend=checks.backend(mha), key_lengths=key_lengths)
         if attention is not None:
             out = proj.output(mha, attention(q, k, v, mask_4d, excluded_finite=hidden), padding, finite)
             mha._repeats.remember(key, Repeat(plan.path, plan.why, plan.is_causal, attention, padding is not None))
             return out
-    out = attend(q, k, v, attention_mask, is_causal=plan.is_causal, dropout_p=dropout_p, backend=mha.backend,
+    out = attend(q, k, v, attention_mask, is_causal=plan.is_causal, dropout_p=dropout_p, backend=checks.backend(mha),
                  need_weights=need_weights, window=mha.window, alibi_slopes=checks.slopes(mha),
                  softcap=mha.softcap, sinks=checks.sinks(mha), sink_tokens=mha.sink_tokens, key_lengths=key_lengths,
                  excluded_finite=hidden, mask_mod=rules[0], score_mod=rules[1])

@@ -50,8 +50,8 @@ def _plain(m: nn.Module | None) -> bool:
             or m._backward_pre_hooks):
         return False
     params = m._parameters
-    bias = params["bias"]
-    return bias is not None and type(params["weight"]) in _PLAIN and type(bias) in _PLAIN
+    bias = params.get("bias")  # .get: weight_norm / prune / spectral_norm take "weight" out of the dict
+    return bias is not None and type(params.get("weight")) in _PLAIN and type(bias) in _PLAIN
 
 
 _PLAIN = (nn.Parameter, torch.Tensor)
@@ -59,8 +59,10 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 def allowed(mha: MultiHeadAttention) -> bool:
-    """Whether the op may read the projections' weights in place of calling them."""
-    if mha._forward_hooks or mha._forward_pre_hooks or global_module_hooks():
+    """Whether the op may read the projections' weights in place of calling them (not where
+    a weight may be a dual or functorch-wrapped tensor: the op has no forward AD and no
+    batching rule, see :func:`headwise.module.qkv.transformed`)."""
+    if mha._forward_hooks or mha._forward_pre_hooks or global_module_hooks() or qkv.transformed():
         return False
     modules = mha._modules
     return all(_plain(modules[name]) for name in _LINEARS)

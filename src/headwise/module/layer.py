@@ -169,6 +169,7 @@ class MultiHeadAttention(nn.Module):
         self.register_parameter("sinks", nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None)
         self.register_load_state_dict_pre_hook(_load_hook)
         self.register_load_state_dict_post_hook(qkv.after_load)
+        self.register_load_state_dict_post_hook(_undo_refused_load)
 
     def _add_projections(self, bias: bool, factory: dict[str, Any]) -> None:
         """q_proj, k_proj, v_proj and out_proj as ``nn.Linear``, the q, k, v weights in
@@ -211,9 +212,17 @@ class MultiHeadAttention(nn.Module):
 
     def reference_weight(self) -> Tensor:
         """A weight of the module, whose dtype and device its inputs and caches must have:
-        ``out_proj.weight``, or the first parameter where ``out_proj`` was replaced by a module
-        without one."""
-        w = getattr(self.out_proj, "weight", None)
+        ``out_proj.weight``; where a parametrisation computes it (``weight_norm``, ``prune``,
+        ``spectral_norm``, ``torch.nn.utils.parametrize``), the first parameter of ``out_proj``
+        (what it is computed from: after ``to()`` the old-style attribute is stale until the
+        next call, and reading a new-style one would run the parametrisation); the first
+        parameter of the module where ``out_proj`` was replaced by a module without one."""
+        out = self.out_proj
+        w = out._parameters.get("weight")
+        if w is None and ("weight" in out.__dict__ or nn.utils.parametrize.is_parametrized(out, "weight")):
+            w = next(out.parameters(), None)
+        elif w is None:
+            w = getattr(out, "weight", None)  # a wrapper's (PEFT's LoRA forwards it to its base layer)
         return w if isinstance(w, Tensor) else next(self.parameters())
 
     def trains(self) -> bool:
@@ -242,6 +251,17 @@ class MultiHeadAttention(nn.Module):
         out = super()._apply(fn, recurse)
         qkv.after_apply(self, before)  # weights converted one by one: back into rows (module/qkv.py)
         return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; a strict load that it refuses for missing or unexpected
+        keys changes nothing (torch copies every key that fits first). (Loaded as a part of a
+        larger module, the strict flag is the caller's alone, and torch's behaviour holds.)"""
+        self.__dict__["_strict_load"] = strict
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            self.__dict__.pop("_strict_load", None)
+            self.__dict__.pop("_before_load", None)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -338,7 +358,8 @@ class MultiHeadAttention(nn.Module):
                 and values are appended and the queries attend to every cached position
                 (Sk = len(cache) after appending; causal alignment is bottom-right). A 2-D
                 bool/integer mask may cover the T new positions (it is remembered) or all
-                Sk positions. Decode under ``torch.no_grad()``. A static cache
+                Sk positions. With gradients on, a step writes the cache out of place and
+                backward through every step is exact; decode under ``torch.no_grad()`` for speed. A static cache
                 (``new_cache(..., static=True)``) attends over all its slots through a mask
                 of the written ones and takes a (B, T) mask of the new positions. An evicting
                 cache (``new_cache(..., evict=True)``) attends over the positions it kept
@@ -380,7 +401,9 @@ class MultiHeadAttention(nn.Module):
                need_weights: bool, cache: KVCache | None) -> Tensor | tuple[Tensor, Tensor]:
         """:meth:`forward` without rules or a paged cache: a remembered call signature's way
         (``module/memo.py``), else the checks, the plan and its path."""
-        signature = memos.signature(self, x, attention_mask, context, is_causal, need_weights, cache)
+        # inside torch.func or forward AD, "auto" runs another kernel (checks.backend): nothing remembered
+        signature = None if qkv.functorch_or_dual() else memos.signature(self, x, attention_mask, context, is_causal,
+                                                                         need_weights, cache)
         key, padding, lengths = (None, None, None) if signature is None else signature
         repeat = None if key is None else self._repeats.get(key)
         if repeat is not None and repeat.current():  # a remembered signature: its checks passed, its plan holds
@@ -532,6 +555,12 @@ def _load_hook(module: MultiHeadAttention, state_dict: dict, prefix: str, local_
     wrong = [(name, tuple(state_dict[name].shape), tuple(t.shape)) for name, t in own.items()
              if isinstance(state_dict.get(name), Tensor) and state_dict[name].shape != t.shape]
     if not wrong and not refused:
+        if module.__dict__.get("_strict_load") and (any(name not in state_dict for name in own)
+                       or any(name.startswith(prefix) and name not in own for name in state_dict)):
+            # torch would copy what fits, then refuse the missing or unexpected keys (a part's own
+            # hook may still supply them: _undo_refused_load decides from what torch reports)
+            module.__dict__["_before_load"] = (prefix, {n: t.detach().clone() for n, t in own.items()
+                                                        if isinstance(t, Tensor)})
         return
     for name, got, want in wrong:
         error_msgs.append(f"size mismatch for {name}: the checkpoint has shape {got}, this module needs {want} "
@@ -541,6 +570,26 @@ def _load_hook(module: MultiHeadAttention, state_dict: dict, prefix: str, local_
     for name, t in own.items():  # load what the module holds: nothing changes
         if name in state_dict:
             state_dict[name] = t.detach()
+
+
+def _undo_refused_load(module: MultiHeadAttention, incompatible_keys) -> None:
+    """A ``load_state_dict`` post-hook: where a strict load of this module reports missing or
+    unexpected keys (it raises once every part has loaded), put back the values
+    :func:`_load_hook` saved, so that a refused load changes nothing, as a refused shape does.
+    (torch hands the hooks ``strict=True`` always: :meth:`MultiHeadAttention.load_state_dict`
+    notes the caller's.)"""
+    saved = module.__dict__.pop("_before_load", None)
+    if saved is None:
+        return
+    prefix, values = saved
+    if not any(name.startswith(prefix) for name in (*incompatible_keys.missing_keys,
+                                                    *incompatible_keys.unexpected_keys)):
+        return
+    own = module.state_dict(prefix=prefix, keep_vars=True)
+    with torch.no_grad():
+        for name, t in values.items():
+            if isinstance(own.get(name), Tensor):
+                own[name].copy_(t)
 
 
 def _split_fused(module: MultiHeadAttention, state_dict: dict, prefix: str, error_msgs: list) -> bool:

@@ -69,7 +69,7 @@ def attend(mha: MultiHeadAttention, x: Tensor, cu_seqlens: Tensor, lengths: tupl
             trace.record("rotary positions", q, f"{mha.rope.describe()}, each token's position in its sequence")
     out = packing.attend_packed(
         q, k, v, lengths, lengths, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
-        backend=mha.backend, window=mha.window, alibi_slopes=checks.slopes(mha), softcap=mha.softcap,
+        backend=checks.backend(mha), window=mha.window, alibi_slopes=checks.slopes(mha), softcap=mha.softcap,
         sinks=checks.sinks(mha), sink_tokens=mha.sink_tokens,
     )  # (T, H, Dv), attention within each sequence
     out = cast(Tensor, out).flatten(1)  # (T, H, Dv) -> (T, H*Dv); no return_lse: a tensor

@@ -84,7 +84,6 @@ def make_plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None,
     where the memo's signature has read them from this mask already."""
     checks.check_inputs(mha, x, context, cache)
     checks.check_mask(mha, x, attention_mask, context, cache)
-    checks.check_no_grad(mha, x, cache)
     causal = mha.is_causal if is_causal is None else bool(is_causal)
     if mha.context_parallel is not None:
         return Plan("context parallel", f"context_parallel={mha.context_parallel}: x is this rank's shard of "

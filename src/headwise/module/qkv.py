@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 
 if TYPE_CHECKING:
     from headwise.module.layer import MultiHeadAttention
@@ -105,13 +106,31 @@ class Pack:
         return (_put_in_rows, (self.params, self.rows))
 
 
+def transformed() -> bool:
+    """Whether a tensor may not be what its pointer says, so that no speed trick may read
+    the weights' memory in place of the weights: inside a ``torch.func`` transform (``grad``,
+    ``jvp``, ``vmap``: their wrapped tensors have no storage), a forward-AD dual level (a
+    dual weight has its primal's pointer and a tangent the rows do not carry), a
+    ``__torch_dispatch__`` mode (``FakeTensorMode``, ``make_fx``), torch.compile or a JIT
+    trace. Global flags only, about a microsecond together."""
+    return (torch.compiler.is_compiling() or functorch_or_dual() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._get_tracing_state() is not None)
+
+
+def functorch_or_dual() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``jvp``, ``vmap``, ...) or a forward-AD
+    dual level is active (False under torch.compile, which traces the transforms itself)."""
+    return not torch.compiler.is_compiling() and (forward_ad._current_level >= 0
+                                                  or torch._C._functorch.maybe_current_level() is not None)
+
+
 def packed(mha: MultiHeadAttention, grad: bool) -> Pack | None:
     """The :class:`Pack` whose rows the module's q, k and v weights (and biases) lie in at
-    this moment, or None: not packed, not in eager mode, or ``grad`` (gradients would be
+    this moment, or None: not packed, :func:`transformed`, or ``grad`` (gradients would be
     taken) while one of them requires grad. The caller has checked that nothing hooks or
     wraps the projections."""
     pack = mha.__dict__.get("_qkv")
-    if pack is None or torch.compiler.is_compiling() or torch._C._get_tracing_state():
+    if pack is None or transformed():
         return None
     modules = mha._modules
     q: Any = modules["q_proj"]
@@ -120,7 +139,7 @@ def packed(mha: MultiHeadAttention, grad: bool) -> Pack | None:
     if type(q) is not nn.Linear or type(k) is not nn.Linear or type(v) is not nn.Linear:
         return None
     pq, pk, pv = q._parameters, k._parameters, v._parameters
-    params = (pq["weight"], pk["weight"], pv["weight"], pq["bias"], pk["bias"], pv["bias"])
+    params = (pq.get("weight"), pk.get("weight"), pv.get("weight"), pq.get("bias"), pk.get("bias"), pv.get("bias"))
     return pack if pack.holds(params, grad) else None
 
 
@@ -219,9 +238,10 @@ def _parts(mha: MultiHeadAttention, device_type: str | None = "cpu") -> tuple[nn
     modules: list[Any] = [mha._modules.get(name) for name in _NAMES]
     if not all(type(m) is nn.Linear for m in modules):
         return None
-    weights: list[Any] = [m._parameters["weight"] for m in modules]
-    biases: list[Any] = [m._parameters["bias"] for m in modules]
-    if any(b is None for b in biases) and any(b is not None for b in biases):
+    # .get: weight_norm, prune and spectral_norm take "weight" out of the dict (a hook computes it)
+    weights: list[Any] = [m._parameters.get("weight") for m in modules]
+    biases: list[Any] = [m._parameters.get("bias") for m in modules]
+    if any(w is None for w in weights) or (any(b is None for b in biases) and any(b is not None for b in biases)):
         return None
     params = tuple(weights + ([] if biases[0] is None else biases))
     first = weights[0]

@@ -58,7 +58,7 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, 
     q, k = _shaped(mha, x, B, mha.num_heads, S, dtype=dtype), _shaped(mha, x, B, mha.num_kv_heads, Sk, dtype=dtype)
     v = _shaped(mha, x, B, mha.num_kv_heads, Sk, mha.v_head_dim, dtype=dtype)
     d = choose_backend(q, k, v, attention_mask, is_causal=causal, dropout_p=mha.dropout if mha.training else 0.0,
-                       need_weights=need_weights, backend=mha.backend, window=window, alibi_slopes=slopes,
+                       need_weights=need_weights, backend=checks.backend(mha), window=window, alibi_slopes=slopes,
                        softcap=mha.softcap, sinks=mha.sinks, sink_tokens=sink_tokens, mask_mod=rules[0],
                        score_mod=rules[1])
     return Dispatch(d.backend, d.reason, d.passed_over, d.request, path="dense", path_reason=plan.why)
@@ -93,7 +93,7 @@ def _packed(mha: MultiHeadAttention, x: Tensor, plan: Plan) -> Dispatch:
             mask[keys:] = False
             mask = mask.reshape(n, L)
         d = choose_backend(q, k, v, mask, is_causal=plan.is_causal, dropout_p=mha.dropout if mha.training else 0.0,
-                           backend=mha.backend, window=mha.window, alibi_slopes=mha.alibi_slopes,
+                           backend=checks.backend(mha), window=mha.window, alibi_slopes=mha.alibi_slopes,
                            softcap=mha.softcap, sinks=mha.sinks)
         per_bucket.append((n * L, n, L, d))
     if not per_bucket:  # no real token at all
