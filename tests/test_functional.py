@@ -590,3 +590,42 @@ def test_the_sdpa_kernel_skips_its_dead_row_guard_only_where_the_key_counts_say_
     attention(q, q, q, live)
     attention(q, q, q, live)
     assert seen and all("known_live" not in names for names in seen)
+
+
+EMPTY_OPTIONS = {
+    "causal+lse": dict(is_causal=True, return_lse=True),
+    "lse": dict(return_lse=True),
+    "weights": dict(need_weights=True),
+    "sinks+lse": dict(sinks=torch.tensor([0.5, -1.0, 0.0, 2.0]), return_lse=True),
+    "window+weights+lse": dict(window=2, need_weights=True, return_lse=True),
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+@pytest.mark.parametrize("options", list(EMPTY_OPTIONS))
+@pytest.mark.parametrize("sizes", [(B, 0, Sk), (B, S, 0), (0, S, Sk)], ids=["S=0", "Sk=0", "B=0"])
+def test_empty_sizes_with_lse_or_weights_give_the_empty_results_of_matmul(backend, options, sizes):
+    """No queries, no keys or no batch rows with the lse or the weights asked for: torch's CPU flash kernel
+    divides by zero on zero queries (the process died with SIGFPE); every backend returns what the float64
+    formula gives: zero rows, lse -inf (the sink's logit where sinks join the softmax), zero weights."""
+    batch, q_len, k_len = sizes
+    q = torch.randn(batch, H, q_len, D, requires_grad=True)
+    k, v = (torch.randn(batch, Hkv, k_len, D, requires_grad=True) for _ in range(2))
+    kwargs = EMPTY_OPTIONS[options]
+    try:
+        choose_backend(q, k, v, backend=backend, **{n: a for n, a in kwargs.items() if n != "return_lse"})
+    except ValueError as refusal:
+        assert backend != "auto" and f"backend {backend!r}" in str(refusal), refusal
+        return
+    got = attention(q, k, v, backend=backend, **kwargs)
+    want = attention(q.double(), k.double(), v.double(), backend="matmul",
+                     **{n: a.double() if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w)
+    if kwargs.get("sinks") is not None and q_len and batch:
+        assert torch.equal(got[-1], kwargs["sinks"].reshape(1, H, 1).expand(batch, H, q_len))
+    got[0].sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))

@@ -554,8 +554,8 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     selection = select_weights(need_weights, weights_heads, weights_rows, H, S)  # None: no weights asked
     if trace.ACTIVE and trace.recording():
         _record_call(q, k, attention_mask, mask, rules, dispatch)
-    if k.shape[2] == 0:  # nothing to attend anywhere: the contract's zero rows
-        return _no_keys(q, k, v, sinks, selection, return_lse)
+    if k.shape[2] == 0 or S == 0 or B == 0:  # nothing to attend, or no row to attend from: no kernel runs
+        return _empty(q, k, v, sinks, selection, return_lse)
     args = _arguments(dropout_p, scale, D, selection is not None and not via_lse)
     if return_lse or via_lse:
         args["return_lse"] = True
@@ -587,15 +587,23 @@ def _record_call(q: Tensor, k: Tensor, attention_mask: Tensor | None, mask: Tens
         trace.record("rules", q, _rules_note(rules, B, H, S, k.shape[2], q.device))
 
 
-def _no_keys(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, selection: Selection | None,
-             return_lse: bool) -> Tensor | tuple[Tensor, ...]:
-    """Sk = 0: the contract's zero rows (B, H, S, Dv) in the graph of the inputs, without a kernel."""
+def _empty(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, selection: Selection | None,
+           return_lse: bool) -> Tensor | tuple[Tensor, ...]:
+    """Sk = 0 (the contract's zero rows), S = 0 or B = 0 (no rows): the results (B, H, S, Dv) in
+    the graph of the inputs, without a kernel (torch's CPU flash kernel divides by zero on S = 0).
+    The lse is -inf, or the sink's logit where sinks join the softmax: the one column left."""
     B, H, S, _ = q.shape
+    Sk = k.shape[2]
     out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]), size=v.shape[-1])  # zero gradients
     if trace.ACTIVE:
-        trace.record("no keys", out, "Sk = 0: nothing to attend, the kernel is not called; output zeros")
-    lse = torch.full((B, H, S), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    weights = None if selection is None else selection.pick(q.new_zeros(B, H, S, 0))
+        size = "Sk" if Sk == 0 else "S" if S == 0 else "B"
+        result = "output zeros" if Sk == 0 else "an empty output"
+        trace.record("no keys" if Sk == 0 else "no rows", out, f"{size} = 0: the kernel is not called; {result}")
+    if sinks is None:
+        lse = torch.full((B, H, S), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)  # (B, H, S)
+    else:  # (H,) -> (B, H, S): logsumexp over the sink column alone
+        lse = sinks.to(lse_dtype(q.dtype)).reshape(1, H, 1).expand(B, H, S)
+    weights = None if selection is None else selection.pick(q.new_zeros(B, H, S, Sk))
     return _results(out, weights, lse if return_lse else None)
 
 
