@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headwise
-from conftest import assert_served
+from conftest import assert_served, reference_attention
 from headwise import attention, available_backends, choose_backend
 from headwise.kernels.registry import get_kernel, kernels
 
@@ -629,3 +629,61 @@ def test_empty_sizes_with_lse_or_weights_give_the_empty_results_of_matmul(backen
     got[0].sum().backward()
     for t in (q, k, v):
         assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+
+
+TRANSFORM_OPTIONS = {"plain": {}, "causal": dict(is_causal=True), "padding": "mask", "lse": dict(return_lse=True)}
+
+
+def _transform_call(backend, options):
+    """(f, q, kwargs): ``f(q)`` is the call's output (the first result where there are several)."""
+    q, k, v = (t.double() for t in qkv(q_len=Sk))
+    kwargs = dict(TRANSFORM_OPTIONS[options]) if options != "padding" else {}
+    if options == "padding":
+        kwargs["attention_mask"] = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+
+    def f(x):
+        result = attention(x, k, v, backend=backend, **kwargs)
+        return result[0] if isinstance(result, tuple) else result
+
+    def reference(x):  # the float64 formula, independent of the kernels
+        mask = kwargs.get("attention_mask")
+        return reference_attention(x, k, v, None if mask is None else mask[:, None, None, :],
+                                   is_causal=kwargs.get("is_causal", False))[0]
+
+    return f, reference, q
+
+
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+@pytest.mark.parametrize("options", list(TRANSFORM_OPTIONS))
+def test_torch_func_transforms_and_forward_ad_are_exact_or_refused_by_name(backend, options):
+    """Forward AD (a dual level, torch.func.jvp), torch.func.grad and torch.func.vmap over attention: "auto"
+    serves every one exactly (it passed SDPA, whose CPU kernel has no forward derivative, and an
+    autograd.Function that functorch cannot run); a named backend that cannot is refused with the reason."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import grad, jvp, vmap
+
+    f, reference, q = _transform_call(backend, options)
+    tangent = torch.randn_like(q)
+    _, want_tangent = jvp(reference, (q,), (tangent,))
+    want_grad = grad(lambda x: reference(x).square().sum())(q)
+    want_vmap = torch.stack([reference(q * s) for s in (1.0, 0.5, -2.0)])
+    named = backend != "auto"
+    for transform in ("dual level", "jvp", "grad", "vmap"):
+        try:
+            if transform == "dual level":
+                with fwAD.dual_level():
+                    got = fwAD.unpack_dual(f(fwAD.make_dual(q, tangent))).tangent
+                want = want_tangent
+            elif transform == "jvp":
+                got, want = jvp(f, (q,), (tangent,))[1], want_tangent
+            elif transform == "grad":
+                got, want = grad(lambda x: f(x).square().sum())(q), want_grad
+            else:
+                got, want = vmap(f)(torch.stack([q * s for s in (1.0, 0.5, -2.0)])), want_vmap
+        except ValueError as refusal:
+            assert named and f"backend {backend!r}" in str(refusal), (transform, refusal)
+            assert re.search("forward-mode derivative|torch.func transform|autograd.Function that torch.func",
+                             str(refusal)), refusal
+            continue
+        assert got is not None, transform
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, msg=lambda m, t=transform: f"{t}: {m}")

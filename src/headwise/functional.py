@@ -212,6 +212,8 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         sinks=sinks,
         value_dim=None if value_dim == D else value_dim,  # None: Dv == D, the usual request
         sink_tokens=sink_tokens,
+        forward_ad=policy.forward_ad_active(),
+        functorch=policy.functorch_active(),
         **extra,
     )
 
@@ -455,7 +457,8 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, lengths
     else:
         shapes = (qs, ks, vs)
     return (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, is_causal, dropout_p, scale, backend,
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), policy.GENERATION)
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), policy.forward_ad_active(),
+            policy.functorch_active(), policy.GENERATION)
 
 
 def prepare(q, k, v, attention_mask=None, mask_4d=None, *, is_causal=False, dropout_p=0.0, scale=None,

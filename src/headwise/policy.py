@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 
 def reads_values(t: torch.Tensor) -> bool:
@@ -37,6 +38,33 @@ def reads_values(t: torch.Tensor) -> bool:
     """
     return (t.is_cpu and not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None
             and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is active (False
+    under torch.compile, which traces the transforms itself).
+
+    >>> functorch_active()
+    False
+    """
+    return not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is not None
+
+
+def forward_ad_active() -> bool:
+    """Whether forward-mode AD is active (a ``torch.autograd.forward_ad`` dual level or a
+    ``torch.func.jvp``), so that "auto" picks a kernel that carries tangents. Global flags
+    only; False under torch.compile, which traces the transforms itself.
+
+    >>> forward_ad_active()
+    False
+    """
+    if torch.compiler.is_compiling():
+        return False
+    if forward_ad._current_level >= 0:
+        return True
+    stack = torch._C._functorch.get_interpreter_stack() if torch._C._functorch.maybe_current_level() is not None \
+        else None
+    return bool(stack) and any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack)
 
 
 # ---- the module's padding-free path ---------------------------------------------------

@@ -405,4 +405,6 @@ KERNEL = Kernel(
     native_gqa=True,
     fused=True,
     stages=chunked_stages,
+    forward_ad=False,  # an op or autograd.Function without a forward derivative
+    functorch=False,  # an autograd.Function without setup_context, reads of values
 )

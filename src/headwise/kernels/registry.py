@@ -101,6 +101,8 @@ class Request:
     empty_tiles: float | None = None  # share of empty 128 x 128 tiles (to 0.05) where the mask rule knows them
     documents: tuple[tuple[int, ...], ...] | None = None  # per row, its documents' lengths: a document rule
     return_lse: bool = False  # the log-sum-exp per row is asked for
+    forward_ad: bool = False  # forward-mode AD is active (a dual level, torch.func.jvp): tangents must pass
+    functorch: bool = False  # a torch.func transform is active (grad, vmap, jvp, ...): wrapped tensors
 
     @property
     def is_gqa(self) -> bool:
@@ -220,6 +222,12 @@ class Kernel:
         refuses: returns None when the kernel can serve a request, else the reason.
         stages: explain mode's description of one call, in the order the kernel does the
             stages (None: the trace shows the kernel's output as one opaque stage).
+        forward_ad: its function carries forward-mode tangents (``torch.autograd.forward_ad``,
+            ``torch.func.jvp``); False for one built on an op or ``autograd.Function`` without
+            a forward derivative, which "auto" then passes over.
+        functorch: its function runs inside ``torch.func`` transforms (``grad``, ``vmap``);
+            False for one built on an ``autograd.Function`` without ``setup_context`` or on
+            reads of values.
     """
 
     name: str
@@ -231,6 +239,8 @@ class Kernel:
     available: Callable[[], str | None] = field(default=lambda: None)
     refuses: Callable[[Request], str | None] = field(default=lambda request: None)
     stages: StagesFn | None = None
+    forward_ad: bool = True
+    functorch: bool = True
 
     def why_not(self, request: Request) -> str | None:
         """None if this kernel can serve ``request``, else a short reason."""
@@ -239,6 +249,12 @@ class Kernel:
             return reason
         if request.need_weights and not self.supports_weights:
             return "cannot return attention weights (need_weights=True)"
+        if request.functorch and not self.functorch:
+            return ("cannot run inside a torch.func transform (grad, vmap, jvp); matmul, einsum, bmm and einops "
+                    "can")
+        if request.forward_ad and not self.forward_ad:
+            return ("has no forward-mode derivative, and forward AD is active (a dual level or torch.func.jvp); "
+                    "matmul, einsum, bmm and einops carry tangents")
         if request.return_lse and not takes(self.fn, "return_lse"):
             return "its function takes no return_lse= keyword: it cannot return the log-sum-exp"
         if not takes_rules(self.fn):  # a kernel written for the keywords before rules
@@ -313,6 +329,8 @@ def register(
     available: Callable[[], str | None] | None = None,
     refuses: Callable[[Request], str | None] | None = None,
     stages: StagesFn | None = None,
+    forward_ad: bool = True,
+    functorch: bool = True,
 ) -> Callable[[KernelFn], KernelFn]:
     """Decorator: register your own ``fn`` as backend ``name`` (the arguments are :class:`Kernel`'s).
 
@@ -335,6 +353,8 @@ def register(
             available=available or (lambda: None),
             refuses=refuses or (lambda request: None),
             stages=stages,
+            forward_ad=forward_ad,
+            functorch=functorch,
         ))
         return fn
 

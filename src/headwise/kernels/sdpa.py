@@ -382,4 +382,6 @@ KERNEL = Kernel(
     fused=True,
     refuses=_refuses,
     stages=sdpa_stages,
+    forward_ad=False,  # an op or autograd.Function without a forward derivative
+    functorch=False,  # the lse's autograd.Function has no setup_context; vmap has no batching rule for the op
 )

@@ -1434,4 +1434,6 @@ KERNEL = Kernel(
     available=_available,
     refuses=_refuses,
     stages=triton_stages,
+    forward_ad=False,  # an op or autograd.Function without a forward derivative
+    functorch=False,  # an autograd.Function without setup_context, reads of values
 )

@@ -240,4 +240,6 @@ KERNEL = Kernel(
     fused=True,
     refuses=_refuses,
     stages=varlen_stages,
+    forward_ad=False,  # an op or autograd.Function without a forward derivative
+    functorch=False,  # an autograd.Function without setup_context, reads of values
 )
