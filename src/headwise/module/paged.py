@@ -94,12 +94,31 @@ def _step(mha: MultiHeadAttention, x: Tensor, batch: PagedBatch, causal: bool) -
     q, k, v = proj.in_cache_dtype(q, k, v, cache.k_pages.dtype)  # (autocast's dtype -> the pages')
     q, k = proj.normalize(mha, q, k)
     q, k = _rotate(mha, q, k, [cache.length(s) for s in seqs])
-    cache.append(seqs, k, v)
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    cache.append(seqs, k.detach(), v.detach())  # the pool is no part of autograd's graph: written in place
     out = paged_attention(q, cache.k_pages, cache.v_pages, cache.block_table(seqs), cache.seq_lens(seqs),
                                   is_causal=causal, backend=mha.backend, window=mha.window,
                                   alibi_slopes=checks.slopes(mha), softcap=mha.softcap, sinks=checks.sinks(mha),
                                   sink_tokens=mha.sink_tokens)  # (B, H, T, Dv)
+    if grads:  # forward serves; backward could not reach the keys and values the pool took: said at backward
+        out = _NoBackward.apply(out)
     return proj.output(mha, cast(Tensor, out), None)  # (B, H, T, Dv) -> (B, T, E)
+
+
+class _NoBackward(torch.autograd.Function):
+    """The identity forward; a backward that says why a paged step has no gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor) -> Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise RuntimeError("backward through a PagedKVCache step: the step wrote its keys and values into the "
+                           "pool in place, outside autograd's graph, so their gradients cannot be taken; decode "
+                           "under torch.no_grad() (or torch.inference_mode()), or train without a cache (a plain "
+                           "forward over the whole sequence, or a dense cache: mha.new_cache, whose steps are "
+                           "differentiable)")
 
 
 def _rotate(mha: MultiHeadAttention, q: Tensor, k: Tensor, starts: list[int]) -> tuple[Tensor, Tensor]:
@@ -147,6 +166,7 @@ def _check(mha: MultiHeadAttention, x: Any, batch: PagedBatch, attention_mask: A
     if x.shape[0] != len(batch.seqs):
         raise ValueError(f"x has {x.shape[0]} rows but the paged batch names {len(batch.seqs)} sequences "
                          f"{list(batch.seqs)}; give one row of x per sequence (cache.batch(seqs))")
-    if torch.is_grad_enabled() and (x.requires_grad or mha.trains()):
-        raise ValueError("a paged cache step writes the new keys and values into the pool in place, which autograd "
-                         "cannot differentiate; decode under torch.no_grad() (or torch.inference_mode())")
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise ValueError("a paged cache step writes the pool's pages, which live outside torch.func's transforms "
+                         "(vmap, grad, jvp, ...); call the module without cache= inside the transform, or decode "
+                         "outside it")
