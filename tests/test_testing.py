@@ -29,11 +29,12 @@ def _by_hand(q, k, v, allowed, bias=0.0, scale=None):
     B, H, S, D = q.shape
     Sk = k.shape[2]
     scale = 1 / math.sqrt(D) if scale is None else scale
+    bias = torch.as_tensor(bias, dtype=torch.float64).expand(B, H, S, Sk)
     out = torch.zeros(B, H, S, v.shape[-1], dtype=torch.float64)
     for b in range(B):
         for h in range(H):
             for i in range(S):
-                s = [float(q[b, h, i] @ k[b, h, j]) * scale + float(torch.as_tensor(bias).expand(B, H, S, Sk)[b, h, i, j])
+                s = [float(q[b, h, i] @ k[b, h, j]) * scale + float(bias[b, h, i, j])
                      if allowed[b, h, i, j] else -math.inf for j in range(Sk)]
                 top = max(s)
                 if top == -math.inf:

@@ -185,13 +185,14 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Any = N
         dropout_p, keep: with ``keep`` (B, H, S, Sk) bool, the dropout keep mask to apply.
 
     Returns:
-        :class:`Reference` ``(out, weights, lse)`` in float64 on the CPU, differentiable in
+        :class:`Reference` ``(out, weights, lse)`` in float64 on q's device (computed on the CPU), differentiable in
         q, k, v, sinks, the slopes and whatever ``score_mod`` reads.
 
     >>> q = k = v = torch.ones(1, 1, 2, 1)
     >>> reference_attention(q, k, v, torch.tensor([[False, False]])).lse.tolist()
     [[[-inf, -inf]]]
     """
+    device = q.device
     q, k, v = q.cpu().double(), k.cpu().double(), v.cpu().double()
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -224,7 +225,8 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Any = N
     weights = (e / torch.where(live, total, 1.0))[..., :Sk]  # (B, H, S, Sk)
     lse = torch.where(live, top + torch.log(torch.where(live, total, 1.0)), -math.inf).squeeze(-1)  # (B, H, S)
     p = weights if keep is None else weights * keep.cpu() / (1 - dropout_p)
-    return Reference(p @ v, weights, lse)  # (B, H, S, Sk) x (B, H, Sk, Dv) -> (B, H, S, Dv)
+    out = p @ v  # (B, H, S, Sk) x (B, H, Sk, Dv) -> (B, H, S, Dv)
+    return Reference(out.to(device), weights.to(device), lse.to(device))
 
 
 # ---------------------------------------------------------------- the kernel contract
@@ -282,6 +284,10 @@ class _Case:
     dead: Tensor | None = None  # (B, H, S) rows that must be exactly zero, gradients too
 
 
+def _times(qkv: tuple[Tensor, Tensor, Tensor], factor: float) -> tuple[Tensor, Tensor, Tensor]:
+    return qkv[0] * factor, qkv[1] * factor, qkv[2] * factor
+
+
 def _cases(gen: torch.Generator) -> list[_Case]:
     """The contract's items, on small shapes (tiles of the Triton interpreter included)."""
     B, H, Hkv, S, Sk, D = 2, 4, 2, 5, 7, 8
@@ -289,7 +295,8 @@ def _cases(gen: torch.Generator) -> list[_Case]:
     def randn(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    def qkv(h: int = H, hkv: int = H, s: int = S, sk: int = Sk, dv: int = D, b: int = B):
+    def qkv(h: int = H, hkv: int = H, s: int = S, sk: int = Sk, dv: int = D,
+            b: int = B) -> tuple[Tensor, Tensor, Tensor]:
         return randn(b, h, s, D), randn(b, hkv, sk, D), randn(b, hkv, sk, dv)
 
     pad = torch.ones(B, Sk, dtype=torch.bool)
@@ -316,7 +323,7 @@ def _cases(gen: torch.Generator) -> list[_Case]:
         _Case("window and sink tokens", *qkv(), options={"window": 2, "sink_tokens": 1}),
         _Case("ALiBi", *qkv(), options={"alibi_slopes": 0.5 ** torch.arange(1.0, H + 1, dtype=torch.float64),
                                         "is_causal": True}),
-        _Case("softcap", *[t * 4 for t in qkv()], options={"softcap": 2.0}),
+        _Case("softcap", *_times(qkv(), 4.0), options={"softcap": 2.0}),
         _Case("sinks", *qkv(), mask=pad, options={"sinks": randn(H)}),
         _Case("mask_mod (a plain function)", *qkv(), options={"mask_mod": stripes}),
         _Case("score_mod (a plain function)", *qkv(), options={"score_mod": rel}),
@@ -352,50 +359,62 @@ def _error(got: Tensor | None, want: Tensor) -> float:
     return float(diff.max().detach()) if diff.numel() else 0.0
 
 
+def _gradient_problems(leaves: list[Tensor], masters: list[Tensor], sinks: tuple[Tensor, Tensor] | None,
+                       tol: float) -> list[str]:
+    """dq, dk, dv (and the sinks') against the oracle's, after both backward passes ran."""
+    names = ["dq", "dk", "dv"] + ([] if sinks is None else ["dsinks"])
+    got = [t.grad for t in leaves] + ([] if sinks is None else [sinks[0].grad])
+    want = [t.grad for t in masters] + ([] if sinks is None else [sinks[1].grad])
+    problems = []
+    for n, g, w in zip(names, got, want, strict=True):
+        if w is None:
+            continue
+        err = _error(g if g is not None else torch.zeros_like(w), w)
+        if err > tol * 10:
+            problems.append(f"{n} off by {err:.2g}")
+    return problems
+
+
 def _run_case(name: str, case: _Case, dtype: torch.dtype, device: torch.device, with_lse: bool,
               gen: torch.Generator) -> Item:
     """One item: the call through headwise.attention against the oracle, outputs and gradients."""
     import headwise
 
     tol = {torch.float64: 1e-8, torch.float32: 2e-4}.get(dtype, 3e-2)
-    source = case.planted if case.planted is not None else (case.q, case.k, case.v)
-    leaves = [t.to(device, dtype).requires_grad_() for t in source]
-    options = {n: (o.to(device, dtype).requires_grad_() if n == "sinks" else
-                   o.to(device, dtype) if isinstance(o, Tensor) else o) for n, o in case.options.items()}
-    mask = case.mask.to(device, dtype) if isinstance(case.mask, Tensor) and case.mask.is_floating_point() \
-        else case.mask.to(device) if isinstance(case.mask, Tensor) else case.mask
+    q, k, v = (t.to(device, dtype).requires_grad_() for t in (case.planted or (case.q, case.k, case.v)))
+    options: dict[str, Any] = {n: (o.to(device, dtype).requires_grad_() if n == "sinks" else
+                                   o.to(device, dtype) if isinstance(o, Tensor) else o)
+                               for n, o in case.options.items()}
+    mask = case.mask
+    if isinstance(mask, Tensor):
+        mask = mask.to(device, dtype) if mask.is_floating_point() else mask.to(device)
     try:
-        headwise.choose_backend(*leaves, mask, backend=name, **options)
+        headwise.choose_backend(q, k, v, mask, backend=name, **options)
     except ValueError as refusal:
         return Item(case.name, None, str(refusal).split("\n")[0][:160])
     try:
-        result = headwise.attention(*leaves, mask, backend=name, return_lse=with_lse, **options)
+        result: Any = headwise.attention(q, k, v, mask, backend=name, return_lse=with_lse, **options)
     except Exception as error:  # noqa: BLE001 - the report says what the kernel raised
         return Item(case.name, False, f"raised {type(error).__name__}: {error}"[:200])
     out, lse = result if with_lse else (result, None)
     masters = [t.clone().requires_grad_() for t in (case.q, case.k, case.v)]
     sinks = case.options.get("sinks")
     ref_sinks = None if sinks is None else sinks.clone().requires_grad_()
-    ref = reference_attention(*masters, case.mask, **{**case.options, "sinks": ref_sinks})
-    dout = torch.randn(ref.out.shape, generator=gen, dtype=torch.float64)
+    ref = reference_attention(masters[0], masters[1], masters[2], case.mask, **{**case.options, "sinks": ref_sinks})
     problems = []
     if _error(out, ref.out) > tol:
         problems.append(f"output off by {_error(out, ref.out):.2g}")
     if with_lse and _error(lse, ref.lse) > tol:
         problems.append(f"lse off by {_error(lse, ref.lse):.2g}")
     if out.requires_grad and ref.out.requires_grad:
+        dout = torch.randn(ref.out.shape, generator=gen, dtype=torch.float64)
         ref.out.backward(dout)
         try:
             out.backward(dout.to(device, out.dtype))
         except Exception as error:  # noqa: BLE001
             return Item(case.name, False, f"backward raised {type(error).__name__}: {error}"[:200])
-        names = ["dq", "dk", "dv"] + ([] if sinks is None else ["dsinks"])
-        got = [t.grad for t in leaves] + ([] if sinks is None else [options["sinks"].grad])
-        want = [t.grad for t in masters] + ([] if sinks is None else [ref_sinks.grad])
-        for n, g, w in zip(names, got, want, strict=True):
-            err = _error(g if g is not None else torch.zeros_like(w), w)
-            if err > tol * 10:
-                problems.append(f"{n} off by {err:.2g}")
+        pair = None if ref_sinks is None else (options["sinks"], ref_sinks)
+        problems += _gradient_problems([q, k, v], masters, pair, tol)
     if case.dead is not None and bool(out[case.dead.to(device)].ne(0).any()):
         problems.append("a row that attends nothing is not zeros")
     return Item(case.name, not problems, "; ".join(problems) or f"within {tol:g} of the float64 oracle")
@@ -425,7 +444,7 @@ def check_kernel(kernel: str | Callable | Any, *, dtype: torch.dtype = torch.flo
     >>> print(check_kernel("einsum").items[0])
     Item(name='no mask', passed=True, detail='within 0.0002 of the float64 oracle')
     """
-    from headwise.kernels.registry import Kernel, _KERNELS, add, get_kernel, takes
+    from headwise.kernels.registry import _KERNELS, Kernel, add, get_kernel, takes
 
     added = None
     if isinstance(kernel, str):

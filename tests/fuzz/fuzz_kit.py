@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -24,8 +24,10 @@ from headwise.testing import reference_attention
 LONG = os.environ.get("HEADWISE_FUZZ", "") == "long"
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
            HealthCheck.function_scoped_fixture]
+# CI: fixed examples, no shrinking (a failure prints its drawn call, unminimised, in a bounded time)
 settings.register_profile("fuzz-ci", max_examples=40, deadline=None, derandomize=True, database=None,
-                          suppress_health_check=_HEALTH, print_blob=True)
+                          suppress_health_check=_HEALTH, print_blob=True,
+                          phases=(Phase.explicit, Phase.generate), report_multiple_bugs=False)
 settings.register_profile("fuzz-long", max_examples=3000, deadline=None, derandomize=False,
                           suppress_health_check=_HEALTH, print_blob=True)
 FUZZ = settings.get_profile("fuzz-long" if LONG else "fuzz-ci")

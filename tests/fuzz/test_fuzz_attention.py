@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import headwise
 from fuzz.fuzz_kit import (
     LAYOUTS,
     TOL,
@@ -29,10 +32,6 @@ from fuzz.fuzz_kit import (
     shapes,
     spread,
 )
-from hypothesis import given, note
-from hypothesis import strategies as st
-
-import headwise
 from headwise import masks
 from headwise.testing import reference_attention
 

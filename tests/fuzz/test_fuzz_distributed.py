@@ -193,9 +193,8 @@ def _check_case(case: dict, results: list[dict]) -> None:
             err = (got[0][name] - want).abs().max() if want.numel() else 0.0
             assert err < 1e-9, f"{case}: {name} off by {err}"
         return
-    from fuzz.test_fuzz_module import oracle
-
     import headwise
+    from fuzz.test_fuzz_module import oracle
 
     mha = headwise.MultiHeadAttention(4 * case["H"], case["H"], num_kv_heads=case["Hkv"], window=case["window"],
                                       alibi=case["alibi"], dtype=torch.float64)

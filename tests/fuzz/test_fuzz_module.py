@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from fuzz.fuzz_kit import TOL, Unchanged, assert_close, budget, mask_mod_pool, refused, score_mod_pool
 from hypothesis import given, note
 from hypothesis import strategies as st
 
 import headwise
+from fuzz.fuzz_kit import TOL, Unchanged, assert_close, budget, mask_mod_pool, refused, score_mod_pool
 from headwise.testing import reference_attention
 
 PATHS = ["dense", "packed", "fused", "cached", "static", "evicting", "paged"]

@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 
 import torch
-from fuzz.fuzz_kit import TOL, Unchanged, assert_close, budget, refused
 from hypothesis import given, note
 from hypothesis import strategies as st
 
 import headwise
+from fuzz.fuzz_kit import TOL, Unchanged, assert_close, budget, refused
 from headwise import masks
 from headwise.testing import reference_attention
 

@@ -9,12 +9,12 @@ Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key leng
 from __future__ import annotations
 
 import torch
-from fuzz.fuzz_kit import TOL, assert_close, budget, mask_mod_pool, score_mod_pool
 from hypothesis import Phase, given, note, settings
 from hypothesis import strategies as st
 from torch.func import functional_call, grad, jvp, vmap
 
 import headwise
+from fuzz.fuzz_kit import TOL, assert_close, budget, mask_mod_pool, score_mod_pool
 from headwise.testing import reference_attention
 
 
@@ -135,7 +135,7 @@ def test_compiled_calls_equal_eager_within_two_graphs(data):
     for S in (4, 6, 9):
         q = torch.randn(1, H, S, 4, generator=gen)
         mask = torch.rand(1, S, generator=gen) > 0.2
-        eager = _served(lambda: headwise.attention(q, q, q, mask, **options))
+        eager = _served(lambda q, m: headwise.attention(q, q, q, m, **options), q, mask)
         if eager is None:
             return
         assert_close(f"compiled S={S}", compiled(q, q, q, mask), eager, TOL[torch.float32])
