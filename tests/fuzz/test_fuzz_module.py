@@ -141,8 +141,11 @@ def run_cached(cfg, mha, x):
     mha.requires_grad_(cfg["grad"])
     bounds = [(0, cfg["S"]), (cfg["S"], cfg["S"] + cfg["T"]), (cfg["S"] + cfg["T"], x.shape[1])]
     for lo, hi in bounds:
+        step = batch if batch is not None else cache
+        with Unchanged(mha, cache) as outcome:  # plan() and dispatch() refuse what forward refuses, changing nothing
+            mha.dispatch(xs[:, lo:hi], cache=step, is_causal=True)
         with Unchanged(mha, cache) as outcome, torch.set_grad_enabled(cfg["grad"]):
-            y = mha(xs[:, lo:hi], cache=batch if batch is not None else cache, is_causal=True)
+            y = mha(xs[:, lo:hi], cache=step, is_causal=True)
         if refused(outcome):
             if not _expected_refusal(cfg, outcome.refused):
                 assert _out_of_room(outcome.refused), outcome.refused
