@@ -7,7 +7,6 @@ D head dim of q and k, Dv head dim of v.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import random
 
@@ -42,68 +41,16 @@ def _seeded():
     torch.manual_seed(0)
 
 
-def reference_attention(q, k, v, attention_mask=None, *, is_causal=False, scale=None,
-                        keep=None, dropout_p=0.0, window=None, alibi_slopes=None, softcap=None, sinks=None,
-                        sink_tokens=0):
-    """The mask contract written out independently of headwise, in float64.
+def reference_attention(q, k, v, attention_mask=None, **kwargs):
+    """The float64 oracle, :func:`headwise.testing.reference_attention` (the one reference every
+    result is compared with), as ``(out (B, H, S, Dv), weights (B, H, S, Sk))``; it takes the same
+    keywords (``is_causal``, ``scale``, ``keep`` with ``dropout_p``, ``window``, ``alibi_slopes``,
+    ``softcap``, ``sinks``, ``sink_tokens``, ``mask_mod``, ``score_mod``) and is differentiable in
+    q, k, v and sinks (gradients are float64)."""
+    from headwise import testing
 
-    ``keep`` (B, H, S, Sk) bool, if given, is the dropout keep mask to apply.
-    ``window``: key j allowed only if i + Sk - S - window < j <= i + Sk - S.
-    ``alibi_slopes`` (H,): adds -slope_h * |i + Sk - S - j|.
-    ``softcap``: the scaled scores become softcap * tanh(s / softcap) before bias and mask.
-    ``sinks`` (H,): each row's denominator gains exp(sink_h), which adds nothing to the output.
-    ``sink_tokens`` n (with a window): keys j < n stay allowed too where j <= i + Sk - S.
-    ``v`` may have its own head dim Dv.
-    Differentiable in q, k, v and sinks (gradients are float64).
-    Returns (out (B, H, S, Dv), weights (B, H, S, Sk)).
-    """
-    q, k, v = q.double(), k.double(), v.double()
-    B, H, S, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    k = k.repeat_interleave(H // Hkv, dim=1)  # (B, H, Sk, D)
-    v = v.repeat_interleave(H // Hkv, dim=1)
-    scale = 1 / math.sqrt(D) if scale is None else scale
-    allowed = torch.ones(B, H, S, Sk, dtype=torch.bool)
-    bias = torch.zeros(B, H, S, Sk, dtype=torch.float64)
-    if attention_mask is not None:
-        m = attention_mask
-        if m.dim() == 2:
-            m = m[:, None, None, :]
-        elif m.dim() == 3:
-            m = m[:, None, :, :]
-        m = m.expand(B, H, S, Sk)
-        if m.is_floating_point():
-            m = m.double()
-            allowed = allowed & ~torch.isneginf(m)
-            bias = torch.where(allowed, m, torch.zeros_like(m))
-        else:
-            allowed = allowed & (m != 0)
-    pos = torch.arange(S)[:, None] + (Sk - S)  # each query's position among the keys
-    key = torch.arange(Sk)[None, :]
-    if is_causal or window is not None:
-        allowed = allowed & (key <= pos)
-    if window is not None:
-        allowed = allowed & ((key > pos - window) | (key < sink_tokens))
-    if alibi_slopes is not None:
-        bias = bias - alibi_slopes.double()[None, :, None, None] * (pos - key).abs().double()
-    s = q @ k.transpose(-2, -1) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    s = s + bias
-    row_max = torch.where(allowed, s, torch.tensor(-math.inf, dtype=s.dtype)).amax(-1, keepdim=True)
-    sink = None if sinks is None else sinks.double()[None, :, None, None].expand(B, H, S, 1)  # (B, H, S, 1)
-    if sink is not None:
-        row_max = torch.maximum(row_max, sink)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
-    e = torch.exp(torch.where(allowed, s, row_max) - row_max) * allowed
-    denominator = e.sum(-1, keepdim=True)
-    if sink is not None:
-        denominator = denominator + torch.exp(sink - row_max)
-    weights = e / denominator.clamp_min(1e-300)
-    p = weights
-    if keep is not None:
-        p = weights * keep / (1 - dropout_p)
-    return p @ v, weights
+    ref = testing.reference_attention(q, k, v, attention_mask, **kwargs)
+    return ref.out, ref.weights
 
 
 def assert_served(backend, q, k, v, mask=None, **kwargs):
