@@ -176,12 +176,13 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Any = N
     ``h // (H // Hkv)``. Rules are evaluated pair by pair (up to :data:`PAIRWISE_LIMIT` pairs).
 
     Args:
-        q: (B, H, S, D). k: (B, Hkv, Sk, D). v: (B, Hkv, Sk, Dv). Any dtype, device or strides.
+        q: (B, H, S, D); k (B, Hkv, Sk, D) and v (B, Hkv, Sk, Dv) likewise. Any dtype, device
+            or strides.
         attention_mask: None, a bool / integer (True = attend) or float (additive) tensor,
             2-D (B, Sk), 3-D (B, S, Sk) or 4-D broadcasting to (B, H, S, Sk), or a
             FlexAttention ``BlockMask``.
-        is_causal, scale, window, sink_tokens, alibi_slopes, softcap, sinks, mask_mod,
-            score_mod: as :func:`headwise.attention` takes them.
+        is_causal: as :func:`headwise.attention` takes it; so do ``scale``, ``window``,
+            ``sink_tokens``, ``alibi_slopes``, ``softcap``, ``sinks``, ``mask_mod`` and ``score_mod``.
         dropout_p, keep: with ``keep`` (B, H, S, Sk) bool, the dropout keep mask to apply.
 
     Returns:
