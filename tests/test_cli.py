@@ -261,8 +261,8 @@ def _report(memory: bool, unstable: int) -> dict:
     """A bench report as bench.run returns it: two cases, one with a long label and a note."""
     def row(label, impl, ms, note=""):
         peak = 123.4 if memory else None
-        return {"case": {"label": label}, "impl": impl, "forward_ms": ms, "train_ms": 3 * ms,
-                "forward_peak_mib": peak, "train_peak_mib": peak and 2 * peak, "note": note}
+        return {"case": {"label": label}, "impl": impl, "forward_ms": ms, "train_ms": ms and 3 * ms,
+                "forward_peak_mib": ms and peak, "train_peak_mib": ms and peak and 2 * peak, "note": note}
 
     long = "B=1 S=32768 E=512 H=8 padded, dropout 0.1"
     results = [row("B=4 S=64 E=128 H=4", impl, ms) for impl, ms in (
@@ -287,7 +287,7 @@ def test_bench_tables_fit_80_columns_without_empty_columns(memory, monkeypatch, 
     assert main(["bench", "--quick"]) == 0
     out = capsys.readouterr().out
     _fits_80(out)
-    assert "headwise auto" in out and "headwise chunked" in out and "0.77" in out
+    assert "headwise auto" in out and "headwise chunked" in out and "1.10x" in out
     assert "out of memory: needs >= 32.0 GiB of scores" in " ".join(out.split())  # the note, whole
     if memory:
         assert "123 MiB" in out and "247 MiB" in out
@@ -305,6 +305,6 @@ def test_bench_explains_unstable_medians_within_80_columns(monkeypatch, capsys):
     captured = capsys.readouterr()
     _fits_80(captured.err)
     err = " ".join(captured.err.split())
-    assert err.startswith("headwise bench: warning: 5 of 21 medians are not stable within +-5% after 15 repeats")
+    assert err.startswith("headwise bench: warning: 5 of 16 medians are not stable within +-5% after 15 repeats")
     assert "a busy machine or a first run" in err and "raise --max-repeats" in err
     assert "torch MHA forward: median +-9% after 15 repeats" in err and "and 2 more" in err
