@@ -60,7 +60,21 @@ def site(tmp_path_factory) -> Path:
         assert index.is_file(), f"HEADWISE_DOCS_SITE={given} holds no built site"
         assert _sources_after(index) == [], "HEADWISE_DOCS_SITE is older than these sources"
         return Path(given)
-    out = tmp_path_factory.mktemp("site")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _build_site(tmp_path_factory.mktemp("site"))
+    # Under pytest-xdist: one build for every worker, in the session's shared temp folder (two
+    # builds at once would also race on docs/_generated, which the build writes).
+    from filelock import FileLock  # torch's own dependency
+
+    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, above each worker's
+    with FileLock(str(shared / "site.lock")):
+        out = shared / "site"
+        if not (out / "index.html").is_file():
+            _build_site(out)
+    return out
+
+
+def _build_site(out: Path) -> Path:
     command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
     assert run.returncode == 0, f"sphinx-build failed:\n{run.stderr[-6000:]}"
