@@ -169,7 +169,7 @@ def markdown_blocks(path, kind: str) -> list:
     return [(t.info.strip(), t.map[0] + 1, t.content) for t in tokens if t.type == kind]
 
 
-def run_python_block(code: str, cwd, timeout: float = 120.0):
+def run_python_block(code: str, cwd, timeout: float = 300.0):
     """Run one Markdown block alone in a fresh interpreter, as a reader pastes it.
 
     Returns:
