@@ -227,7 +227,8 @@ def _modules_tables(report: dict) -> list:
     from headwise import bench
 
     machine = report["machine"]
-    out: list = [Text(f"modules ({machine['threads']} threads, torch {machine['torch']}): median ms; /SDPA and "
+    threads = f"{machine['threads']} thread{'s' if machine['threads'] != 1 else ''}"
+    out: list = [Text(f"modules ({threads}, torch {machine['torch']}): median ms; /SDPA and "
                       "/MHA: time / the SDPA module's and torch MHA's (< 1 is faster); f+b: forward + backward")]
     rows = report["results"]
     for label in dict.fromkeys(r["case"]["label"] for r in rows):
