@@ -1,6 +1,7 @@
 """Train a small causal language model on one long sequence split across processes.
 
     torchrun --nproc_per_node=4 examples/context_parallel.py [--seq-len 4096] [--steps 5]
+    python examples/context_parallel.py --quick     # starts 2 processes itself (CI)
 
 Every rank holds a zigzag shard of the sequence (hwd.shard); everything but attention
 works token by token, so only attention needs the other ranks, and
@@ -58,6 +59,20 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
+def _torchrun(argv: list[str], processes: int = 2) -> int:
+    """Run this script under ``torch.distributed.run`` on ``processes`` local processes."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(f"not under torchrun: starting {processes} processes (torchrun --nproc_per_node={processes})", flush=True)
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+               f"--master_port={port}", __file__, *argv]
+    return subprocess.run(command, check=False).returncode
+
+
 def main(argv=None) -> list[tuple[float, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -67,7 +82,13 @@ def main(argv=None) -> list[tuple[float, float]]:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--method", default="ring", choices=["ring", "ulysses", "auto"])
+    parser.add_argument("--quick", action="store_true",
+                        help="193 tokens, 2 steps, 1 layer; without torchrun, starts 2 processes itself (CI)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.seq_len, args.steps, args.layers = 193, 2, 1
+    if "RANK" not in os.environ:  # not started by torchrun: start it, on 2 processes
+        sys.exit(_torchrun(sys.argv[1:] if argv is None else list(argv)))
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -1,6 +1,6 @@
 """A padding-free BERT encoder on real weights: all-MiniLM-L6-v2 through headwise.
 
-    pip install -e ".[hf]" && python examples/packed_bert.py
+    pip install -e ".[hf]" && python examples/packed_bert.py [--quick]
 
 What it shows, on sentences of very different lengths:
 
@@ -23,6 +23,8 @@ Legend: B sentences, T real tokens, S the longest sentence, E embed dim.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from rich.console import Console
@@ -76,7 +78,11 @@ def compare_with_sentence_transformers(encoder: SentenceEncoder, sentences: list
             "max_abs_diff": (ours - theirs).abs().max()}
 
 
-def main(console: Console | None = None) -> dict[str, torch.Tensor]:
+def main(console: Console | None = None, argv: list[str] | None = None) -> dict[str, torch.Tensor]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first four sentences only (CI)")
+    args = parser.parse_args([] if argv is None and console is not None else argv)
+    sentences = SENTENCES[:4] if args.quick else SENTENCES
     console = console or Console(width=120)
     encoder = load_encoder()
     cfg = encoder.encoder.config
@@ -84,18 +90,18 @@ def main(console: Console | None = None) -> dict[str, torch.Tensor]:
                   f"{cfg.num_attention_heads} heads, E = {cfg.hidden_size}, max {encoder.max_length} tokens")
     console.print(mapping_table(encoder))
 
-    packed, padded = padding_saved(encoder, SENTENCES)
-    ids, cu_seqlens, lengths = encoder.pack(encoder.tokenize(SENTENCES))
-    console.print(f"\n{len(SENTENCES)} sentences of {list(lengths)} tokens -> packed input_ids {tuple(ids.shape)}, "
+    packed, padded = padding_saved(encoder, sentences)
+    ids, cu_seqlens, lengths = encoder.pack(encoder.tokenize(sentences))
+    console.print(f"\n{len(sentences)} sentences of {list(lengths)} tokens -> packed input_ids {tuple(ids.shape)}, "
                   f"cu_seqlens {cu_seqlens.tolist()}")
     console.print(f"every layer computes {packed} token rows instead of {padded} "
-                  f"({len(SENTENCES)} x {max(lengths)} padded): {1 - packed / padded:.0%} less work")
+                  f"({len(sentences)} x {max(lengths)} padded): {1 - packed / padded:.0%} less work")
 
-    result = compare_with_sentence_transformers(encoder, SENTENCES)
+    result = compare_with_sentence_transformers(encoder, sentences)
     table = Table(title="packed headwise encoder vs SentenceTransformer.encode")
     for column in ("sentence", "tokens", "cosine"):
         table.add_column(column)
-    for sentence, n, cos in zip(SENTENCES, encoder.tokenize(SENTENCES), result["cosine"].tolist(), strict=True):
+    for sentence, n, cos in zip(sentences, encoder.tokenize(sentences), result["cosine"].tolist(), strict=True):
         table.add_row(sentence[:60] + ("..." if len(sentence) > 60 else ""), str(len(n)), f"{cos:.7f}")
     console.print(table)
     console.print(f"cosine min {result['cosine'].min().item():.7f}, "

@@ -95,3 +95,52 @@ def minilm():
     from headwise.integrations.sentence_transformers import load_encoder
 
     return load_encoder()
+
+
+# ---------------------------------------------------------------- the Markdown pages' code blocks
+
+
+def markdown_blocks(path, kind: str) -> list:
+    """The blocks of a Markdown page, as CommonMark (and so MyST and GitHub) reads it.
+
+    Args:
+        path: the page.
+        kind: ``"fence"`` (a fenced block) or ``"code_block"`` (an indented one).
+
+    Returns:
+        ``(language, first line, code)`` of each block of that kind, in order.
+    """
+    from markdown_it import MarkdownIt  # rich's Markdown parser: installed with the package
+
+    tokens = MarkdownIt("commonmark").parse(path.read_text())
+    return [(t.info.strip(), t.map[0] + 1, t.content) for t in tokens if t.type == kind]
+
+
+def run_python_block(code: str, cwd, timeout: float = 300.0):
+    """Run one Markdown block alone in a fresh interpreter, as a reader pastes it.
+
+    Returns:
+        The finished ``subprocess.CompletedProcess`` (stdout and stderr as text).
+    """
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def run_example(name: str, *args: str, timeout: float = 300.0):
+    """Run ``examples/<name>`` with ``args`` in a fresh interpreter, as CI runs it (``--quick``).
+
+    Returns:
+        The finished ``subprocess.CompletedProcess`` (stdout and stderr as text).
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / name
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)

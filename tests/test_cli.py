@@ -231,3 +231,80 @@ def test_explain_draws_a_rules_tile_map(tmp_path, capsys):
     assert main(["explain", "--tiles", str(path)]) == 2
     captured = capsys.readouterr()
     assert f"--tiles {path} draws a rule's tile map: give --rule too" in captured.out + captured.err
+
+
+# ---------------------------------------------------------------- issue 38: an 80-column terminal
+
+
+def _fits_80(text: str) -> None:
+    """Every line within 80 columns, and no table cell cut short with an ellipsis."""
+    lines = text.splitlines()
+    assert lines and [line for line in lines if len(line) > 80] == []
+    assert [line for line in lines if "…" in line] == []
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["--help"], ["demo"], ["demo", "--help"], ["explain"], ["explain", "--help"],
+    ["explain", "--backend", "auto", "--mask", "lengths", "10,7,3,5", "--causal", "--kv-heads", "2"],
+    ["explain", "--causal", "--softcap", "50", "--sinks"],
+    ["explain", "--seq", "12", "--batch", "1", "--heads", "2", "--dim", "32", "--rule", "prefix:3"],
+    ["equivalences"], ["equivalences", "--help"], ["bench", "--help"], ["embed", "--help"],
+], ids=" ".join)
+def test_every_command_fits_an_80_column_terminal(argv, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")  # what rich and argparse read
+    main(argv)
+    captured = capsys.readouterr()
+    _fits_80(captured.out + captured.err)
+
+
+def _report(memory: bool, unstable: int) -> dict:
+    """A bench report as bench.run returns it: two cases, one with a long label and a note."""
+    def row(label, impl, ms, note=""):
+        peak = 123.4 if memory else None
+        return {"case": {"label": label}, "impl": impl, "forward_ms": ms, "train_ms": ms and 3 * ms,
+                "forward_peak_mib": ms and peak, "train_peak_mib": ms and peak and 2 * peak, "note": note}
+
+    long = "B=1 S=32768 E=512 H=8 padded, dropout 0.1"
+    results = [row("B=4 S=64 E=128 H=4", impl, ms) for impl, ms in (
+        ("headwise auto", 0.77), ("headwise chunked", 1.9), ("reference", 1.2), ("SDPA module", 0.7),
+        ("torch MHA", 0.8))]
+    results += [row(long, "headwise auto", 1234.5), row(long, "SDPA module", 1500.0),
+                row(long, "torch MHA", None, "out of memory: needs >= 32.0 GiB of scores (limit 16 GiB)")]
+    return {"machine": {"threads": 2, "torch": "2.13.0+cpu"}, "results": results,
+            "core": [{"impl": "headwise sdpa", "S": 256, "ms": 1.24, "gflops": 108.0, "matmul_gflops": 180.0,
+                      "of_matmul": 0.6}],
+            "decode": [{"E": 512, "H": 8, "prompt": 512, "ours_us": 291.2, "sdpa_us": 217.3, "ratio": 1.34}],
+            "unstable": [f"B=4 S=64 E=128 H=4 torch MHA forward: median +-{9 + i}% after 15 repeats"
+                         for i in range(unstable)], "tolerance": 0.05, "max_repeats": 15}
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["quick, no memory", "with memory"])
+def test_bench_tables_fit_80_columns_without_empty_columns(memory, monkeypatch, capsys):
+    from headwise import bench
+
+    monkeypatch.setattr(bench, "run", lambda **kwargs: _report(memory, unstable=0))
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["bench", "--quick"]) == 0
+    out = capsys.readouterr().out
+    _fits_80(out)
+    assert "headwise auto" in out and "headwise chunked" in out and "1.10x" in out
+    assert "out of memory: needs >= 32.0 GiB of scores" in " ".join(out.split())  # the note, whole
+    if memory:
+        assert "123 MiB" in out and "247 MiB" in out
+    else:  # no column of blanks: the memory columns are left out, and a line says why
+        assert "peak fwd" not in out and "peak f+b" not in out
+        assert "peak memory: not measured" in out
+
+
+def test_bench_explains_unstable_medians_within_80_columns(monkeypatch, capsys):
+    from headwise import bench
+
+    monkeypatch.setattr(bench, "run", lambda **kwargs: _report(False, unstable=5))
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["bench", "--quick"]) == 0
+    captured = capsys.readouterr()
+    _fits_80(captured.err)
+    err = " ".join(captured.err.split())
+    assert err.startswith("headwise bench: warning: 5 of 16 medians are not stable within +-5% after 15 repeats")
+    assert "a busy machine or a first run" in err and "raise --max-repeats" in err
+    assert "torch MHA forward: median +-9% after 15 repeats" in err and "and 2 more" in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import torch
 
 import headwise
 import headwise.deprecation
+from conftest import markdown_blocks, run_python_block
 
 pytest.importorskip("sphinx", reason="the docs extra is missing: pip install -e '.[docs]'")
 pytest.importorskip("furo", reason="the docs extra is missing: pip install -e '.[docs]'")
@@ -58,7 +60,21 @@ def site(tmp_path_factory) -> Path:
         assert index.is_file(), f"HEADWISE_DOCS_SITE={given} holds no built site"
         assert _sources_after(index) == [], "HEADWISE_DOCS_SITE is older than these sources"
         return Path(given)
-    out = tmp_path_factory.mktemp("site")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _build_site(tmp_path_factory.mktemp("site"))
+    # Under pytest-xdist: one build for every worker, in the session's shared temp folder (two
+    # builds at once would also race on docs/_generated, which the build writes).
+    from filelock import FileLock  # torch's own dependency
+
+    shared = tmp_path_factory.getbasetemp().parent  # the session's folder, above each worker's
+    with FileLock(str(shared / "site.lock")):
+        out = shared / "site"
+        if not (out / "index.html").is_file():
+            _build_site(out)
+    return out
+
+
+def _build_site(out: Path) -> Path:
     command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
     assert run.returncode == 0, f"sphinx-build failed:\n{run.stderr[-6000:]}"
@@ -208,13 +224,65 @@ def test_the_seeds_page_cites_real_stages_and_equivalence_rows():
     assert len(cited_groups) >= 4 and cited_groups - {row.group for row in measure()} == set()
 
 
-@pytest.mark.parametrize("page", ["index.md", "masks.md", "backends.md", "seeds.md", "pieces.md"])
-def test_the_guides_python_examples_run(page, capsys):
-    blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
-    assert blocks
-    for block in blocks:
-        exec(compile(block, f"docs/{page}", "exec"), {})  # the page's own example, as a reader runs it
-    assert capsys.readouterr().out
+PAGES = sorted(p for p in DOCS.rglob("*.md") if not {"_build", "_generated"} & set(p.parts))  # the API pages too
+PYTHON_BLOCKS = [(str(page.relative_to(DOCS)), line, code) for page in PAGES
+                 for lang, line, code in markdown_blocks(page, "fence") if lang == "python"]
+
+
+@pytest.mark.parametrize(("page", "line", "code"), PYTHON_BLOCKS,
+                         ids=[f"{page}:{line}" for page, line, _ in PYTHON_BLOCKS])
+def test_every_python_block_runs_alone_in_a_fresh_interpreter(page, line, code, tmp_path):
+    """A reader pastes one block, not the page: each runs in an interpreter of its own. Blocks
+    that are not meant to run (signatures, output) use another fence (``text``, ``bash``)."""
+    if re.search(r"^\s*(from|import) transformers\b", code, re.M) and not importlib.util.find_spec("transformers"):
+        pytest.skip("the hf extra is not installed: pip install -e '.[hf]'")
+    run = run_python_block(code, cwd=tmp_path)
+    assert run.returncode == 0, f"docs/{page}:{line} failed alone:\n{run.stderr[-3000:]}"
+
+
+def test_the_guides_hold_python_blocks():
+    with_blocks = {page for page, _, _ in PYTHON_BLOCKS}
+    assert {"index.md", "masks.md", "backends.md", "decoding.md", "serving.md", "pieces.md",
+            "huggingface.md", "distributed.md", "explain.md"} <= with_blocks
+
+
+def test_no_page_has_an_indented_code_block():
+    """An indented block is code that no test runs and no fence names: every block is fenced."""
+    indented = [f"{page.relative_to(ROOT)}:{line}" for page in [*PAGES, ROOT / "CHANGELOG.md"]
+                for _, line, _ in markdown_blocks(page, "code_block")]
+    assert indented == []
+
+
+def layout_files() -> set[str]:
+    """Paths (relative to src/headwise) that the layout tree of docs/layout.md names."""
+    text = (DOCS / "layout.md").read_text()
+    block = re.search(r"## Layout\n\n```text\n(.*?)```", text, re.S).group(1)
+    named, folder = set(), ""
+    for line in block.splitlines()[1:]:  # after "src/headwise/"
+        indent = len(line) - len(line.lstrip())
+        words = line.split()
+        if not words:
+            continue
+        if indent == 2:  # a new entry: a folder ("kernels/"), a file, or files of the top level
+            folder = words[0] if words[0].endswith("/") else ""
+        for word in words:
+            word = word.strip("(),")
+            if word.endswith(".py"):
+                named.add(word if "/" in word else folder + word)
+    return named
+
+
+def _holds_code(path: Path) -> bool:
+    """False for a file that is only a docstring (a sub-package's __init__.py)."""
+    body = ast.parse(path.read_text()).body
+    return not (len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant))
+
+
+def test_the_layout_names_every_source_file_and_only_those():
+    real = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _holds_code(p)}
+    named = layout_files()
+    assert named - real == set(), "docs/layout.md names files that do not exist"
+    assert real - named == set(), "docs/layout.md leaves these files out"
 
 
 # ---------------------------------------------------------------- issue 25: published numbers, links

@@ -40,3 +40,15 @@ def test_the_package_is_marked_typed():
     assert (ROOT / "src" / "headwise" / "py.typed").is_file()
     assert '"py.typed"' in _table("tool.setuptools.package-data")
     assert '"Typing :: Typed"' in _table("project")
+
+
+def test_importing_headwise_in_a_fresh_interpreter_prints_nothing():
+    """torch warns "Failed to initialize NumPy" on stderr when numpy is missing (a wheel install
+    printed it twice): numpy is a dependency, and importing headwise stays silent."""
+    import subprocess
+    import sys
+
+    assert re.search(r'^\s*"numpy>=[\d.]+",', _table("project"), re.M)
+    run = subprocess.run([sys.executable, "-W", "default", "-c", "import headwise, headwise.cli"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0 and run.stdout == "" and run.stderr == "", run.stderr

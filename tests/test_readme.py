@@ -1,42 +1,69 @@
-"""README.md's claims that code can check: the layout section names every source file."""
+"""README.md, the front door: short, every Python block runs alone as written, no indented
+code, and the test command CI runs is the one it shows.
+
+Each fenced ``python`` block runs in a fresh interpreter of its own (a reader pastes one
+block, not the page); blocks not meant to run use another fence (``bash``, ``text``).
+"""
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import re
 from pathlib import Path
 
+import pytest
+
+from conftest import markdown_blocks, run_python_block
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "src" / "headwise"
+README = ROOT / "README.md"
+PYTHON_BLOCKS = [(line, code) for lang, line, code in markdown_blocks(README, "fence") if lang == "python"]
 
 
-def layout_files() -> set[str]:
-    """Paths (relative to src/headwise) the README's layout tree names."""
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"## Layout\n\n```\n(.*?)```", text, re.S).group(1)
-    named, folder = set(), ""
-    for line in block.splitlines()[1:]:  # after "src/headwise/"
-        indent = len(line) - len(line.lstrip())
-        words = line.split()
-        if not words:
-            continue
-        if indent == 2:  # a new entry: a folder ("kernels/"), a file, or files of the top level
-            folder = words[0] if words[0].endswith("/") else ""
-        for word in words:
-            word = word.strip("(),")
-            if word.endswith(".py"):
-                named.add(word if "/" in word else folder + word)
-    return named
+def test_the_readme_is_a_front_door_of_at_most_300_lines():
+    assert len(README.read_text().splitlines()) <= 300
 
 
-def _holds_code(path: Path) -> bool:
-    """False for a file that is only a docstring (a sub-package's __init__.py)."""
-    body = ast.parse(path.read_text()).body
-    return not (len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant))
+@pytest.mark.parametrize(("line", "code"), PYTHON_BLOCKS, ids=[f"README.md:{line}" for line, _ in PYTHON_BLOCKS])
+def test_every_python_block_runs_alone_in_a_fresh_interpreter(line, code, tmp_path):
+    if re.search(r"^\s*(from|import) transformers\b", code, re.M) and not importlib.util.find_spec("transformers"):
+        pytest.skip("the hf extra is not installed: pip install -e '.[hf]'")
+    run = run_python_block(code, cwd=tmp_path)
+    assert run.returncode == 0, f"README.md:{line} failed alone:\n{run.stderr[-3000:]}"
 
 
-def test_the_layout_names_every_source_file_and_only_those():
-    real = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _holds_code(p)}
-    named = layout_files()
-    assert named - real == set(), "README's layout names files that do not exist"
-    assert real - named == set(), "README's layout leaves these files out"
+def test_the_readme_shows_one_example_of_each_main_use():
+    text = "".join(code for _, code in PYTHON_BLOCKS)
+    for use in ("MultiHeadAttention(", "mask_mod=", "score_mod=", "new_cache(", "PagedKVCache",
+                "integrations.transformers", "headwise.trace()", "merge_attentions("):
+        assert use in text, use
+    assert len(PYTHON_BLOCKS) >= 7
+
+
+def test_the_readme_has_no_indented_code_block():
+    assert [line for _, line, _ in markdown_blocks(README, "code_block")] == []
+
+
+def test_ci_runs_the_test_command_the_readme_shows():
+    """.ci/run greps README.md for its test command: it must be there, install the project with
+    the extras the suite needs, and run pytest on two processes (pytest-xdist, the dev extra)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    pattern = re.search(r"grep -m1 -E '([^']+)' README.md", ci).group(1)
+    found = [line for line in README.read_text().splitlines() if re.search(pattern, line)]
+    assert found, f"no README line matches {pattern!r}"
+    assert found[0] == 'pip install -c constraints.txt -e ".[dev,hf]" && python -m pytest -q -n 2'
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'"pytest-xdist>=[\d.]+"', pyproject)
+
+
+def test_the_teaching_documents_are_introduced_where_first_named():
+    text = " ".join(README.read_text().split())
+    first = text.index("teaching document")
+    sentence = text[text.rfind(".", 0, first) + 1: text.index(".", first) + 1]
+    assert "Chinese tutorials on multi-head self-attention" in sentence
+    assert "print every stage's shape" in sentence and "equivalent ways" in sentence
+
+
+def test_every_relative_link_of_the_readme_exists():
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README.read_text())
+    assert links and [link for link in links if not (ROOT / link).exists()] == []

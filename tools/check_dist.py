@@ -57,7 +57,7 @@ def check_wheel(path: Path, version: str) -> list[str]:
     urls = {u.split(",", 1)[0] for u in metadata.get_all("Project-URL") or []}
     problems += [f"wheel metadata lacks the {u} URL" for u in ("Documentation", "Source", "Changelog") if u not in urls]
     requires = " ".join(metadata.get_all("Requires-Dist") or [])
-    problems += [f"wheel does not require {d}" for d in ("torch", "einops", "rich") if d not in requires]
+    problems += [f"wheel does not require {d}" for d in ("torch", "numpy", "einops", "rich") if d not in requires]
     if "headwise = headwise.cli:main" not in entry_points:
         problems.append("wheel has no headwise = headwise.cli:main console script")
     return problems

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -189,41 +190,19 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
         report = bench.run(quick=args.quick, repeats=args.repeats, memory=not args.no_memory,
                            limit_gib=args.memory_limit, progress=lambda m: status.update(f"measuring {m}"),
                            max_repeats=args.max_repeats)
-    rows = report["results"]
-    table = Table(title=f"modules, one run ({report['machine']['threads']} threads, torch "
-                  f"{report['machine']['torch']}): median ms, ratio = time / baseline (< 1 is faster)")
-    for column in ("case", "implementation", "fwd ms", "/ SDPA mod", "/ torch MHA", "fwd+bwd ms", "/ SDPA mod",
-                   "/ torch MHA", "peak fwd", "peak fwd+bwd", "note"):
-        table.add_column(column, justify="left" if column in ("case", "implementation", "note") else "right")
-    for label in dict.fromkeys(r["case"]["label"] for r in rows):
-        group = [r for r in rows if r["case"]["label"] == label]
-        base = {r["impl"]: r for r in group}
-        sdpa, mha = base.get("SDPA module", {}), base.get("torch MHA", {})
-        for i, r in enumerate(group):
-            table.add_row(
-                label if i == 0 else "", r["impl"], bench.fmt_ms(r["forward_ms"]),
-                bench.ratio(r["forward_ms"], sdpa.get("forward_ms")),
-                bench.ratio(r["forward_ms"], mha.get("forward_ms")),
-                bench.fmt_ms(r["train_ms"]), bench.ratio(r["train_ms"], sdpa.get("train_ms")),
-                bench.ratio(r["train_ms"], mha.get("train_ms")), bench.fmt_mib(r["forward_peak_mib"]),
-                bench.fmt_mib(r["train_peak_mib"]), Text(r["note"]), end_section=i == len(group) - 1)
-    console.print(table)
-    core = Table(title="attention core, forward (B=1, H=8, D=64): FLOPs 4*B*H*S*Sk*D / time, next to an fp32 "
-                 "matmul timed in the same rounds")
-    for column in ("implementation", "S", "ms", "GFLOP/s", "matmul GFLOP/s", "% of matmul rate"):
-        core.add_column(column, justify="left" if column == "implementation" else "right")
-    for r in report["core"]:
-        core.add_row(r["impl"], str(r["S"]), bench.fmt_ms(r["ms"]), f"{r['gflops']:.0f}",
-                     f"{r['matmul_gflops']:.0f}", f"{r['of_matmul']:.0%}")
-    console.print(core)
-    decode = Table(title="decoding, one token per step after a prompt (B=1): the module with its KV cache vs a plain "
-                   "decoder (fused qkv, SDPA on a preallocated cache); median us per step")
-    for column in ("E", "H", "prompt", "headwise us", "SDPA decoder us", "ratio"):
-        decode.add_column(column, justify="right")
-    for r in report["decode"]:
-        decode.add_row(str(r["E"]), str(r["H"]), str(r["prompt"]), f"{r['ours_us']:.0f}", f"{r['sdpa_us']:.0f}",
-                       f"{r['ratio']:.2f}x")
-    console.print(decode)
+    for part in _modules_tables(report):
+        console.print(part)
+    memory = any(r["forward_peak_mib"] is not None or r["train_peak_mib"] is not None for r in report["results"])
+    if memory:
+        console.print(_memory_table(report))
+    else:  # a column of blanks explains nothing: say why there is none
+        console.print("peak memory: not measured (--quick and --no-memory skip it; a full run measures it "
+                      "in a fresh subprocess per case)")
+    for r in report["results"]:
+        if r["note"]:
+            console.print(Text(f"note: {r['case']['label']}, {r['impl']}: {r['note']}"))
+    console.print(_core_table(report))
+    console.print(_decode_table(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -235,15 +214,100 @@ def _bench(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _bench_table(title: str) -> Table:
+    """A table of figures that fits an 80-column terminal: no vertical rules, the title wrapped."""
+    from rich import box
+
+    return Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+
+
+def _modules_tables(report: dict) -> list:
+    """What each case's implementations took: forward and forward + backward medians and their
+    ratios to the SDPA module and torch's MHA; one table per case, titled with the case."""
+    from headwise import bench
+
+    machine = report["machine"]
+    threads = f"{machine['threads']} thread{'s' if machine['threads'] != 1 else ''}"
+    out: list = [Text(f"modules ({threads}, torch {machine['torch']}): median ms; /SDPA and "
+                      "/MHA: time / the SDPA module's and torch MHA's (< 1 is faster); f+b: forward + backward")]
+    rows = report["results"]
+    for label in dict.fromkeys(r["case"]["label"] for r in rows):
+        table = _bench_table(label)
+        table.add_column("implementation", min_width=16, no_wrap=True)
+        for column in ("fwd ms", "/SDPA", "/MHA", "f+b ms", "/SDPA", "/MHA"):
+            table.add_column(column, justify="right", min_width=6, no_wrap=True)
+        group = [r for r in rows if r["case"]["label"] == label]
+        base = {r["impl"]: r for r in group}
+        sdpa, mha = base.get("SDPA module", {}), base.get("torch MHA", {})
+        for r in group:
+            table.add_row(r["impl"] + (" *" if r["note"] else ""), bench.fmt_ms(r["forward_ms"]) or "-",
+                          bench.ratio(r["forward_ms"], sdpa.get("forward_ms")),
+                          bench.ratio(r["forward_ms"], mha.get("forward_ms")), bench.fmt_ms(r["train_ms"]) or "-",
+                          bench.ratio(r["train_ms"], sdpa.get("train_ms")),
+                          bench.ratio(r["train_ms"], mha.get("train_ms")))
+        if any(r["note"] for r in group):
+            table.caption, table.caption_justify = "*: see the notes below", "left"
+        out.append(table)
+    return out
+
+
+def _memory_table(report: dict) -> Table:
+    """Peak memory of each case's implementations (a fresh subprocess's rise of its resident set)."""
+    from headwise import bench
+
+    table = _bench_table("peak memory: the rise of a fresh subprocess's resident set")
+    table.add_column("case", max_width=24, overflow="fold")
+    table.add_column("implementation", no_wrap=True)
+    for column in ("peak fwd", "peak f+b"):
+        table.add_column(column, justify="right", no_wrap=True)
+    rows = report["results"]
+    for label in dict.fromkeys(r["case"]["label"] for r in rows):
+        group = [r for r in rows if r["case"]["label"] == label]
+        for i, r in enumerate(group):
+            table.add_row(label if i == 0 else "", r["impl"], bench.fmt_mib(r["forward_peak_mib"]) or "-",
+                          bench.fmt_mib(r["train_peak_mib"]) or "-", end_section=i == len(group) - 1)
+    return table
+
+
+def _core_table(report: dict) -> Table:
+    from headwise import bench
+
+    table = _bench_table("attention core, forward (B=1, H=8, D=64): GFLOP/s = 4*B*H*S*Sk*D / time; matmul: an "
+                         "fp32 matmul's GFLOP/s, timed in the same rounds")
+    table.add_column("implementation", no_wrap=True)
+    for column in ("S", "ms", "GFLOP/s", "matmul", "% of matmul"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for r in report["core"]:
+        table.add_row(r["impl"], str(r["S"]), bench.fmt_ms(r["ms"]), f"{r['gflops']:.0f}",
+                      f"{r['matmul_gflops']:.0f}", f"{r['of_matmul']:.0%}")
+    return table
+
+
+def _decode_table(report: dict) -> Table:
+    table = _bench_table("decoding, one token per step after a prompt (B=1): the module with its KV cache vs a "
+                         "plain decoder (fused qkv, SDPA on a preallocated cache); median us per step")
+    for column in ("E", "H", "prompt", "headwise us", "SDPA decoder us", "ratio"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for r in report["decode"]:
+        table.add_row(str(r["E"]), str(r["H"]), str(r["prompt"]), f"{r['ours_us']:.0f}", f"{r['sdpa_us']:.0f}",
+                      f"{r['ratio']:.2f}x")
+    return table
+
+
 def _warn_unstable(report: dict) -> None:
     """On stderr: the medians that did not settle, each with its spread (the tables stay on stdout)."""
     unstable = report.get("unstable", [])
     if not unstable:
         return
+    medians = sum((r["forward_ms"] is not None) + (r["train_ms"] is not None) for r in report["results"]) \
+        + len(report.get("core", [])) + len(report.get("decode", []))
     shown = "; ".join(unstable[:3]) + (f"; and {len(unstable) - 3} more" if len(unstable) > 3 else "")
-    print(f"headwise bench: warning: {len(unstable)} medians are not stable within "
-          f"+-{report['tolerance']:.0%} after {report['max_repeats']} repeats (a busy machine?): {shown}. "
-          "Their ratios may be far off: rerun on a quiet machine, or raise --max-repeats.", file=sys.stderr)
+    text = (f"headwise bench: warning: {len(unstable)} of {medians} medians are not stable within "
+            f"+-{report['tolerance']:.0%} after {report['max_repeats']} repeats: {shown}. The timings of a "
+            "busy machine or a first run (the CPU's clock and caches still warming up) move from round to "
+            "round; the tables show those medians too, but their ratios may be far off. Rerun on a quiet "
+            "machine, or raise --max-repeats.")
+    print(textwrap.fill(text, width=_terminal_width() or 80, subsequent_indent="  "), file=sys.stderr)
 
 
 class _Parser(argparse.ArgumentParser):

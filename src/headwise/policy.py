@@ -139,8 +139,13 @@ class VarlenEstimate:
         return self.varlen_us < self.sdpa_us
 
     def __str__(self) -> str:
-        return (f"estimated varlen {self.varlen_us:,.0f} us ({self.calls} call{'s' if self.calls != 1 else ''}) "
-                f"vs sdpa {self.sdpa_us:,.0f} us")
+        return (f"estimated varlen {_us(self.varlen_us)} ({self.calls} call{'s' if self.calls != 1 else ''}) "
+                f"vs sdpa {_us(self.sdpa_us)}")
+
+
+def _us(value: float) -> str:
+    """An estimate in microseconds as dispatch prints it: "<1 us" for a tiny call, never "0 us"."""
+    return "<1 us" if value < 1 else f"{value:,.0f} us"
 
 
 def estimate_varlen(
@@ -206,8 +211,8 @@ class PackingEstimate:
         return self.packed_us < self.dense_us
 
     def __str__(self) -> str:
-        return (f"estimated packed {self.packed_us:,.0f} us ({self.buckets} attention "
-                f"call{'s' if self.buckets != 1 else ''}) vs dense {self.dense_us:,.0f} us")
+        return (f"estimated packed {_us(self.packed_us)} ({self.buckets} attention "
+                f"call{'s' if self.buckets != 1 else ''}) vs dense {_us(self.dense_us)}")
 
 
 def estimate_packing(

@@ -99,8 +99,8 @@ class Trace:
 
         table = Table(title=title or "attention, stage by stage")
         table.add_column("call", justify="right")
-        for column in ("stage", "shape", "dtype", "what happens"):
-            table.add_column(column, justify="left")
+        for column in ("stage", "shape", "dtype", "what happens"):  # fold a long word, never cut it
+            table.add_column(column, justify="left", overflow="fold")
         for s in self.stages:
             name = f"{s.name} (fused)" if s.fused else s.name
             dtype = str(s.dtype).removeprefix("torch.") if s.dtype is not None else ""

@@ -1,4 +1,5 @@
-"""examples/context_parallel.py: under torchrun, each step's loss equals the one-process loss to 1e-5."""
+"""examples/context_parallel.py: under torchrun, each step's loss equals the one-process loss to 1e-5;
+with --quick and no torchrun, it starts its processes itself."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def test_losses_match_one_process_under_torchrun():
     assert len(steps) == 2, run.stdout
     for distributed, single in steps:
         assert abs(float(distributed) - float(single)) <= 1e-5
+
+
+def test_quick_without_torchrun_starts_two_processes():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--quick"], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "starting 2 processes" in run.stdout
+    steps = re.findall(r"step \d: loss ([\d.]+) \(2 processes\)\s+([\d.]+) \(one process\)", run.stdout)
+    assert len(steps) == 2 and all(abs(float(a) - float(b)) <= 1e-5 for a, b in steps), run.stdout

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,13 @@ def test_mapping_table_lists_every_tensor_of_a_layer(example):
     text = out.getvalue()
     assert text.count("encoder.layer.5.") == 2 * len(example.WEIGHT_MAP)
     assert "(1536, 384)" in text and "layers.5.ffn_out.weight" in text
+
+
+def test_quick_run_from_the_command_line():
+    from conftest import run_example
+
+    run = run_example("packed_bert.py", "--quick")
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = " ".join(run.stdout.split())
+    assert "4 sentences of" in text, text
+    assert float(re.search(r"cosine min ([\d.]+)", text).group(1)) >= 0.99999

@@ -59,3 +59,23 @@ def test_a_kernel_written_for_the_first_signature_serves_plain_calls_and_refuses
         with pytest.raises(ValueError, match="backend 'first_signature' its function takes no rules= keyword .* "
                                              "cannot run a mask_mod or score_mod"):
             headwise.attention(q, k, v, backend="first_signature", **kwargs)
+
+
+def test_a_compiled_call_reads_kernel_signatures_without_dynamo_warnings():
+    """`takes` memoises signatures with lru_cache, which Dynamo traces through with a UserWarning
+    ("Dynamo detected a call to a functools.lru_cache-wrapped function at registry.py"): under
+    compilation the plain function runs instead. In a fresh interpreter, since Dynamo warns once
+    a process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, torch, headwise\n"
+        "warnings.simplefilter('error')\n"
+        "f = torch.compile(lambda q: headwise.attention(q, q, q, is_causal=True), fullgraph=True, backend='eager')\n"
+        "print(tuple(f(torch.randn(1, 2, 4, 8)).shape))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0 and run.stdout.strip() == "(1, 2, 4, 8)", run.stderr[-3000:]
+    assert registry.takes(lambda q, k, v: q, "rules") is False  # eager calls still read signatures
+    assert registry.takes(lambda q, **kw: q, "rules") is True

@@ -271,10 +271,15 @@ class Kernel:
         return self.refuses(request)
 
 
-@functools.lru_cache(maxsize=256)
 def takes(fn: KernelFn, keyword: str, *, by_name: bool = False) -> bool:
     """Whether ``fn`` accepts ``keyword``: by name or through ``**kwargs`` (``by_name``: by name
     only, as a hint is given, since ``**kwargs`` may be handed on to a function without it)."""
+    if torch.compiler.is_compiling():  # Dynamo would trace through the memo's lru_cache, and warn
+        return _takes(fn, keyword, by_name)
+    return _takes_memo(fn, keyword, by_name)
+
+
+def _takes(fn: KernelFn, keyword: str, by_name: bool) -> bool:
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin): assume it does, unless by name
@@ -282,6 +287,9 @@ def takes(fn: KernelFn, keyword: str, *, by_name: bool = False) -> bool:
     if keyword in parameters:
         return True
     return not by_name and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+_takes_memo = functools.lru_cache(maxsize=256)(_takes)  # eager calls read a signature once
 
 
 def takes_rules(fn: KernelFn) -> bool:
