@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import headwise
 from headwise import packing, policy
+from headwise.kernels import buckets
 from headwise.policy import PACK_MIN_PADDING
 
 E, H = 32, 4
@@ -504,7 +505,7 @@ def test_forward_packed_directly():
 def test_buckets_bound_the_padding_on_both_sides():
     lengths_q = [512, 500, 480, 300, 290, 64, 10, 0, 9, 60]
     lengths_k = [512, 400, 480, 300, 290, 64, 10, 5, 0, 64]
-    groups = packing._groups(lengths_q, lengths_k)
+    groups = buckets.bucket_groups(lengths_q, lengths_k)
     assert sorted(b for g in groups for b in g) == [b for b in range(10) if lengths_q[b] and lengths_k[b]]
     for group in groups:
         for lengths in (lengths_q, lengths_k):

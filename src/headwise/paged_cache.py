@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
+if TYPE_CHECKING:  # a type only: importing headwise.module at run time would import this file back
+    from headwise.module.layer_protocol import Layer
 
 __all__ = ["PagedBatch", "PagedKVCache"]
 
@@ -89,7 +89,7 @@ class PagedKVCache:
         self._next = 0
 
     @classmethod
-    def for_module(cls, mha: MultiHeadAttention, num_pages: int, page_size: int = 16) -> PagedKVCache:
+    def for_module(cls, mha: Layer, num_pages: int, page_size: int = 16) -> PagedKVCache:
         """A pool for ``mha``'s keys and values (its kv heads, head dims, dtype and device).
 
         >>> import headwise

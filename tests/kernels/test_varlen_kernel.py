@@ -118,3 +118,36 @@ def test_documents_with_values_of_vllm_layout_give_the_reference(ref, return_lse
     for got, expected in zip(torch.autograd.grad(loss, (q, k, v_t)), torch.autograd.grad(want_loss, (q, k, v_t)),
                              strict=True):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("rule", [{}, {"window": 3}, {"alibi": True}, {"sinks": True}, {"dropout_p": 0.3}],
+                         ids=["causal", "window", "alibi", "sinks", "dropout"])
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out+lse"])
+def test_documents_run_the_packed_path_bit_for_bit(rule, return_lse, direct):
+    """The kernel attends a document rule's documents in the packed path's length buckets
+    (headwise.kernels.buckets) with no call back up into headwise.attention: the same bits as
+    headwise.packing.attend_packed per row with the same rule, dropout's draws included."""
+    gen = torch.Generator().manual_seed(7)
+    B, H, Hkv, S, D = 2, 4, 2, 30, 8
+    q = torch.randn(B, H, S, D, generator=gen)
+    k, v = torch.randn(2, B, Hkv, S, D, generator=gen)
+    lengths = (6, 5, 12, 1, 6)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask_mod = headwise.masks.and_masks(headwise.masks.causal, headwise.masks.document(ids))
+    sinks = torch.randn(H, generator=gen) if rule.get("sinks") else None
+    slopes = headwise.masks.alibi_slopes(H) if rule.get("alibi") else None
+    window, dropout_p = rule.get("window"), rule.get("dropout_p", 0.0)
+    torch.manual_seed(11)
+    got = headwise.attention(q, k, v, backend="varlen", mask_mod=mask_mod, window=window, alibi_slopes=slopes,
+                             sinks=sinks, dropout_p=dropout_p, return_lse=return_lse)
+    torch.manual_seed(11)
+    backend = "chunked" if return_lse and dropout_p else "sdpa"
+    rows = [headwise.packing.attend_packed(q[b].transpose(0, 1), k[b].transpose(0, 1), v[b].transpose(0, 1), lengths,
+                                           lengths, is_causal=True, window=window, alibi_slopes=slopes, sinks=sinks,
+                                           dropout_p=dropout_p, scale=D ** -0.5, backend=backend,
+                                           return_lse=return_lse) for b in range(B)]
+    if return_lse:
+        assert torch.equal(got[0], torch.stack([out.transpose(0, 1) for out, _ in rows]))  # (B, H, S, D)
+        assert torch.equal(got[-1], torch.stack([lse.transpose(0, 1) for _, lse in rows]))  # (B, H, S)
+    else:
+        assert torch.equal(got, torch.stack([out.transpose(0, 1) for out in rows]))  # (B, H, S, D)

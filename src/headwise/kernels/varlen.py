@@ -21,16 +21,20 @@ D head dim, n rows in a bucket, L a bucket's key count.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from headwise import policy
-from headwise.kernels import describe
+from headwise import tracing as trace
+from headwise.kernels import chunked, describe, sdpa
+from headwise.kernels.buckets import attend_buckets
 from headwise.kernels.common import attached_zeros, fold_rules, length_buckets
 from headwise.kernels.registry import Call, Kernel, KernelStage, Request
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages, with_sink
 from headwise.mask_mods import AlignedCausal
+from headwise.masks import hide_excluded
 from headwise.rules import Rules, document_lengths, document_rule
 
 
@@ -194,23 +198,48 @@ def _refuses(r: Request) -> str | None:
 def _by_document(q: Tensor, k: Tensor, v: Tensor, rules: Rules, documents: tuple[tuple[int, ...], ...],
                  dropout_p: float, scale: float, return_lse: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention under a document rule: each row's documents as packed sequences (their own
-    positions, the causal rule and window inside each), through :func:`headwise.packing.attend_packed`."""
-    from headwise.packing import attend_packed  # packing calls back into headwise.attention
-
+    positions, the causal rule and window inside each), in the length buckets of
+    :func:`headwise.kernels.buckets.attend_buckets`, each bucket one call of :func:`_document_bucket`."""
     causal, window = document_rule(rules)
     # SDPA per document; its log-sum-exp comes from the CPU flash kernel, which has no dropout
     backend = "chunked" if return_lse and dropout_p > 0 else "sdpa"
     rows, lses = [], []
     for b, lengths in enumerate(documents):
         qb, kb, vb = (t[b].transpose(0, 1) for t in (q, k, v))  # (S, H, D), (Sk, Hkv, D), (Sk, Hkv, Dv)
-        result = attend_packed(qb, kb, vb, lengths, lengths, is_causal=causal, window=window,
-                               alibi_slopes=rules.alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
-                               sinks=rules.sinks, return_lse=return_lse)  # (S, H, Dv) [, (S, H)]
+        result = attend_buckets(qb, kb, vb, lengths, lengths, _document_bucket, is_causal=causal, window=window,
+                                alibi_slopes=rules.alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
+                                sinks=rules.sinks, return_lse=return_lse)  # (S, H, Dv) [, (S, H)]
         out, lse = result if isinstance(result, tuple) else (result, None)
         rows.append(out.transpose(0, 1))  # (H, S, Dv)
         if lse is not None:
             lses.append(lse.transpose(0, 1))  # (H, S)
     return torch.stack(rows), torch.stack(lses) if lses else None  # (B, H, S, Dv), (B, H, S)
+
+
+def _document_bucket(q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None = None, *, is_causal: bool,
+                     window: int | None, alibi_slopes: Tensor | None, dropout_p: float, scale: float, backend: str,
+                     softcap: float | None, sinks: Tensor | None, sink_tokens: int,
+                     return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """One bucket of documents, q (n, H, Lq, D), k / v (n, Hkv, Lk, D|Dv), ``keys`` (n, Lk) bool
+    where the bucket pads keys: what :func:`headwise.attention` with the named ``backend``
+    ("sdpa" or "chunked") runs for it, without the checks the varlen call has made: the NaN
+    contract's hiding, then the kernel. (n, H, Lq, Dv), with ``return_lse`` and (n, H, Lq)."""
+    n, _, S, _ = q.shape
+    mask = None if keys is None else keys.view(n, 1, 1, keys.shape[1])  # (n, Lk) -> (n, 1, 1, Lk)
+    # as headwise.attention's rules: a window implies the causal rule; a single query it blocks nothing
+    rules = Rules(is_causal=window is not None or (is_causal and S > 1), window=window, sink_tokens=sink_tokens,
+                  alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks)
+    q, k, v = hide_excluded(q, k, v, mask, is_causal=rules.is_causal, window=window, sink_tokens=sink_tokens)
+    kernel = chunked.KERNEL if backend == "chunked" else sdpa.KERNEL
+    result = kernel.fn(q, k, v, attention_mask=mask, rules=rules, dropout_p=dropout_p, scale=scale,
+                       need_weights=False, return_lse=return_lse)  # (out (n, H, Lq, Dv), None[, lse (n, H, Lq)])
+    out = cast(Tensor, result[0])
+    if trace.ACTIVE and trace.recording() and kernel.stages is not None:  # explain mode: the bucket's stages
+        call = Call(q, k, v, attention_mask=mask, rules=rules, dropout_p=dropout_p, scale=scale, need_weights=False,
+                    scale_given=True)
+        for stage in kernel.stages(call):
+            trace.record(stage.name, stage.shape, stage.note, fused=stage.fused, dtype=stage.dtype)
+    return (out, cast(Tensor, result[2])) if return_lse else out
 
 
 def varlen_stages(call: Call) -> list[KernelStage]:

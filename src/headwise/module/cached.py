@@ -12,8 +12,6 @@ D head dim, Dv value head dim, E embed dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -24,15 +22,13 @@ from headwise.functional import Prepared, attend
 from headwise.mask_mods import AlignedCausal
 from headwise.module import checks, memo
 from headwise.module import projections as proj
+from headwise.module.layer_protocol import Layer
 from headwise.module.plan import Plan
 from headwise.positions import apply_rotary
 from headwise.weights import Selection
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
 
-
-def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
+def forward(mha: Layer, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
             cache: KVCache, rules: tuple = (None, None), key: tuple | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """One step, undone if it is refused after the cache changed; ``rules``: the call's
     (mask_mod, score_mod), their queries already at their positions; ``key``: the call's
@@ -54,21 +50,21 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, p
     return out
 
 
-def repeats(mha: MultiHeadAttention, cache: KVCache) -> bool:
+def repeats(mha: Layer, cache: KVCache) -> bool:
     """Whether a remembered step may take :func:`forward_repeat`: a dynamic cache that neither
     evicts nor holds a padding mask, and an attention call that
     :func:`headwise.functional.prepare` remembers."""
     return not (cache.static or cache.evicts or cache.padded) and memo.preparable(mha)
 
 
-def forward_repeat(mha: MultiHeadAttention, x: Tensor, cache: KVCache, repeat: memo.Repeat) -> Tensor:
+def forward_repeat(mha: Layer, x: Tensor, cache: KVCache, repeat: memo.Repeat) -> Tensor:
     """A remembered decoding step without a mask, where :func:`repeats` (the module's memo:
     this signature's checks and plan passed before; the cache's room and batch are checked as
     it appends). (B, T, E) -> (B, T, E)."""
     return _remembered(mha, x, cache, repeat.is_causal, repeat.attention)[0]
 
 
-def _remembered(mha: MultiHeadAttention, x: Tensor, cache: KVCache, causal: bool,
+def _remembered(mha: Layer, x: Tensor, cache: KVCache, causal: bool,
                 attention: Prepared | None) -> tuple[Tensor, Prepared | None]:
     """Project, append, attend, project out; undone if it is refused after the cache changed.
 
@@ -98,7 +94,7 @@ def _remembered(mha: MultiHeadAttention, x: Tensor, cache: KVCache, causal: bool
     return out, attention if mha.backend == "auto" and not dropout_p else None
 
 
-def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
+def _step(mha: Layer, x: Tensor, attention_mask: Tensor | None, plan: Plan, need_weights: bool,
           cache: KVCache, rules: tuple = (None, None)) -> Tensor | tuple[Tensor, Tensor]:
     if trace.ACTIVE:
         trace.begin_call()
@@ -143,7 +139,7 @@ def _step(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, pla
     return out, weights
 
 
-def _hidden_projections(mha: MultiHeadAttention, x: Tensor, padding: Tensor, plain: bool,
+def _hidden_projections(mha: Layer, x: Tensor, padding: Tensor, plain: bool,
                         qkv: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """A step's q, k, v (B, H|Hkv, T, D|Dv) whose padded positions (``padding`` (B, T) False)
     reach no gradient: their values as projected, detached; where x is not finite there, the
@@ -164,7 +160,7 @@ def _record(cache: KVCache, T: int, k: Tensor) -> None:
     trace.record("kv cache", k, note)
 
 
-def _static(mha: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, mask: Tensor | None,
+def _static(mha: Layer, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, mask: Tensor | None,
             causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Write this step into a static cache; return q, k, v over every slot and the mask.
 
@@ -187,7 +183,7 @@ def _static(mha: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, cache: KVC
     return q, k, v, allowed
 
 
-def static_mask(mha: MultiHeadAttention, cache: KVCache, mask: Tensor | None, T: int, causal: bool,
+def static_mask(mha: Layer, cache: KVCache, mask: Tensor | None, T: int, causal: bool,
                 dtype: torch.dtype) -> Tensor:
     """The mask a static cache's step of T positions attends through, read before the step
     (changes nothing; :meth:`~headwise.MultiHeadAttention.dispatch` reads it too): the slots
@@ -202,7 +198,7 @@ def static_mask(mha: MultiHeadAttention, cache: KVCache, mask: Tensor | None, T:
     return rules_mask(mha, positions, j, written, causal, dtype)
 
 
-def evicting_mask(mha: MultiHeadAttention, cache: KVCache, mask: Tensor | None, T: int, causal: bool,
+def evicting_mask(mha: Layer, cache: KVCache, mask: Tensor | None, T: int, causal: bool,
                   dtype: torch.dtype) -> Tensor:
     """The mask an evicting cache's step of T positions attends through once it has evicted,
     read before the step (changes nothing): what :meth:`~headwise.MultiHeadAttention.dispatch`
@@ -221,7 +217,7 @@ def evicting_mask(mha: MultiHeadAttention, cache: KVCache, mask: Tensor | None, 
     return rules_mask(mha, torch.arange(seen, seen + T, device=device), keys, allowed, causal, dtype)
 
 
-def rules_mask(mha: MultiHeadAttention, queries: Tensor, keys: Tensor, allowed: Tensor, causal: bool,
+def rules_mask(mha: Layer, queries: Tensor, keys: Tensor, allowed: Tensor, causal: bool,
                dtype: torch.dtype) -> Tensor:
     """The module's positional rules as one mask, for keys that are not positions 0..L-1.
 

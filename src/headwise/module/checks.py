@@ -8,7 +8,7 @@ D head dim, Dv value head dim, E embed dim.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,9 +18,7 @@ from headwise.deprecation import warn_once
 from headwise.kernels.registry import get_kernel
 from headwise.masks import normalize_mask
 from headwise.module import qkv
-
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
+from headwise.module.layer_protocol import Layer
 
 
 def divisors_near(n: int, around: int) -> str:
@@ -116,7 +114,7 @@ def autocast_on(device: torch.device) -> bool:
         return False
 
 
-def reference_weight(mha: MultiHeadAttention) -> Tensor:
+def reference_weight(mha: Layer) -> Tensor:
     """:meth:`~headwise.MultiHeadAttention.reference_weight`, read from the parameter dict
     where ``out_proj`` is a plain ``nn.Linear`` (``nn.Module.__getattr__`` costs about a
     microsecond a name, and every call reads it two or three times)."""
@@ -139,7 +137,7 @@ def check_backend(backend: str, packing: bool | str) -> tuple[str, bool | str]:
     return backend, packing
 
 
-def backend(mha: MultiHeadAttention) -> str:
+def backend(mha: Layer) -> str:
     """The kernel the module's attention calls ask for: ``mha.backend``, except that "auto"
     runs the plain-math ``"matmul"`` inside a ``torch.func`` transform or a forward-AD dual
     level: every op of it has forward AD and a batching rule, while SDPA's CPU kernel has
@@ -149,19 +147,19 @@ def backend(mha: MultiHeadAttention) -> str:
     return "matmul"
 
 
-def slopes(mha: MultiHeadAttention) -> Tensor | None:
+def slopes(mha: Layer) -> Tensor | None:
     """``mha.alibi_slopes`` (H,) or None, read from the buffer dict: a registered buffer's
     attribute read goes through ``nn.Module.__getattr__`` (about a microsecond on one Zen 5
     thread, a visible share of a decoding step)."""
     return mha._buffers.get("alibi_slopes")
 
 
-def sinks(mha: MultiHeadAttention) -> Tensor | None:
+def sinks(mha: Layer) -> Tensor | None:
     """``mha.sinks`` (H,) or None, read from the parameter dict (see :func:`slopes`)."""
     return mha._parameters.get("sinks")
 
 
-def check_tensor(mha: MultiHeadAttention, name: str, t: Tensor) -> None:
+def check_tensor(mha: Layer, name: str, t: Tensor) -> None:
     """``t`` (x or context) must be floating, on the parameters' device, and of their dtype
     (under autocast, any floating dtype: autocast casts the projections' inputs)."""
     w = reference_weight(mha)
@@ -183,7 +181,7 @@ def check_tensor(mha: MultiHeadAttention, name: str, t: Tensor) -> None:
                     + (" (or run under torch.autocast)" if castable else ""))
 
 
-def check_inputs(mha: MultiHeadAttention, x: Any, context: Any, cache: Any) -> None:
+def check_inputs(mha: Layer, x: Any, context: Any, cache: Any) -> None:
     """x (B, S, E), context (B, Sk, E) or None, and a cache that fits this module."""
     if cache is not None:
         check_cache(mha, cache, x, context)
@@ -207,7 +205,7 @@ def check_inputs(mha: MultiHeadAttention, x: Any, context: Any, cache: Any) -> N
     check_tensor(mha, "context", context)
 
 
-def check_cache(mha: MultiHeadAttention, cache: Any, x: Any, context: Any) -> None:
+def check_cache(mha: Layer, cache: Any, x: Any, context: Any) -> None:
     """A cache from this module's :meth:`new_cache` (or one of the same shapes), stepped
     without gradients, with room for x's positions."""
     if not isinstance(cache, KVCache):
@@ -231,7 +229,7 @@ def check_cache(mha: MultiHeadAttention, cache: Any, x: Any, context: Any) -> No
 
 
 
-def check_mask(mha: MultiHeadAttention, x: Tensor, mask: Any, context: Tensor | None,
+def check_mask(mha: Layer, x: Tensor, mask: Any, context: Tensor | None,
                cache: KVCache | None) -> None:
     """Refuse, before anything runs or changes, a mask that :meth:`forward` would refuse
     (the kernels' :func:`~headwise.masks.normalize_mask`, and a cache's own rules)."""

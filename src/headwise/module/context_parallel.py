@@ -10,20 +10,18 @@ whole sequence, D head dim, E embed dim.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
 from headwise.dispatch import Dispatch
 from headwise.module import projections as proj
+from headwise.module.layer_protocol import Layer, Planned
 from headwise.module.plan import Plan, query_padding
 from headwise.positions import apply_rotary
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
 
-
-def call(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+def call(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
          is_causal: bool | None, need_weights: bool, cache: Any, mask_mod: Any, score_mod: Any,
          weights_heads: Any, weights_rows: Any) -> Tensor:
     """:meth:`MultiHeadAttention.forward` of a context-parallel module: every check first, on
@@ -31,7 +29,7 @@ def call(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, cont
     instead of leaving the others waiting in the ranks' next exchange; then :func:`forward`."""
     from headwise.distributed import _checked_together
 
-    def check() -> Plan:
+    def check() -> Planned:
         if cache is not None or need_weights or weights_heads is not None or weights_rows is not None:
             raise ValueError("context_parallel attends sharded whole sequences: it takes no cache= and no "
                              "need_weights=True; build the module without context_parallel for decoding")
@@ -42,7 +40,7 @@ def call(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, cont
     return forward(mha, x, attention_mask, context, plan.is_causal)
 
 
-def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+def forward(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
             causal: bool) -> Tensor:
     """x (B, S_l, E) is this rank's shard of the sequence (``context`` too) -> (B, S_l, E); checked by :func:`call`."""
     import headwise.distributed as hwd
@@ -80,7 +78,7 @@ def _hide_context_padding(mask: Tensor | None, context: Tensor) -> Tensor:
     return proj.hide_padding(context, keys)[0]
 
 
-def dispatch(mha: MultiHeadAttention, attention_mask: Tensor | None, plan: Plan) -> Dispatch:
+def dispatch(mha: Layer, attention_mask: Tensor | None, plan: Plan) -> Dispatch:
     """The method (ring or Ulysses) this call would take, and why."""
     import torch.distributed as dist
 

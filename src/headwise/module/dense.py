@@ -10,8 +10,6 @@ D head dim, Dv value head dim, E embed dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor
 
 from headwise import functional
@@ -20,15 +18,13 @@ from headwise.functional import Prepared, attend
 from headwise.masks import _canonical as canonical_mask
 from headwise.module import checks
 from headwise.module import projections as proj
+from headwise.module.layer_protocol import Layer
 from headwise.module.memo import Repeat, preparable
 from headwise.module.plan import Plan, all_tokens
 from headwise.weights import Selection
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
 
-
-def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None, plan: Plan,
+def forward(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None, plan: Plan,
             need_weights: bool, key: tuple | None, rules: tuple = (None, None)) -> Tensor | tuple[Tensor, Tensor]:
     """Self- or cross-attention without a cache; ``key``: the call's memo key (None: not
     remembered), under which the plan and the prepared kernel call are stored once it ran;
@@ -77,7 +73,7 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, c
     return out, weights
 
 
-def forward_repeat(mha: MultiHeadAttention, x: Tensor, padding: Tensor | None, attention: Prepared) -> Tensor:
+def forward_repeat(mha: Layer, x: Tensor, padding: Tensor | None, attention: Prepared) -> Tensor:
     """A remembered signature on the dense path: no checks, no plan, the attention call
     :func:`headwise.functional.prepare` made for it. (B, S, E) -> (B, S, E).
     ``padding``: (B, S), False at padding; None where there is none (no mask, or all tokens)."""

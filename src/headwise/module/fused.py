@@ -20,7 +20,7 @@ Legend: B batch, S query length, E embed dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -30,9 +30,7 @@ from headwise import policy
 from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.module import checks, qkv
-
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
+from headwise.module.layer_protocol import Layer
 
 
 def global_module_hooks() -> bool:
@@ -58,7 +56,7 @@ _PLAIN = (nn.Parameter, torch.Tensor)
 _LINEARS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
-def allowed(mha: MultiHeadAttention) -> bool:
+def allowed(mha: Layer) -> bool:
     """Whether the op may read the projections' weights in place of calling them (not where
     a weight may be a dual or functorch-wrapped tensor: the op has no forward AD and no
     batching rule, see :func:`headwise.module.qkv.transformed`)."""
@@ -68,7 +66,7 @@ def allowed(mha: MultiHeadAttention) -> bool:
     return all(_plain(modules[name]) for name in _LINEARS)
 
 
-def why(mha: MultiHeadAttention, x: Tensor, padded: bool, context: Tensor | None, cache: KVCache | None,
+def why(mha: Layer, x: Tensor, padded: bool, context: Tensor | None, cache: KVCache | None,
         need_weights: bool, causal: bool) -> str | None:
     """Why "auto" runs this call on the fused path, or None where it does not."""
     if (mha.backend != "auto" or context is not None or cache is not None or need_weights
@@ -96,7 +94,7 @@ def why(mha: MultiHeadAttention, x: Tensor, padded: bool, context: Tensor | None
             f"{policy.FUSED_MAX_WEIGHT_COPY} x B x S x E)")
 
 
-def forward(mha: MultiHeadAttention, x: Tensor) -> Tensor:
+def forward(mha: Layer, x: Tensor) -> Tensor:
     """(B, S, E) -> (B, S, E) in one op (the caller checked :func:`why` and :func:`allowed`)."""
     modules: dict[str, Any] = mha._modules
     out = modules["out_proj"]._parameters

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -33,9 +32,7 @@ from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.functional import Prepared
 from headwise.module import checks, plan
-
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
+from headwise.module.layer_protocol import Layer
 
 LIMIT = 64  # call signatures a module remembers; it starts over when full
 
@@ -57,7 +54,7 @@ class Repeat:
         return self.attention is None or self.attention.current()
 
 
-def signature(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+def signature(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
               is_causal: bool | None, need_weights: bool,
               cache: KVCache | None) -> tuple[tuple, Tensor | None, tuple | None] | None:
     """The key a self-attention call is remembered under, with x's padding (B, S) and its real
@@ -97,7 +94,7 @@ def signature(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None,
         return None
 
 
-def preparable(mha: MultiHeadAttention) -> bool:
+def preparable(mha: Layer) -> bool:
     """Whether :func:`headwise.functional.prepare` can remember this module's attention call
     (it takes no window, ALiBi, soft-capping or sinks)."""
     return mha.window is None and checks.slopes(mha) is None and mha.softcap is None and checks.sinks(mha) is None

@@ -12,7 +12,7 @@ D head dim, Dv value head dim, E embed dim.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -21,13 +21,11 @@ from headwise import packing, policy
 from headwise import tracing as trace
 from headwise.module import checks
 from headwise.module import projections as proj
+from headwise.module.layer_protocol import Layer
 from headwise.module.plan import Plan
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
 
-
-def forward(mha: MultiHeadAttention, x: Tensor, plan: Plan) -> Tensor:
+def forward(mha: Layer, x: Tensor, plan: Plan) -> Tensor:
     """(B, S, E) -> pack the real tokens -> attend per length bucket -> unpack to (B, S, E)."""
     if trace.ACTIVE:
         trace.begin_call()
@@ -46,7 +44,7 @@ def forward(mha: MultiHeadAttention, x: Tensor, plan: Plan) -> Tensor:
     return out
 
 
-def attend(mha: MultiHeadAttention, x: Tensor, cu_seqlens: Tensor, lengths: tuple[int, ...],
+def attend(mha: Layer, x: Tensor, cu_seqlens: Tensor, lengths: tuple[int, ...],
            positions: Tensor | None, causal: bool, rope_len: int | None = None) -> Tensor:
     """(T, E) tokens -> (T, E) outputs, every stage traced. ``rope_len``: the length dynamic
     NTK scales by (None: the last position + 1)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -23,17 +23,15 @@ from headwise import tracing as trace
 from headwise.dispatch import Dispatch
 from headwise.module import checks
 from headwise.module import projections as proj
+from headwise.module.layer_protocol import Layer
 from headwise.module.plan import Plan
 from headwise.paged import choose_backends, paged_attention
 from headwise.paged_cache import PagedBatch, PagedKVCache
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
-
 PAGED = (PagedKVCache, PagedBatch)  # what forward's cache= routes here
 
 
-def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: Any, is_causal: bool | None,
+def forward(mha: Layer, x: Tensor, attention_mask: Any, context: Any, is_causal: bool | None,
             need_weights: bool, cache: PagedKVCache | PagedBatch, mask_mod: Any = None,
             score_mod: Any = None) -> Tensor:
     """One step for the batch's sequences (a :class:`PagedKVCache`: all its sequences, in
@@ -49,7 +47,7 @@ def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: An
         raise
 
 
-def plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: Any, is_causal: bool | None,
+def plan(mha: Layer, x: Tensor, attention_mask: Any, context: Any, is_causal: bool | None,
          need_weights: bool, cache: PagedKVCache | PagedBatch, mask_mod: Any = None, score_mod: Any = None) -> Plan:
     """The paged path's :class:`Plan` after :func:`forward`'s checks (nothing changes)."""
     batch = cache if isinstance(cache, PagedBatch) else cache.batch(cache.sequences)
@@ -59,7 +57,7 @@ def plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: Any, 
     return Plan("paged", why, mha.is_causal if is_causal is None else bool(is_causal), None, None)
 
 
-def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: Any, is_causal: bool | None,
+def dispatch(mha: Layer, x: Tensor, attention_mask: Any, context: Any, is_causal: bool | None,
              need_weights: bool, cache: PagedKVCache | PagedBatch, mask_mod: Any = None,
              score_mod: Any = None) -> Dispatch:
     """The kernels of a paged step (the backend of its call with the most scores), from the
@@ -85,7 +83,7 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Any, context: A
     return Dispatch(main.backend, reason, main.passed_over, main.request, path="paged", path_reason=step.why)
 
 
-def _step(mha: MultiHeadAttention, x: Tensor, batch: PagedBatch, causal: bool) -> Tensor:
+def _step(mha: Layer, x: Tensor, batch: PagedBatch, causal: bool) -> Tensor:
     if trace.ACTIVE:
         trace.begin_call()
         trace.record("input", x, "x: (B, T, E), the next T positions of B paged sequences")
@@ -121,7 +119,7 @@ class _NoBackward(torch.autograd.Function):
                            "differentiable)")
 
 
-def _rotate(mha: MultiHeadAttention, q: Tensor, k: Tensor, starts: list[int]) -> tuple[Tensor, Tensor]:
+def _rotate(mha: Layer, q: Tensor, k: Tensor, starts: list[int]) -> tuple[Tensor, Tensor]:
     """Rotary positions from each sequence's own length, one call per distinct length."""
     if mha.rope is None:
         return q, k
@@ -139,7 +137,7 @@ def _rotate(mha: MultiHeadAttention, q: Tensor, k: Tensor, starts: list[int]) ->
     return q, k
 
 
-def _check(mha: MultiHeadAttention, x: Any, batch: PagedBatch, attention_mask: Any, context: Any,
+def _check(mha: Layer, x: Any, batch: PagedBatch, attention_mask: Any, context: Any,
            need_weights: bool, mask_mod: Any, score_mod: Any) -> None:
     """What a paged step cannot take, refused before anything changes."""
     refused = [(context is not None, "context= (cross-attention): a paged cache holds self-attention keys"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -18,9 +17,7 @@ from torch import Tensor
 from headwise import packing, policy
 from headwise.cache import KVCache
 from headwise.module import checks, fused
-
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
+from headwise.module.layer_protocol import Layer
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ def query_padding(x: Tensor, mask: Tensor | None, context: Tensor | None, cache:
     return mask[:, -S:] if mask.shape[0] == x.shape[0] else None
 
 
-def make_plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+def make_plan(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
               is_causal: bool | None, need_weights: bool, cache: KVCache | None,
               read: tuple | None = None) -> Plan:
     """Check the call, then choose its path. ``read``: (x's padding, its real tokens per row)
@@ -103,7 +100,7 @@ def make_plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None,
     return Plan(path, why, causal, padding, lengths)
 
 
-def choose_packing(mha: MultiHeadAttention, x: Tensor, padding: Tensor | None, lengths: tuple[int, ...] | None,
+def choose_packing(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple[int, ...] | None,
                    cache: KVCache | None, need_weights: bool, causal: bool) -> tuple[str, str]:
     """("packed" or "dense", why): by request, or where "auto" prices packing below the
     dense path (:func:`headwise.policy.estimate_packing`)."""

@@ -13,7 +13,7 @@ D head dim, Dv value head dim, E embed dim, T packed tokens.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +23,10 @@ from torch.nn.modules import module as torch_module
 from headwise import policy
 from headwise import tracing as trace
 from headwise.module import qkv
-
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
+from headwise.module.layer_protocol import Layer
 
 
-def plain_linears(mha: MultiHeadAttention) -> bool:
+def plain_linears(mha: Layer) -> bool:
     """Whether ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` are ``nn.Linear`` that nothing
     hooks (their own hooks or global ones) or wraps, outside a JIT trace: then
     ``F.linear(x, m.weight, m.bias)`` is exactly ``m(x)``, without ``nn.Module``'s call
@@ -60,20 +58,20 @@ def linear(m: nn.Module, x: Tensor, plain: bool) -> Tensor:
     return m(x)
 
 
-def rows_for(mha: MultiHeadAttention, context: Tensor | None, plain: bool) -> qkv.Pack | None:
+def rows_for(mha: Layer, context: Tensor | None, plain: bool) -> qkv.Pack | None:
     """The q, k, v rows one GEMM may project with (:func:`headwise.module.qkv.packed`):
     self-attention whose projections nothing hooks or wraps (``plain``); else None."""
     return qkv.packed(mha, torch.is_grad_enabled()) if plain and context is None else None
 
 
-def project(mha: MultiHeadAttention, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def project(mha: Layer, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The three projections of (B, S, E) inputs (keys and values from ``context`` if given),
     or of packed (T, E) tokens: (.., E), (.., Hkv*D), (.., Hkv*Dv)."""
     plain = plain_linears(mha)
     return _project(mha, x, context, plain, rows_for(mha, context, plain))
 
 
-def _project(mha: MultiHeadAttention, x: Tensor, context: Tensor | None, plain: bool,
+def _project(mha: Layer, x: Tensor, context: Tensor | None, plain: bool,
              pack: qkv.Pack | None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`project` with :func:`plain_linears` and :func:`rows_for` read."""
     if pack is not None:  # one GEMM over the adjacent q, k, v weights (no copy)
@@ -101,7 +99,7 @@ def record_projections(q: Tensor, k: Tensor, v: Tensor, batched: bool, self_atte
         trace.record("v projection", v, f"v_proj({src}): ({keys}, E) x (Hkv*Dv, E)^T + b, Hkv*Dv = {v.shape[-1]}")
 
 
-def project_heads(mha: MultiHeadAttention, x: Tensor, context: Tensor | None,
+def project_heads(mha: Layer, x: Tensor, context: Tensor | None,
                   plain: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(B, S, E) inputs -> q (B, H, S, D), k (B, Hkv, Sk, D) and v (B, Hkv, Sk, Dv).
     ``plain``: :func:`plain_linears`, where the caller read it for this call (None: read here)."""
@@ -124,7 +122,7 @@ def project_heads(mha: MultiHeadAttention, x: Tensor, context: Tensor | None,
     return q, k, v
 
 
-def heads_from_rows(mha: MultiHeadAttention, x: Tensor, pack: qkv.Pack) -> tuple[Tensor, Tensor, Tensor]:
+def heads_from_rows(mha: Layer, x: Tensor, pack: qkv.Pack) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`project_heads` in three ops where one GEMM over the q, k, v rows serves and v
     has head dim D: the (B, S, (H + 2 Hkv) D) result split into heads at once, as after a
     fused qkv ``nn.Linear`` (five view ops fewer than per projection, each a microsecond or
@@ -137,7 +135,7 @@ def heads_from_rows(mha: MultiHeadAttention, x: Tensor, pack: qkv.Pack) -> tuple
     return q, k, v  # (B, H, S, D), (B, Hkv, S, D), (B, Hkv, S, D)
 
 
-def normalize(mha: MultiHeadAttention, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+def normalize(mha: Layer, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     """RMSNorm of each head's q and k over D, before rotary (no-op without qk_norm)."""
     if mha.q_norm is None or mha.k_norm is None:
         return q, k
@@ -148,7 +146,7 @@ def normalize(mha: MultiHeadAttention, q: Tensor, k: Tensor) -> tuple[Tensor, Te
     return q, k
 
 
-def rotate(mha: MultiHeadAttention, q: Tensor, k: Tensor, start: int) -> tuple[Tensor, Tensor]:
+def rotate(mha: Layer, q: Tensor, k: Tensor, start: int) -> tuple[Tensor, Tensor]:
     """Rotary embeddings for positions ``start, start + 1, ...`` (no-op without rope)."""
     if mha.rope is None:
         return q, k
@@ -158,7 +156,7 @@ def rotate(mha: MultiHeadAttention, q: Tensor, k: Tensor, start: int) -> tuple[T
     return q, k
 
 
-def output(mha: MultiHeadAttention, out: Tensor, padding: Tensor | None, finite: bool = False,
+def output(mha: Layer, out: Tensor, padding: Tensor | None, finite: bool = False,
            plain: bool | None = None) -> Tensor:
     """Merge the heads of the attention output (B, H, S, Dv), project, and zero the padded
     positions (``padding`` (B, S), False = padded; None: none; ``finite``: the input was

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import forward_ad
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
+from headwise.module.layer_protocol import Layer
 
 _NAMES = ("q_proj", "k_proj", "v_proj")
 _PLAIN = (nn.Parameter, Tensor)
@@ -124,7 +123,7 @@ def functorch_or_dual() -> bool:
                                                   or torch._C._functorch.maybe_current_level() is not None)
 
 
-def packed(mha: MultiHeadAttention, grad: bool) -> Pack | None:
+def packed(mha: Layer, grad: bool) -> Pack | None:
     """The :class:`Pack` whose rows the module's q, k and v weights (and biases) lie in at
     this moment, or None: not packed, :func:`transformed`, or ``grad`` (gradients would be
     taken) while one of them requires grad. The caller has checked that nothing hooks or
@@ -143,7 +142,7 @@ def packed(mha: MultiHeadAttention, grad: bool) -> Pack | None:
     return pack if pack.holds(params, grad) else None
 
 
-def is_packed(mha: MultiHeadAttention) -> bool:
+def is_packed(mha: Layer) -> bool:
     """Whether the module's q, k, v weights and biases are the parameters its :class:`Pack`
     put in rows, and still lie there."""
     pack = mha.__dict__.get("_qkv")
@@ -153,14 +152,14 @@ def is_packed(mha: MultiHeadAttention) -> bool:
             and pack.holds(_with_biases(parts)))
 
 
-def before_apply(mha: MultiHeadAttention) -> tuple[int, ...] | None:
+def before_apply(mha: Layer) -> tuple[int, ...] | None:
     """The q, k, v parameters' pointers before an ``_apply`` (``to()``, ``double()``,
     ``to_empty()``, ``share_memory()``, ...), for :func:`after_apply`."""
     parts = _parts(mha, device_type=None)
     return None if parts is None else tuple(p.data_ptr() for p in parts)
 
 
-def after_apply(mha: MultiHeadAttention, before: tuple[int, ...] | None) -> None:
+def after_apply(mha: Layer, before: tuple[int, ...] | None) -> None:
     """After an ``_apply``: where it gave every q, k, v parameter new memory (a conversion,
     which makes each weight on its own), put them in rows again; where they are not in rows
     then, drop the pack (its rows live on only in the parameters still there). An
@@ -174,7 +173,7 @@ def after_apply(mha: MultiHeadAttention, before: tuple[int, ...] | None) -> None
         mha.__dict__.pop("_qkv", None)
 
 
-def pack(mha: MultiHeadAttention) -> bool:
+def pack(mha: Layer) -> bool:
     """Put the q, k, v weights (and biases) in the rows of one new tensor each, values
     kept, where they can be: three plain ``nn.Linear`` on the CPU whose weights (and biases,
     on all three or none) are distinct ``nn.Parameter`` of one dtype, not in shared memory;
@@ -197,7 +196,7 @@ def pack(mha: MultiHeadAttention) -> bool:
     return True
 
 
-def after_load(mha: MultiHeadAttention, incompatible_keys) -> None:
+def after_load(mha: Layer, incompatible_keys) -> None:
     """A ``load_state_dict`` post-hook: a load copies into the rows, but one with
     ``assign=True`` replaces the parameters; then the pack is dropped, so that its rows
     live only as long as a parameter still lies in them."""
@@ -232,7 +231,7 @@ def _with_biases(params: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
     return params if len(params) == 6 else (*params, None, None, None)
 
 
-def _parts(mha: MultiHeadAttention, device_type: str | None = "cpu") -> tuple[nn.Parameter, ...] | None:
+def _parts(mha: Layer, device_type: str | None = "cpu") -> tuple[nn.Parameter, ...] | None:
     """The three weights, then the three biases (where all have one), where :func:`pack` may
     put them in rows (on ``device_type``; None: on any device, shared memory included); else None."""
     modules: list[Any] = [mha._modules.get(name) for name in _NAMES]

@@ -8,7 +8,7 @@ D head dim, Dv value head dim, E embed dim.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -18,13 +18,11 @@ from headwise.cache import KVCache
 from headwise.dispatch import Dispatch
 from headwise.functional import choose_backend
 from headwise.module import cached, checks, context_parallel
+from headwise.module.layer_protocol import Layer
 from headwise.module.plan import Plan, all_tokens, real_tokens
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
 
-
-def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+def dispatch(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
              plan: Plan, need_weights: bool, cache: KVCache | None, rules: tuple = (None, None)) -> Dispatch:
     """The kernel inside the planned path (on the packed path: the kernel of the bucket with
     the most tokens; the reason lists every bucket's); ``rules``: the call's (mask_mod,
@@ -64,7 +62,7 @@ def dispatch(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, 
     return Dispatch(d.backend, d.reason, d.passed_over, d.request, path="dense", path_reason=plan.why)
 
 
-def _shaped(mha: MultiHeadAttention, x: Tensor, B: int, heads: int, length: int, dim: int | None = None,
+def _shaped(mha: Layer, x: Tensor, B: int, heads: int, length: int, dim: int | None = None,
             dtype: torch.dtype | None = None) -> Tensor:
     """A (B, heads, length, D) stand-in (``dim``: that last size, None: D) for a projection's
     output: the dtype (``dtype``, None: the projection's), device and grad flag it would have,
@@ -78,7 +76,7 @@ def _shaped(mha: MultiHeadAttention, x: Tensor, B: int, heads: int, length: int,
         B, heads, length, mha.head_dim if dim is None else dim)
 
 
-def _packed(mha: MultiHeadAttention, x: Tensor, plan: Plan) -> Dispatch:
+def _packed(mha: Layer, x: Tensor, plan: Plan) -> Dispatch:
     padding = cast(Tensor, plan.padding)  # the packed path always has x's padding
     lengths = real_tokens(padding)
     B, S = padding.shape

@@ -14,7 +14,7 @@ Legend: B batch, S query length, E embed dim.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
@@ -22,18 +22,16 @@ from headwise.cache import KVCache
 from headwise.mask_mods import Shifted, ShiftedScore, combine_rules
 from headwise.module import cached, dense
 from headwise.module import plan as planning
+from headwise.module.layer_protocol import Layer
 from headwise.module.plan import Plan
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
 
-
-def rules_of(mha: MultiHeadAttention, mask_mod: Any, score_mod: Any) -> tuple[Any, Any]:
+def rules_of(mha: Layer, mask_mod: Any, score_mod: Any) -> tuple[Any, Any]:
     """The call's (mask_mod, score_mod): the module's and the call's combined (None: none)."""
     return (combine_rules(mha.mask_mod, mask_mod, score=False), combine_rules(mha.score_mod, score_mod, score=True))
 
 
-def _check(mha: MultiHeadAttention, cache: KVCache | None, mask_mod: Any, score_mod: Any) -> None:
+def _check(mha: Layer, cache: KVCache | None, mask_mod: Any, score_mod: Any) -> None:
     for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a function or None, got {type(fn).__name__}")
@@ -45,7 +43,7 @@ def _check(mha: MultiHeadAttention, cache: KVCache | None, mask_mod: Any, score_
                          "keys are no longer at their positions; use a cache without evict=True")
 
 
-def plan(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+def plan(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
          is_causal: bool | None, need_weights: bool, cache: KVCache | None, mask_mod: Any, score_mod: Any) -> Plan:
     """The checked plan of a call with rules: the dense path (or the cached step)."""
     _check(mha, cache, mask_mod, score_mod)
@@ -65,7 +63,7 @@ def at_positions(cache: KVCache | None, mask_mod: Any, score_mod: Any) -> tuple[
             None if score_mod is None else ShiftedScore(score_mod, offset))
 
 
-def forward(mha: MultiHeadAttention, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
+def forward(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
             is_causal: bool | None, need_weights: bool, cache: KVCache | None, mask_mod: Any,
             score_mod: Any) -> Tensor | tuple[Tensor, Tensor]:
     """One call with rules: checked, planned on the dense path, and run."""

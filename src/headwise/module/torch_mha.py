@@ -11,18 +11,20 @@ Legend: E embed dim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from headwise.module.layer import MultiHeadAttention
+from headwise.module.layer_protocol import Layer
 
 __all__ = ["from_torch", "to_torch"]
 
+L = TypeVar("L", bound=Layer)  # the class built: MultiHeadAttention or a subclass
 
-def from_torch(module_class: type, m: nn.MultiheadAttention, **kwargs) -> MultiHeadAttention:
+
+def from_torch(module_class: Callable[..., L], m: nn.MultiheadAttention, **kwargs) -> L:
     """A batch-first :class:`~headwise.MultiHeadAttention` with ``m``'s weights (either ``batch_first``).
 
     Args:
@@ -78,7 +80,7 @@ def from_torch(module_class: type, m: nn.MultiheadAttention, **kwargs) -> MultiH
     return out.train(m.training)
 
 
-def to_torch(mha: MultiHeadAttention, *, batch_first: bool = True) -> nn.MultiheadAttention:
+def to_torch(mha: Layer, *, batch_first: bool = True) -> nn.MultiheadAttention:
     """The equivalent ``torch.nn.MultiheadAttention``, weights copied.
 
     Args:
