@@ -62,9 +62,10 @@ def forward_ad_active() -> bool:
         return False
     if forward_ad._current_level >= 0:
         return True
-    stack = torch._C._functorch.get_interpreter_stack() if torch._C._functorch.maybe_current_level() is not None \
-        else None
-    return bool(stack) and any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack)
+    if torch._C._functorch.maybe_current_level() is None:
+        return False
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return any(i.key() == torch._C._functorch.TransformType.Jvp for i in stack)
 
 
 # ---- the module's padding-free path ---------------------------------------------------
