@@ -22,7 +22,16 @@ from headwise.dispatch import Dispatch, select
 from headwise.dispatch import logger as dispatch_logger
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros, lse_dtype
-from headwise.kernels.registry import Call, Kernel, Request, call_kernel, find_kernel, kernel_arguments, takes
+from headwise.kernels.registry import (
+    Call,
+    Kernel,
+    Request,
+    call_kernel,
+    find_kernel,
+    kernel_arguments,
+    run_kernel,
+    takes,
+)
 from headwise.mask_mods import Document, MaskMod, ScoreMod, and_masks
 from headwise.masks import _canonical, check_mask_values, hide_excluded, normalize_mask
 from headwise.rules import (
@@ -430,7 +439,7 @@ class Prepared:
             check_mask_values(mask)
         if not excluded_finite:
             q, k, v = hide_excluded(q, k, v, mask, is_causal=self.rules.is_causal)  # the NaN contract
-        return cast(Tensor, self.kernel.fn(q, k, v, attention_mask=mask, **self.args)[0])  # (B, H, S, Dv)
+        return run_kernel(self.kernel.fn, q, k, v, mask, self.args).out  # (B, H, S, Dv)
 
 
 def logs_choices() -> bool:
@@ -545,7 +554,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
                     check_mask_values(attention_mask)
                 if not excluded_finite:  # the NaN contract
                     q, k, v = hide_excluded(q, k, v, mask_4d, is_causal=prepared.rules.is_causal)
-                return prepared.kernel.fn(q, k, v, attention_mask=mask_4d, **prepared.args)[0]  # (B, H, S, Dv)
+                return run_kernel(prepared.kernel.fn, q, k, v, mask_4d, prepared.args).out  # (B, H, S, Dv)
     mask, rules, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                                      backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale,
                                      mask_mod, score_mod, return_lse)
@@ -566,15 +575,16 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     if not excluded_finite:
         q, k, v = hide_excluded(q, k, v, mask, is_causal=rules.is_causal, window=window, sink_tokens=sink_tokens,
                                 mask_mod=rules.structure(S, k.shape[2]) if rules.mask_mod is not None else None)
-    out, weights, *lse = call_kernel(dispatch.kernel.fn, q, k, v, mask, rules, args)
+    result = call_kernel(dispatch.kernel.fn, q, k, v, mask, rules, args)
     if trace.ACTIVE and trace.recording():
         call = Call(q, k, v, attention_mask=mask, rules=rules, dropout_p=args["dropout_p"], scale=args["scale"],
                     need_weights=args["need_weights"], scale_given=scale is not None)
-        _record_kernel_stages(dispatch.kernel, call, out)
+        _record_kernel_stages(dispatch.kernel, call, result.out)
+    weights = result.weights
     if selection is not None:  # (B, h, s, Sk): only what was asked for
-        weights = (_weights(q, k, mask, rules, lse[0], args["scale"], selection) if via_lse
-                   else selection.pick(weights))
-    return _results(out, weights, lse[0] if return_lse else None)
+        weights = (_weights(q, k, mask, rules, cast(Tensor, result.lse), args["scale"], selection) if via_lse
+                   else selection.pick(cast(Tensor, weights)))
+    return _results(result.out, weights, result.lse if return_lse else None)
 
 
 def _record_call(q: Tensor, k: Tensor, attention_mask: Tensor | None, mask: Tensor | None, rules: Rules,

@@ -28,7 +28,7 @@ from torch import Tensor
 from headwise import policy
 from headwise.kernels import describe
 from headwise.kernels.common import attached_zeros, fold_rules, length_buckets
-from headwise.kernels.registry import Call, Kernel, KernelStage, Request
+from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage, Request
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages, with_sink
 from headwise.mask_mods import AlignedCausal
 from headwise.rules import Rules, document_lengths, document_rule
@@ -83,15 +83,15 @@ def varlen_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S)
-) -> tuple[Tensor | None, ...]:
+    return_lse: bool = False,  # True: the result's lse (B, H, S) too
+) -> KernelResult:
     if not rules.additive:
         raise ValueError(f"the varlen kernel cannot apply softcap={rules.softcap} or a general score_mod "
                          f"({rules.describe() or 'none'}); use backend 'chunked' or 'matmul'")
     documents = document_lengths(rules, q.shape[0], q.shape[-2], k.shape[-2])
     if documents is not None and attention_mask is None:
         out, lse = _by_document(q, k, v, rules, documents, dropout_p, scale, return_lse)  # (B, H, S, Dv), (B, H, S)
-        return (out, None, lse) if return_lse else (out, None)
+        return KernelResult(out, None, lse)  # lse None unless return_lse
     if return_lse:  # the buckets' log-sum-exps are not gathered back: one SDPA call on the dense mask gives them
         return sdpa_attention(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=dropout_p, scale=scale,
                               need_weights=False, return_lse=True)
@@ -103,7 +103,7 @@ def varlen_attention(
     if attention_mask is None:  # no padding to drop: the dense kernel is the same computation
         return sdpa_attention(q, k, v, attention_mask=None, rules=rules, dropout_p=dropout_p, scale=scale,
                               need_weights=False)
-    return _without_padding(q, k, v, attention_mask, rules, dropout_p, scale), None  # (B, H, S, Dv)
+    return KernelResult(_without_padding(q, k, v, attention_mask, rules, dropout_p, scale))  # (B, H, S, Dv)
 
 
 def _without_padding(q: Tensor, k: Tensor, v: Tensor, m: Tensor, rules: Rules, dropout_p: float,
