@@ -192,9 +192,9 @@ def test_a_kernel_with_a_wrong_lse_fails_on_the_lse_only():
     def safe(q, k, v, *, attention_mask, rules, dropout_p, scale, need_weights, return_lse=False, lse_shift=0.0):
         from headwise.kernels.matmul import matmul_attention
 
-        out = matmul_attention(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=dropout_p, scale=scale,
-                               need_weights=need_weights, return_lse=True)
-        return (out[0], out[1], out[2] + lse_shift) if return_lse else out[:2]
+        result = matmul_attention(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=dropout_p,
+                                  scale=scale, need_weights=need_weights, return_lse=return_lse)
+        return result._replace(lse=result.lse + lse_shift) if return_lse else result
 
     report = check_kernel(shifted)
     assert report.failures and all("lse off by" in i.detail and "output" not in i.detail for i in report.failures)

@@ -1,5 +1,38 @@
 """The functional API: validate once, normalise the mask, dispatch to a kernel.
 
+The rules (:func:`attention`'s keywords from ``window`` to ``score_mod``; ``S`` queries, ``Sk``
+keys, query ``i`` at key position ``i + Sk - S``, bottom-right aligned):
+
+* the order of operations: ``s = q k^T * scale``; ``s = softcap * tanh(s / softcap)``;
+  ALiBi's bias; ``s = score_mod(s, b, h, i, j)``; the mask (the attention mask, the causal /
+  window rule and ``mask_mod``, ANDed); softmax over ``[s, sink_h]`` with the sink column
+  dropped; dropout; ``@ v``;
+* ``window``: query ``i`` attends only keys ``j`` with ``i + Sk - S - window < j <= i + Sk - S``
+  (it implies causal);
+* ``alibi_slopes`` (H,): adds ``-slope_h * |i + Sk - S - j|`` to the scores;
+* ``softcap``: the scaled scores become ``softcap * tanh(scores / softcap)``, before ALiBi
+  and the mask;
+* ``sinks`` (H,): each row's softmax gets one more column ``sinks[h]`` that takes
+  probability mass and adds nothing to the output; gradients reach ``sinks`` too;
+* ``sink_tokens``: StreamingLLM's attention sinks, with a window only: the first
+  ``sink_tokens`` keys stay visible too, so query ``i`` attends key ``j`` iff
+  ``i + Sk - S - window < j <= i + Sk - S`` or ``j < sink_tokens and j <= i + Sk - S``;
+* ``mask_mod``: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = may
+  attend), ANDed with everything above. The indices are int64 tensors that broadcast, ``b``
+  (B, 1, 1, 1), ``h`` (1, H, 1, 1) (the query head), ``q_idx`` (1, 1, S, 1), ``kv_idx``
+  (1, 1, 1, Sk), raw positions also when S != Sk. The helpers of :mod:`headwise.masks`
+  (``causal``, ``sliding_window``, ``document``, ``prefix_lm``, ``and_masks``, ``or_masks``)
+  know their tiles, so blockwise kernels skip empty ones; a :class:`headwise.rules.TileMap`
+  is reused as built. A FlexAttention ``BlockMask`` may be given as ``attention_mask``
+  instead: attended as Flex attends it, its full blocks whole and its partial blocks where
+  its own mask_mod allows (:class:`headwise.rules.BlockRule`);
+* ``score_mod``: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the
+  scaled score, after softcap and ALiBi and before the mask. Tensors it reads get their
+  gradients (``headwise.masks.relative_position_bias`` is T5's learned bias). It must be a
+  pure function of its arguments (no state, no random numbers but torch's default
+  generator's): the ``chunked`` kernel calls it again in backward, and raises a
+  RuntimeError where it answers otherwise.
+
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim of q and k, Dv head dim of v.
 """
@@ -22,7 +55,16 @@ from headwise.dispatch import Dispatch, select
 from headwise.dispatch import logger as dispatch_logger
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros, lse_dtype
-from headwise.kernels.registry import Call, Kernel, Request, call_kernel, find_kernel, kernel_arguments, takes
+from headwise.kernels.registry import (
+    Call,
+    Kernel,
+    Request,
+    call_kernel,
+    find_kernel,
+    kernel_arguments,
+    run_kernel,
+    takes,
+)
 from headwise.mask_mods import Document, MaskMod, ScoreMod, and_masks
 from headwise.masks import _canonical, check_mask_values, hide_excluded, normalize_mask
 from headwise.rules import (
@@ -301,78 +343,45 @@ def attention(
     """Scaled dot-product attention with headwise's mask contract.
 
     ``softmax(q k^T * scale + mask) v``, per head; a query row that may attend nothing
-    returns zeros (and zero gradients), never NaN.
-
-    The order of operations: ``s = q k^T * scale``; ``s = softcap * tanh(s / softcap)``;
-    ALiBi's bias; ``s = score_mod(s, b, h, i, j)``; the mask (the attention mask, the
-    causal / window rule and ``mask_mod``, ANDed); softmax over ``[s, sink_h]`` with the
-    sink column dropped; dropout; ``@ v``.
+    returns zeros (and zero gradients), never NaN. The rules (``window`` to ``score_mod``)
+    act in the order, and exactly as, the module docstring's "The rules" says.
 
     Args:
         q: queries (B, H, S, D).
         k: keys (B, Hkv, Sk, D); ``H % Hkv == 0`` (Hkv < H: grouped-query attention,
             query head ``h`` reads kv head ``h // (H // Hkv)``).
-        v: values (B, Hkv, Sk, Dv); Dv may differ from D (a value head dim of its own, as
-            multi-head latent attention uses).
-        attention_mask: bool/integer (True = attend) or float (additive) mask, 2-D
-            (B, Sk) key padding, 3-D (B, S, Sk) or 4-D broadcastable to (B, H, S, Sk).
-        is_causal: query ``i`` may attend key ``j`` iff ``j <= i + Sk - S``; ANDed with
-            the mask.
-        dropout_p: dropout on the attention probabilities (always applied when > 0, as
-            in ``F.scaled_dot_product_attention``; the module passes 0 in eval mode).
+        v: values (B, Hkv, Sk, Dv); Dv may differ from D (as multi-head latent attention's).
+        attention_mask: bool/integer (True = attend) or float (additive) mask, 2-D (B, Sk)
+            key padding, 3-D (B, S, Sk), 4-D broadcastable to (B, H, S, Sk), or a FlexAttention BlockMask.
+        is_causal: query ``i`` may attend key ``j`` iff ``j <= i + Sk - S``; ANDed with the mask.
+        dropout_p: dropout on the attention probabilities, applied whenever > 0 (as in
+            ``F.scaled_dot_product_attention``; the module passes 0 in eval mode).
         scale: multiplier of ``q k^T``.
         backend: ``"auto"`` or a name from :func:`available_backends`.
-        need_weights: also return the (B, H, S, Sk) probabilities before dropout. They
-            come from any backend that returns the log-sum-exp (``p = exp(s - lse)``,
-            :mod:`headwise.weights`), computed only for ``weights_heads`` and ``weights_rows``.
-        weights_heads: with ``need_weights``, the query heads whose weights to compute: an
-            int, ints, a slice or an integer tensor (None: all); memory follows the choice.
-        weights_rows: with ``need_weights``, the query rows whose weights to compute (None: all).
-        window: sliding window: query ``i`` attends only keys ``j`` with
-            ``i + Sk - S - window < j <= i + Sk - S`` (implies causal).
-        alibi_slopes: (H,) slopes; adds ``-slope_h * |i + Sk - S - j|`` to the scores
-            (``headwise.masks.alibi_slopes(H)`` gives the ALiBi paper's).
-        softcap: logit soft-capping as in Gemma 2: the scaled scores become
-            ``softcap * tanh(scores / softcap)`` before ALiBi and the mask (a float > 0).
-        sinks: (H,) floating sink logits on q's device, one per query head, as in gpt-oss:
-            each row's softmax gets one more column ``sinks[h]`` that takes probability
-            mass and adds nothing to the output; gradients reach ``sinks`` too.
-        sink_tokens: StreamingLLM's attention sinks, with a window only: the first
-            ``sink_tokens`` keys stay visible too, so query ``i`` attends key ``j`` iff
-            ``i + Sk - S - window < j <= i + Sk - S`` or ``j < sink_tokens and j <= i + Sk - S``.
-        mask_mod: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True =
-            may attend), ANDed with everything above. The indices are int64 tensors that
-            broadcast, ``b`` (B, 1, 1, 1), ``h`` (1, H, 1, 1) (the query head), ``q_idx``
-            (1, 1, S, 1), ``kv_idx`` (1, 1, 1, Sk), raw positions also when S != Sk. The
-            helpers of :mod:`headwise.masks` (``causal``, ``sliding_window``, ``document``,
-            ``prefix_lm``, ``and_masks``, ``or_masks``) know their tiles, so blockwise kernels
-            skip empty ones; a :class:`headwise.rules.TileMap` is reused as built. A
-            FlexAttention ``BlockMask`` may be given as ``attention_mask`` instead: attended
-            as Flex attends it, its full blocks whole and its partial blocks where its own
-            mask_mod allows (:class:`headwise.rules.BlockRule`).
-        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on the
-            scaled score, after softcap and ALiBi and before the mask. Tensors it reads get
-            their gradients (``headwise.masks.relative_position_bias`` is T5's learned bias).
-            It must be a pure function of its arguments (no state, no random numbers but
-            torch's default generator's): the ``chunked`` kernel calls it again in backward,
-            and raises a RuntimeError where it answers otherwise.
-        return_lse: also return each row's log-sum-exp: the natural log of its softmax
-            denominator over the final scores, sinks counted; ``-inf`` for a row that
-            attends nothing. Gradients flow through it. :func:`headwise.merge_attentions`
-            merges attentions over disjoint keys by it.
+        need_weights: also return the probabilities before dropout, from any backend's
+            log-sum-exp (``p = exp(s - lse)``, :mod:`headwise.weights`), for the heads and rows asked for.
+        weights_heads, weights_rows: with ``need_weights``, the query heads and rows whose weights to
+            compute: an int, ints, a slice or an integer tensor (None: all); memory follows the choice.
+        window: a sliding window of ``window`` keys per query, its own included (implies causal).
+        alibi_slopes: (H,) ALiBi slopes (``headwise.masks.alibi_slopes(H)`` gives the paper's).
+        softcap: Gemma 2's logit soft-capping, a float > 0 (Gemma 2 uses 50.0).
+        sinks: (H,) floating sink logits on q's device, one per query head (gpt-oss); differentiable.
+        sink_tokens: with a window, the first ``sink_tokens`` keys stay visible too (StreamingLLM).
+        mask_mod: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend).
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, a pure function.
+        return_lse: also return each row's log-sum-exp, the natural log of its softmax denominator over the
+            final scores (sinks counted, ``-inf`` for a row that attends nothing; differentiable):
+            :func:`headwise.merge_attentions` merges attentions over disjoint keys by it.
 
     Returns:
-        The output (B, H, S, Dv); with ``need_weights`` also the weights (B, h, s, Sk) of the
-        heads and rows asked for, (B, H, S, Sk) by default
-        (with ``sinks`` each row sums to ``1 - p(sink)``, less than 1); with ``return_lse``
-        also the lse (B, H, S) in float32 (float64 for float64 inputs): ``out``,
-        ``(out, weights)``, ``(out, lse)`` or ``(out, weights, lse)``.
+        ``out`` (B, H, S, Dv), ``(out, weights)``, ``(out, lse)`` or ``(out, weights, lse)``: the
+        weights (B, h, s, Sk) of the heads and rows asked for, (B, H, S, Sk) by default (with ``sinks``
+        a row sums to ``1 - p(sink)``); the lse (B, H, S) in float32 (float64 for float64 inputs).
 
     Raises:
         TypeError: non-tensor or non-floating inputs, dtypes that differ, a bad mask dtype.
-        ValueError: shapes that do not fit, devices that differ, dropout outside [0, 1),
-            sink tokens without a window, an unknown backend, or a backend that cannot serve
-            the request.
+        ValueError: shapes that do not fit, devices that differ, dropout outside [0, 1), sink tokens
+            without a window, an unknown backend, or a backend that cannot serve the request.
 
     >>> q = k = v = torch.randn(2, 8, 5, 16)
     >>> attention(q, k, v, torch.tensor([[1, 1, 1, 0, 0], [1] * 5])).shape
@@ -430,7 +439,7 @@ class Prepared:
             check_mask_values(mask)
         if not excluded_finite:
             q, k, v = hide_excluded(q, k, v, mask, is_causal=self.rules.is_causal)  # the NaN contract
-        return cast(Tensor, self.kernel.fn(q, k, v, attention_mask=mask, **self.args)[0])  # (B, H, S, Dv)
+        return run_kernel(self.kernel.fn, q, k, v, mask, self.args).out  # (B, H, S, Dv)
 
 
 def logs_choices() -> bool:
@@ -545,7 +554,7 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
                     check_mask_values(attention_mask)
                 if not excluded_finite:  # the NaN contract
                     q, k, v = hide_excluded(q, k, v, mask_4d, is_causal=prepared.rules.is_causal)
-                return prepared.kernel.fn(q, k, v, attention_mask=mask_4d, **prepared.args)[0]  # (B, H, S, Dv)
+                return run_kernel(prepared.kernel.fn, q, k, v, mask_4d, prepared.args).out  # (B, H, S, Dv)
     mask, rules, dispatch = _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights,
                                      backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale,
                                      mask_mod, score_mod, return_lse)
@@ -566,15 +575,16 @@ def attend(q, k, v, attention_mask=None, *, is_causal=False, dropout_p=0.0, scal
     if not excluded_finite:
         q, k, v = hide_excluded(q, k, v, mask, is_causal=rules.is_causal, window=window, sink_tokens=sink_tokens,
                                 mask_mod=rules.structure(S, k.shape[2]) if rules.mask_mod is not None else None)
-    out, weights, *lse = call_kernel(dispatch.kernel.fn, q, k, v, mask, rules, args)
+    result = call_kernel(dispatch.kernel.fn, q, k, v, mask, rules, args)
     if trace.ACTIVE and trace.recording():
         call = Call(q, k, v, attention_mask=mask, rules=rules, dropout_p=args["dropout_p"], scale=args["scale"],
                     need_weights=args["need_weights"], scale_given=scale is not None)
-        _record_kernel_stages(dispatch.kernel, call, out)
+        _record_kernel_stages(dispatch.kernel, call, result.out)
+    weights = result.weights
     if selection is not None:  # (B, h, s, Sk): only what was asked for
-        weights = (_weights(q, k, mask, rules, lse[0], args["scale"], selection) if via_lse
-                   else selection.pick(weights))
-    return _results(out, weights, lse[0] if return_lse else None)
+        weights = (_weights(q, k, mask, rules, cast(Tensor, result.lse), args["scale"], selection) if via_lse
+                   else selection.pick(cast(Tensor, weights)))
+    return _results(result.out, weights, result.lse if return_lse else None)
 
 
 def _record_call(q: Tensor, k: Tensor, attention_mask: Tensor | None, mask: Tensor | None, rules: Rules,

@@ -13,6 +13,14 @@ kernels, which the varlen kernel shares.
 offsets tensors for queries and keys); :func:`attend_packed` takes the lengths as Python
 ints (the module knows them) and reads no offsets.
 
+Packed sequences: sequence ``b``'s queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``
+of ``q``, its keys and values rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of ``k`` and
+``v``; it attends only to its own keys. Self-attention passes the same offsets twice.
+Positions count within each sequence, with :func:`headwise.attention`'s bottom-right
+alignment: query ``i`` of a sequence with ``Lq`` queries and ``Lk`` keys sits at key
+position ``i + Lk - Lq``. Sequences may be empty on either side: no queries, no rows; no
+keys, zero rows for its queries (and zero gradients), never NaN.
+
 Legend: B sequences, S padded length, T real tokens (Tq queries, Tk keys), H query heads,
 Hkv key/value heads, D head dim, E embed dim, n sequences in a bucket, Lq / Lk a bucket's
 query / key length.
@@ -114,15 +122,9 @@ def packed_attention(
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention within each of B packed sequences, without padding: the CPU/GPU
-    counterpart of flash-attn's ``flash_attn_varlen_func``.
-
-    Sequence ``b``'s queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of ``q``, its
-    keys and values rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of ``k`` and ``v``; it
-    attends only to its own keys. Self-attention passes the same offsets twice. Positions
-    count within each sequence, with :func:`headwise.attention`'s bottom-right alignment:
-    query ``i`` of a sequence with ``Lq`` queries and ``Lk`` keys sits at key position
-    ``i + Lk - Lq``. Sequences may be empty on either side: no queries, no rows; no keys,
-    zero rows for its queries (and zero gradients), never NaN.
+    counterpart of flash-attn's ``flash_attn_varlen_func``. Each sequence attends only its
+    own keys, at positions counted within it; an empty one gives no rows or zero rows (the
+    module docstring's "Packed sequences" says exactly how).
 
     Args:
         q: (Tq, H, D) packed queries, Tq = ``cu_seqlens_q[-1]``.
@@ -132,8 +134,8 @@ def packed_attention(
         cu_seqlens_q: (B + 1,) integer offsets of the query sequences: 0, then the
             cumulative lengths (``F.pad(lengths.cumsum(0), (1, 0))``).
         cu_seqlens_k: (B + 1,) integer offsets of the key/value sequences.
-        max_seqlen_q: optional bound on the query lengths, as flash-attn takes it; checked.
-        max_seqlen_k: optional bound on the key lengths; checked.
+        max_seqlen_q, max_seqlen_k: optional bounds on the query and key lengths, as
+            flash-attn takes them; checked.
         is_causal: query ``i`` may attend key ``j`` of its sequence iff ``j <= i + Lk - Lq``.
         window: sliding window: only keys ``j`` with ``i + Lk - Lq - window < j <=
             i + Lk - Lq`` (implies causal).
@@ -173,19 +175,7 @@ def packed_attention(
     if trace.ACTIVE:
         trace.begin_call()
     _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap, sinks, sink_tokens, scale)
-    lengths_q = _lengths(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q")
-    if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0]:
-        lengths_k = lengths_q  # self-attention passes one tensor twice: read it once (a device sync)
-    else:
-        lengths_k = _lengths(cu_seqlens_k, "cu_seqlens_k", k.shape[0], "k")
-    if len(lengths_q) != len(lengths_k):
-        raise ValueError(
-            f"cu_seqlens_q has {len(lengths_q) + 1} offsets ({len(lengths_q)} sequences) but cu_seqlens_k has "
-            f"{len(lengths_k) + 1} ({len(lengths_k)} sequences); give both the same B + 1 offsets, an empty "
-            "sequence as a repeated offset"
-        )
-    _check_longest(max_seqlen_q, "max_seqlen_q", lengths_q, "query")
-    _check_longest(max_seqlen_k, "max_seqlen_k", lengths_k, "key")
+    lengths_q, lengths_k = _offset_lengths(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attend_buckets(q, k, v, lengths_q, lengths_k, attend, is_causal=is_causal, window=window,
                           alibi_slopes=alibi_slopes, dropout_p=dropout_p, scale=scale, backend=backend,
                           softcap=softcap, sinks=sinks, sink_tokens=sink_tokens, return_lse=return_lse)
@@ -287,6 +277,26 @@ def _check_inputs(q, k, v, dropout_p, backend, window, alibi_slopes, softcap=Non
 
 
 _REMEDY = "offsets are 0 then the cumulative lengths: F.pad(lengths.cumsum(0), (1, 0))"
+
+
+def _offset_lengths(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int | None,
+                    max_seqlen_k: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The B query and key lengths that :func:`packed_attention`'s offsets give, checked: each
+    side's offsets against its packed rows, the two counts of sequences, the ``max_seqlen_*`` bounds."""
+    lengths_q = _lengths(cu_seqlens_q, "cu_seqlens_q", q.shape[0], "q")
+    if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0]:
+        lengths_k = lengths_q  # self-attention passes one tensor twice: read it once (a device sync)
+    else:
+        lengths_k = _lengths(cu_seqlens_k, "cu_seqlens_k", k.shape[0], "k")
+    if len(lengths_q) != len(lengths_k):
+        raise ValueError(
+            f"cu_seqlens_q has {len(lengths_q) + 1} offsets ({len(lengths_q)} sequences) but cu_seqlens_k has "
+            f"{len(lengths_k) + 1} ({len(lengths_k)} sequences); give both the same B + 1 offsets, an empty "
+            "sequence as a repeated offset"
+        )
+    _check_longest(max_seqlen_q, "max_seqlen_q", lengths_q, "query")
+    _check_longest(max_seqlen_k, "max_seqlen_k", lengths_k, "key")
+    return lengths_q, lengths_k
 
 
 def _lengths(cu: Tensor, name: str, rows: int, side: str) -> tuple[int, ...]:

@@ -124,6 +124,20 @@ def paged_attention(
     shareable = window is None and alibi_slopes is None and share_prefix is not False
     groups = shared_prefixes(tables, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
         if shareable else []
+    out, lse = _attend_sequences(q, pools, tables, lens, groups, options, return_lse)  # (B, H, T, Dv), (B, H, T)
+    if trace.ACTIVE:
+        trace.record("paged attention", out, f"{B} sequences of {T} queries over their pages ({P} keys a page); "
+                     + (f"{len(groups)} shared prefixes attended once" if groups else "no shared prefix"))
+    return out if lse is None else (out, lse)
+
+
+def _attend_sequences(q: Tensor, pools: tuple[Tensor, Tensor], tables: list[list[int]], lens: list[int],
+                      groups: list[tuple[list[int], int]], options: _Options,
+                      return_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """Every sequence's attention: each group of a shared prefix at once (:func:`_attend_shared`),
+    every other sequence over its own pages. ``(out (B, H, T, Dv), lse (B, H, T))``, the lse
+    None unless ``return_lse``."""
+    B = q.shape[0]
     outs: list[Tensor | None] = [None] * B
     lses: list[Tensor | None] = [None] * B
     for members, shared in groups:
@@ -135,12 +149,7 @@ def paged_attention(
             keys = _keys(pools, tables[b], 0, lens[b])
             outs[b], lses[b] = _attend(q[b:b + 1], keys, options, sinks=True, lse=return_lse)  # (1, H, T, Dv)
     out = torch.cat(cast(list[Tensor], outs))  # (B, H, T, Dv)
-    if trace.ACTIVE:
-        trace.record("paged attention", out, f"{B} sequences of {T} queries over their pages ({P} keys a page); "
-                     + (f"{len(groups)} shared prefixes attended once" if groups else "no shared prefix"))
-    if not return_lse:
-        return out
-    return out, torch.cat(cast(list[Tensor], lses))  # (B, H, T)
+    return out, torch.cat(cast(list[Tensor], lses)) if return_lse else None  # (B, H, T)
 
 
 def _empty(q: Tensor, k_pages: Tensor, v_pages: Tensor, options: _Options,

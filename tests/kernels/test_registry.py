@@ -79,3 +79,92 @@ def test_a_compiled_call_reads_kernel_signatures_without_dynamo_warnings():
     assert run.returncode == 0 and run.stdout.strip() == "(1, 2, 4, 8)", run.stderr[-3000:]
     assert registry.takes(lambda q, k, v: q, "rules") is False  # eager calls still read signatures
     assert registry.takes(lambda q, **kw: q, "rules") is True
+
+
+def _direct_inputs():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64, generator=gen)  # (B, H, S, D)
+    k = torch.randn(2, 2, 7, 8, dtype=torch.float64, generator=gen)  # (B, Hkv, Sk, D): GQA
+    v = torch.randn(2, 2, 7, 6, dtype=torch.float64, generator=gen)  # (B, Hkv, Sk, Dv)
+    mask = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    mask[0, ..., 5:] = False  # (B, 1, 1, Sk) key padding
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("name", list(kernels.BUILTIN))
+def test_every_builtin_kernel_returns_one_kernel_result_with_lse_only_when_asked(name, monkeypatch):
+    """Issue 38: a kernel returns one KernelResult (out, weights, lse), read by name, whatever it was asked."""
+    from headwise import testing
+
+    if name == "triton" and not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's CPU interpreter
+    kernel = kernels.BUILTIN[name]
+    if kernel.available() is not None:
+        pytest.skip(f"{name} cannot run here: {kernel.available()}")
+    q, k, v, mask = _direct_inputs()
+    if name == "triton":  # fp32 and Dv == D only
+        q, k, v = q.float(), k.float(), k.float()
+    want = testing.reference_attention(q, k, v, mask, is_causal=True)
+    args = dict(attention_mask=mask, rules=Rules(is_causal=True), dropout_p=0.0, scale=q.shape[-1] ** -0.5)
+    tol = dict(atol=1e-10, rtol=1e-10) if q.dtype == torch.float64 else dict(atol=1e-5, rtol=1e-5)
+    result = kernel.fn(q, k, v, need_weights=kernel.supports_weights, **args)
+    assert type(result) is registry.KernelResult and result.lse is None
+    torch.testing.assert_close(result.out, want.out.to(q.dtype), **tol)
+    if kernel.supports_weights:
+        torch.testing.assert_close(result.weights, want.weights.to(q.dtype), **tol)
+    else:
+        assert result.weights is None
+    with_lse = kernel.fn(q, k, v, need_weights=False, return_lse=True, **args)
+    assert type(with_lse) is registry.KernelResult and with_lse.weights is None
+    torch.testing.assert_close(with_lse.out, want.out.to(q.dtype), **tol)
+    torch.testing.assert_close(with_lse.lse, want.lse.to(with_lse.lse.dtype), **tol)
+
+
+def test_a_kernel_of_your_own_may_return_a_plain_tuple_and_is_read_by_name(monkeypatch, ref):
+    """A registered kernel that returns (out, weights) or, with return_lse, (out, weights, lse) still
+    serves every path: call_kernel reads it as a KernelResult."""
+    from headwise import testing
+
+    monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+    matmul = registry.get_kernel("matmul").fn
+
+    @kernels.register("plain_tuple", summary="matmul, returning plain tuples", supports_weights=True)
+    def plain(q, k, v, *, return_lse=False, **kwargs):
+        result = matmul(q, k, v, return_lse=return_lse, **kwargs)
+        return (result.out, result.weights, result.lse) if return_lse else [result.out, result.weights]
+
+    q, k, v, mask = _direct_inputs()
+    want = testing.reference_attention(q, k, v, mask, window=3)
+    tol = dict(atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(headwise.attention(q, k, v, mask, backend="plain_tuple"),
+                               testing.reference_attention(q, k, v, mask).out, **tol)  # the remembered path
+    out, weights, lse = headwise.attention(q, k, v, mask, window=3, backend="plain_tuple", need_weights=True,
+                                           return_lse=True)
+    for got, expected in ((out, want.out), (weights, want.weights), (lse, want.lse)):
+        torch.testing.assert_close(got, expected, **tol)
+    direct = registry.call_kernel(plain, q, k, v, mask, Rules(window=3, is_causal=True),
+                                  dict(dropout_p=0.0, scale=8 ** -0.5, need_weights=True))
+    assert type(direct) is registry.KernelResult and direct.lse is None
+    torch.testing.assert_close(direct.weights, want.weights, **tol)
+
+
+def test_a_kernel_that_returns_anything_else_is_named_in_a_type_error(monkeypatch):
+    monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+
+    @kernels.register("bare_tensor", summary="returns the output alone")
+    def bare(q, k, v, **kwargs):
+        return q
+
+    @kernels.register("no_lse", summary="never returns the lse it is asked for")
+    def no_lse(q, k, v, *, return_lse=False, **kwargs):
+        return q, None
+
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(TypeError, match=r"kernel .*bare returned Tensor; a kernel returns "
+                                        r"headwise.kernels.KernelResult\(out, weights, lse\) or a plain"):
+        headwise.attention(q, q, q, backend="bare_tensor")
+    with pytest.raises(TypeError, match=r"kernel .*<lambda> returned a 1-tuple"):
+        registry.run_kernel(lambda q, k, v, **kw: (q,), q, q, q, None, {})
+    with pytest.raises(TypeError, match=r"kernel .*no_lse was asked for the log-sum-exp \(return_lse=True\) but "
+                                        r"returned none; return KernelResult\(out, weights, lse\)"):
+        headwise.attention(q, q, q, backend="no_lse", return_lse=True)

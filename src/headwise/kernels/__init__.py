@@ -6,9 +6,9 @@ package adds them to the registry. :func:`register` adds your own.
 """
 
 from headwise.kernels import bmm, chunked, einops_kernel, einsum, matmul, sdpa, triton_flash, varlen
-from headwise.kernels.registry import Kernel, Request, add, get_kernel, kernels, register
+from headwise.kernels.registry import Kernel, KernelResult, Request, add, get_kernel, kernels, register
 
-__all__ = ["BUILTIN", "Kernel", "Request", "get_kernel", "kernels", "register"]
+__all__ = ["BUILTIN", "Kernel", "KernelResult", "Request", "get_kernel", "kernels", "register"]
 
 BUILTIN: dict[str, Kernel] = {
     "bmm": bmm.KERNEL,

@@ -43,7 +43,7 @@ from headwise.deprecation import moved
 from headwise.kernels import describe
 from headwise.kernels.chunked_rows import rows_attention
 from headwise.kernels.common import blocks, lse_dtype
-from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage
 from headwise.mask_mods import EMPTY, FULL, Bounds, MaskMod
 from headwise.rules import Rules, evaluate_mask, mask_tile_states
 
@@ -350,8 +350,8 @@ def chunked_attention(
     need_weights: bool,
     block_q: int | None = None,  # None: policy.CHUNKED_BLOCK_Q
     block_k: int | None = None,  # None: policy.CHUNKED_BLOCK_K
-    return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S)
-) -> tuple[Tensor | None, ...]:
+    return_lse: bool = False,  # True: the result's lse (B, H, S) too
+) -> KernelResult:
     block_q, block_k = block_q or policy.CHUNKED_BLOCK_Q, block_k or policy.CHUNKED_BLOCK_K
     dtype = q.dtype
     sinks = rules.sinks
@@ -369,9 +369,8 @@ def chunked_attention(
         seed = int(torch.randint(0, 2**62, ()).item()) if dropout_p > 0 else 0
         out, lse = _ChunkedAttention.apply(q, k, v, attention_mask, replace(rules, sinks=None), dropout_p, scale, seed,
                                            block_q, block_k, sinks)
-    if return_lse:
-        return out.to(dtype), None, lse.to(lse_dtype(dtype))  # (B, H, S, Dv), None, (B, H, S)
-    return out.to(dtype), None
+    row_lse = lse.to(lse_dtype(dtype)) if return_lse else None  # (B, H, S)
+    return KernelResult(out.to(dtype), None, row_lse)  # (B, H, S, Dv)
 
 
 def chunked_stages(call: Call) -> list[KernelStage]:

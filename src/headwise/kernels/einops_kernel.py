@@ -11,7 +11,7 @@ from torch import Tensor
 
 from headwise.kernels import describe
 from headwise.kernels.common import mask_softmax_dropout
-from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage
 from headwise.rules import Rules
 
 
@@ -25,8 +25,8 @@ def einops_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    return_lse: bool = False,  # True: return (out, weights, lse), lse (B, H, S)
-) -> tuple[Tensor | None, ...]:
+    return_lse: bool = False,  # True: the result's lse (B, H, S) too
+) -> KernelResult:
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
     hkv = k.shape[1]
     qg = einops.rearrange(q, "b (hkv g) s d -> b hkv g s d", hkv=hkv)
@@ -36,9 +36,7 @@ def einops_attention(
     dropped = einops.rearrange(dropped, "b (hkv g) s k -> b hkv g s k", hkv=hkv)
     out = einops.einsum(dropped, v, "b hkv g s k, b hkv k d -> b hkv g s d")  # v's d may differ from q's
     out = einops.rearrange(out, "b hkv g s d -> b (hkv g) s d")  # (B, H, S, Dv)
-    if return_lse:
-        return out, weights if need_weights else None, lse
-    return out, weights if need_weights else None
+    return KernelResult(out, weights if need_weights else None, lse)  # lse None unless return_lse
 
 
 def einops_stages(call: Call) -> list[KernelStage]:

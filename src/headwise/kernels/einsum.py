@@ -11,7 +11,7 @@ from torch import Tensor
 
 from headwise.kernels import describe
 from headwise.kernels.common import mask_softmax_dropout
-from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage
 from headwise.rules import Rules
 
 
@@ -25,8 +25,8 @@ def einsum_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    return_lse: bool = False,  # True: return (out, weights, lse), lse (B, H, S)
-) -> tuple[Tensor | None, ...]:
+    return_lse: bool = False,  # True: the result's lse (B, H, S) too
+) -> KernelResult:
     B, H, S, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     q = q * scale  # (B, H, S, D): before the product, where q k^T could overflow fp16
@@ -36,9 +36,7 @@ def einsum_attention(
     weights, dropped, lse = mask_softmax_dropout(scores, attention_mask, rules, dropout_p, return_lse)
     dropped = dropped.reshape(B, Hkv, H // Hkv, S, Sk)  # (B, H, S, Sk) -> (B, Hkv, G, S, Sk)
     out = torch.einsum("bhgsk,bhkd->bhgsd", dropped, v).reshape(B, H, S, v.shape[-1])  # -> (B, H, S, Dv)
-    if return_lse:
-        return out, weights if need_weights else None, lse
-    return out, weights if need_weights else None
+    return KernelResult(out, weights if need_weights else None, lse)  # lse None unless return_lse
 
 
 def einsum_stages(call: Call) -> list[KernelStage]:

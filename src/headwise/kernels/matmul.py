@@ -14,7 +14,7 @@ from torch import Tensor
 
 from headwise.kernels import describe
 from headwise.kernels.common import mask_softmax_dropout
-from headwise.kernels.registry import Call, Kernel, KernelStage
+from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage
 from headwise.rules import Rules
 
 
@@ -28,8 +28,8 @@ def matmul_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    return_lse: bool = False,  # True: return (out, weights, lse), lse (B, H, S)
-) -> tuple[Tensor | None, ...]:
+    return_lse: bool = False,  # True: the result's lse (B, H, S) too
+) -> KernelResult:
     H, Hkv = q.shape[1], k.shape[1]
     if Hkv != H:
         # Grouped-query attention: query head h reads kv head h // (H // Hkv).
@@ -40,9 +40,7 @@ def matmul_attention(
     scores = torch.matmul(q, k.transpose(-2, -1))  # (B, H, S, D) x (B, H, D, Sk) -> (B, H, S, Sk)
     weights, dropped, lse = mask_softmax_dropout(scores, attention_mask, rules, dropout_p, return_lse)
     out = torch.matmul(dropped, v)  # (B, H, S, Sk) x (B, H, Sk, Dv) -> (B, H, S, Dv)
-    if return_lse:
-        return out, weights if need_weights else None, lse
-    return out, weights if need_weights else None
+    return KernelResult(out, weights if need_weights else None, lse)  # lse None unless return_lse
 
 
 def matmul_stages(call: Call) -> list[KernelStage]:

@@ -5,7 +5,7 @@ D head dim of q and k, Dv head dim of v (Dv == D unless the caller gives v its o
 
 A kernel is a function with one keyword-only signature::
 
-    kernel(q, k, v, *, attention_mask, rules, dropout_p, scale, need_weights) -> (out, weights)
+    kernel(q, k, v, *, attention_mask, rules, dropout_p, scale, need_weights[, return_lse]) -> KernelResult
 
 * ``q`` (B, H, S, D), ``k`` (B, Hkv, Sk, D) and ``v`` (B, Hkv, Sk, Dv) with ``H % Hkv == 0``
   (``Dv != D``, as multi-head latent attention has, is ``Request.value_dim``);
@@ -22,9 +22,13 @@ A kernel is a function with one keyword-only signature::
 * the order of operations is ``s = q k^T * scale``; softcap; ALiBi; score_mod; the mask
   (the caller's, the causal / window rule and mask_mod, ANDed); softmax over
   ``[s, sink_h]`` with the sink column dropped; dropout; ``@ v``;
-* ``out`` is (B, H, S, Dv); ``weights`` is the (B, H, S, Sk) softmax before dropout when
+* it returns one :class:`KernelResult` ``(out, weights, lse)``, read by name: ``out`` is
+  (B, H, S, Dv); ``weights`` is the (B, H, S, Sk) softmax before dropout when
   ``need_weights`` is True (only kernels that declare ``supports_weights``), else None
-  (with sinks its rows sum to less than 1: the sink holds the rest).
+  (with sinks its rows sum to less than 1: the sink holds the rest); ``lse`` is each row's
+  (B, H, S) log-sum-exp when ``return_lse=True`` is passed (only to a function that takes
+  the keyword), else None. A kernel of your own may return a plain ``(out, weights)`` or
+  ``(out, weights, lse)`` tuple instead: :func:`call_kernel` reads it as a ``KernelResult``.
 
 A kernel refuses in its ``refuses`` what it cannot run (``Request.softcap``,
 ``Request.mask_mod``, ``Request.score_mod``, ...), so "auto" routes around it.
@@ -60,13 +64,29 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from headwise.rules import Rules
 
-KernelFn = Callable[..., tuple[Tensor | None, ...]]  # (out, weights) or, with return_lse, (out, weights, lse)
+
+class KernelResult(NamedTuple):
+    """What a kernel returns, read by name (as ``torch.return_types`` are).
+
+    Attributes:
+        out: the output (B, H, S, Dv).
+        weights: the (B, H, S, Sk) probabilities before dropout, with ``need_weights``; else None.
+        lse: each row's log-sum-exp (B, H, S), natural log, with ``return_lse``; else None.
+    """
+
+    out: Tensor
+    weights: Tensor | None = None
+    lse: Tensor | None = None
+
+
+KernelFn = Callable[..., Any]  # returns a KernelResult (one of your own may return a plain (out, weights[, lse]))
 
 
 @dataclass(frozen=True)
@@ -311,9 +331,39 @@ def kernel_arguments(fn: KernelFn, rules: Rules, args: dict) -> dict:
     return {**old, **args}
 
 
-def call_kernel(fn: KernelFn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: Rules, args: dict):
-    """``fn(q, k, v, attention_mask=mask, **kernel_arguments(fn, rules, args))``."""
-    return fn(q, k, v, attention_mask=mask, **kernel_arguments(fn, rules, args))
+def call_kernel(fn: KernelFn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: Rules,
+                args: dict) -> KernelResult:
+    """``fn(q, k, v, attention_mask=mask, **kernel_arguments(fn, rules, args))``, as a :class:`KernelResult`."""
+    return run_kernel(fn, q, k, v, mask, kernel_arguments(fn, rules, args))
+
+
+def run_kernel(fn: KernelFn, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, kwargs: dict) -> KernelResult:
+    """``fn(q, k, v, attention_mask=mask, **kwargs)`` (``kwargs``: :func:`kernel_arguments`' keywords)
+    as a :class:`KernelResult`: the one place a kernel's result is read.
+
+    A kernel of your own may return a plain ``(out, weights)`` or ``(out, weights, lse)`` tuple;
+    anything else, or no lse where ``return_lse=True`` asked for one, is a TypeError naming the kernel.
+    """
+    result = fn(q, k, v, attention_mask=mask, **kwargs)
+    if not isinstance(result, KernelResult):
+        result = _as_result(fn, result)
+    if result.lse is None and kwargs.get("return_lse"):
+        raise TypeError(f"kernel {_name(fn)} was asked for the log-sum-exp (return_lse=True) but returned none; "
+                        "return KernelResult(out, weights, lse) with lse (B, H, S) when return_lse is True")
+    return result
+
+
+def _as_result(fn: KernelFn, result: Any) -> KernelResult:
+    """A plain ``(out, weights)`` or ``(out, weights, lse)`` from a kernel of your own, as a :class:`KernelResult`."""
+    if isinstance(result, (tuple, list)) and len(result) in (2, 3):
+        return KernelResult(*result)
+    got = f"a {len(result)}-{type(result).__name__}" if isinstance(result, (tuple, list)) else type(result).__name__
+    raise TypeError(f"kernel {_name(fn)} returned {got}; a kernel returns headwise.kernels.KernelResult(out, "
+                    "weights, lse) or a plain (out, weights) / (out, weights, lse) tuple")
+
+
+def _name(fn: KernelFn) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 _KERNELS: dict[str, Kernel] = {}
@@ -344,7 +394,7 @@ def register(
 
     >>> @register("doubled_sdpa_demo", summary="an example")
     ... def doubled(q, k, v, **kwargs):
-    ...     return 2 * q, None
+    ...     return KernelResult(2 * q)
     >>> "doubled_sdpa_demo" in kernels()
     True
     >>> _ = _KERNELS.pop("doubled_sdpa_demo")

@@ -26,7 +26,7 @@ D head dim of q and k, Dv head dim of v.
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from headwise import policy
 from headwise.kernels import describe
 from headwise.kernels.common import fold_rules, lse_dtype
-from headwise.kernels.registry import Call, Kernel, KernelStage, Request
+from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage, Request
 from headwise.masks import row_is_dead
 from headwise.rules import Rules
 
@@ -233,8 +233,8 @@ def sdpa_attention(
     scale: float,
     need_weights: bool,
     known_live: bool = False,  # the caller read the mask: every query row may attend a key
-    return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S); CPU only, no dropout
-) -> tuple[Tensor | None, ...]:
+    return_lse: bool = False,  # True: the result's lse (B, H, S) too; CPU only, no dropout
+) -> KernelResult:
     if return_lse:
         return _with_lse(q, k, v, attention_mask, rules, dropout_p, scale)
     if _own_arguments(attention_mask, rules, q.shape[-2], k.shape[-2]):
@@ -249,7 +249,7 @@ def sdpa_attention(
         if not isinstance(D, int) or scale != 1.0 / math.sqrt(D):  # SDPA's own default, the same double
             extra["scale"] = scale
         out = F.scaled_dot_product_attention(q, k, v, **extra)  # (B, H, S, Dv)
-        return keep_nan_rows(out, q), None
+        return KernelResult(keep_nan_rows(out, q))
     if not rules.additive:
         raise ValueError(f"the sdpa kernel cannot apply softcap={rules.softcap} or a general score_mod "
                          f"({rules.describe() or 'none'}): F.scaled_dot_product_attention takes only an additive "
@@ -258,16 +258,16 @@ def sdpa_attention(
         # the mask alone, every row with a key: SDPA as is, without the dead-row guard's reduction
         # over the mask (~4 us a call on the CPU); with a rule folded in, the guard runs
         k, v, extra = _grouped(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, scale=scale,
-                                              **extra), None  # (B, H, S, Dv)
+        return KernelResult(F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p,
+                                                           scale=scale, **extra))  # (B, H, S, Dv)
     mask = _folded_mask(q, k, attention_mask, rules)  # (B|1, H|1, S|1, Sk)
     if rules.sinks is not None:
         k, v, mask = with_sink(q, k, v, mask, rules.sinks)  # one more key: (.., Sk + 1, ..)
-    return sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale), None  # (B, H, S, Dv)
+    return KernelResult(sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale))  # (B, H, S, Dv)
 
 
 def _with_lse(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, rules: Rules, dropout_p: float,
-              scale: float) -> tuple[Tensor, None, Tensor]:
+              scale: float) -> KernelResult:
     """:func:`sdpa_attention` with ``return_lse``: ``(out, None, lse)`` from the CPU flash kernel."""
     if not rules.additive:
         raise ValueError(f"the sdpa kernel cannot apply softcap={rules.softcap} or a general score_mod "
@@ -284,13 +284,12 @@ def _with_lse(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, ru
         # the flash kernel's backward does not give: the textbook formula runs, with the caller's arguments.
         from headwise.kernels.matmul import matmul_attention  # the oracle kernel, imported where it is needed
 
-        out, _, lse = matmul_attention(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=0.0,
-                                       scale=scale, need_weights=False, return_lse=True)
-        return cast(Tensor, out), None, cast(Tensor, lse)
+        return matmul_attention(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=0.0, scale=scale,
+                                need_weights=False, return_lse=True)
     if rules.sinks is not None:
         k, v, mask = with_sink(q, k, v, mask, rules.sinks)  # one more key: (.., Sk + 1, ..)
     out, lse = sdpa_lse(q, k, v, mask, is_causal=own and rules.is_causal, scale=scale)
-    return out, None, lse
+    return KernelResult(out, None, lse)
 
 
 def _refuses(r: Request) -> str | None:

@@ -80,7 +80,7 @@ from torch import Tensor
 
 from headwise.kernels import describe
 from headwise.kernels.common import attached_zeros
-from headwise.kernels.registry import Call, Kernel, KernelStage, Request
+from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage, Request
 from headwise.mask_mods import EMPTY, FULL, PARTIAL, Bounds, MaskMod
 from headwise.rules import Rules, evaluate_mask, mask_tile_states
 
@@ -1316,8 +1316,8 @@ def triton_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S)
-) -> tuple[Tensor | None, ...]:
+    return_lse: bool = False,  # True: the result's lse (B, H, S) too
+) -> KernelResult:
     """Fused attention on a GPU (or Triton's interpreter); see the module docstring.
 
     Args:
@@ -1334,8 +1334,8 @@ def triton_attention(
             base 2); its gradient joins the backward's ``delta``.
 
     Returns:
-        ``(out, None)`` with out (B, H, S, D) in q's dtype; with ``return_lse``
-        ``(out, None, lse)``, lse (B, H, S) fp32: the natural log of each row's softmax
+        ``KernelResult(out, None, lse)`` with out (B, H, S, D) in q's dtype; lse (B, H, S)
+        fp32 with ``return_lse`` (else None): the natural log of each row's softmax
         denominator, sinks counted, ``-inf`` for a row that attends nothing.
 
     Raises:
@@ -1344,8 +1344,8 @@ def triton_attention(
             this guards direct calls).
 
     >>> from headwise.mask_mods import document  # doctest: +SKIP
-    >>> out, _ = triton_attention(q, k, v, attention_mask=None, rules=Rules(is_causal=True,
-    ...     mask_mod=document(doc_ids)), dropout_p=0.0, scale=0.125, need_weights=False)  # doctest: +SKIP
+    >>> out = triton_attention(q, k, v, attention_mask=None, rules=Rules(is_causal=True,
+    ...     mask_mod=document(doc_ids)), dropout_p=0.0, scale=0.125, need_weights=False).out  # doctest: +SKIP
     """
     if attention_mask is not None and attention_mask.shape[1:3] != (1, 1):
         raise ValueError(
@@ -1367,8 +1367,8 @@ def triton_attention(
     if S == 0 or Sk == 0:  # nothing to compute; rows with no keys are zeros by the contract
         out = attached_zeros(q, k, v, *([] if sinks is None else [sinks]))  # (B, H, S, D): zero gradients
         if return_lse:
-            return out, None, torch.full((B, H, S), float("-inf"), device=q.device)  # (B, H, S) fp32
-        return out, None
+            return KernelResult(out, None, torch.full((B, H, S), float("-inf"), device=q.device))  # (B, H, S) fp32
+        return KernelResult(out)
     key_bias = _key_bias(attention_mask, Sk)  # (B|1, Sk) fp32 or None
     slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()  # (H,)
     sinks32 = None if sinks is None else sinks.float().contiguous()  # (H,)
@@ -1383,8 +1383,9 @@ def triton_attention(
     out, lse2 = _flash_forward(q, k, v, key_bias, slopes, float(scale), bool(is_causal), window,
                                None if softcap is None else float(softcap), sinks32, rule_tiles, rule_block)
     if return_lse:  # base 2, +inf where dead -> natural log, -inf there (and no gradient there)
-        return out, None, torch.where(lse2 == float("inf"), float("-inf"), lse2 * math.log(2))  # (B, H, S)
-    return out, None
+        lse = torch.where(lse2 == float("inf"), float("-inf"), lse2 * math.log(2))  # (B, H, S)
+        return KernelResult(out, None, lse)
+    return KernelResult(out)
 
 
 def _tile_map_note(call: Call) -> str:

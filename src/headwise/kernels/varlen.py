@@ -31,7 +31,7 @@ from headwise import tracing as trace
 from headwise.kernels import chunked, describe, sdpa
 from headwise.kernels.buckets import attend_buckets
 from headwise.kernels.common import attached_zeros, fold_rules, length_buckets
-from headwise.kernels.registry import Call, Kernel, KernelStage, Request
+from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage, Request
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages, with_sink
 from headwise.mask_mods import AlignedCausal
 from headwise.masks import hide_excluded
@@ -87,15 +87,15 @@ def varlen_attention(
     dropout_p: float,
     scale: float,
     need_weights: bool,
-    return_lse: bool = False,  # True: return (out, None, lse), lse (B, H, S)
-) -> tuple[Tensor | None, ...]:
+    return_lse: bool = False,  # True: the result's lse (B, H, S) too
+) -> KernelResult:
     if not rules.additive:
         raise ValueError(f"the varlen kernel cannot apply softcap={rules.softcap} or a general score_mod "
                          f"({rules.describe() or 'none'}); use backend 'chunked' or 'matmul'")
     documents = document_lengths(rules, q.shape[0], q.shape[-2], k.shape[-2])
     if documents is not None and attention_mask is None:
         out, lse = _by_document(q, k, v, rules, documents, dropout_p, scale, return_lse)  # (B, H, S, Dv), (B, H, S)
-        return (out, None, lse) if return_lse else (out, None)
+        return KernelResult(out, None, lse)  # lse None unless return_lse
     if return_lse:  # the buckets' log-sum-exps are not gathered back: one SDPA call on the dense mask gives them
         return sdpa_attention(q, k, v, attention_mask=attention_mask, rules=rules, dropout_p=dropout_p, scale=scale,
                               need_weights=False, return_lse=True)
@@ -107,7 +107,7 @@ def varlen_attention(
     if attention_mask is None:  # no padding to drop: the dense kernel is the same computation
         return sdpa_attention(q, k, v, attention_mask=None, rules=rules, dropout_p=dropout_p, scale=scale,
                               need_weights=False)
-    return _without_padding(q, k, v, attention_mask, rules, dropout_p, scale), None  # (B, H, S, Dv)
+    return KernelResult(_without_padding(q, k, v, attention_mask, rules, dropout_p, scale))  # (B, H, S, Dv)
 
 
 def _without_padding(q: Tensor, k: Tensor, v: Tensor, m: Tensor, rules: Rules, dropout_p: float,
@@ -232,14 +232,14 @@ def _document_bucket(q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None = None
     q, k, v = hide_excluded(q, k, v, mask, is_causal=rules.is_causal, window=window, sink_tokens=sink_tokens)
     kernel = chunked.KERNEL if backend == "chunked" else sdpa.KERNEL
     result = kernel.fn(q, k, v, attention_mask=mask, rules=rules, dropout_p=dropout_p, scale=scale,
-                       need_weights=False, return_lse=return_lse)  # (out (n, H, Lq, Dv), None[, lse (n, H, Lq)])
-    out = cast(Tensor, result[0])
+                       need_weights=False, return_lse=return_lse)  # KernelResult: out (n, H, Lq, Dv), lse (n, H, Lq)
+    out = result.out
     if trace.ACTIVE and trace.recording() and kernel.stages is not None:  # explain mode: the bucket's stages
         call = Call(q, k, v, attention_mask=mask, rules=rules, dropout_p=dropout_p, scale=scale, need_weights=False,
                     scale_given=True)
         for stage in kernel.stages(call):
             trace.record(stage.name, stage.shape, stage.note, fused=stage.fused, dtype=stage.dtype)
-    return (out, cast(Tensor, result[2])) if return_lse else out
+    return (out, cast(Tensor, result.lse)) if return_lse else out
 
 
 def varlen_stages(call: Call) -> list[KernelStage]:
