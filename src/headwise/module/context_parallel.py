@@ -27,7 +27,7 @@ def call(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor |
     """:meth:`MultiHeadAttention.forward` of a context-parallel module: every check first, on
     every rank together (one small all-gather), so a refusal on one rank raises on every rank
     instead of leaving the others waiting in the ranks' next exchange; then :func:`forward`."""
-    from headwise.distributed import _checked_together
+    from headwise.distributed.agreement import _checked_together
 
     def check() -> Planned:
         if cache is not None or need_weights or weights_heads is not None or weights_rows is not None:
