@@ -21,10 +21,10 @@ from headwise.module.layer_protocol import Layer
 
 __all__ = ["from_torch", "to_torch"]
 
-L = TypeVar("L", bound=Layer)  # the class built: MultiHeadAttention or a subclass
+_Built = TypeVar("_Built", bound=Layer)  # the class built: MultiHeadAttention or a subclass
 
 
-def from_torch(module_class: Callable[..., L], m: nn.MultiheadAttention, **kwargs) -> L:
+def from_torch(module_class: Callable[..., _Built], m: nn.MultiheadAttention, **kwargs) -> _Built:
     """A batch-first :class:`~headwise.MultiHeadAttention` with ``m``'s weights (either ``batch_first``).
 
     Args:
