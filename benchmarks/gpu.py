@@ -93,7 +93,7 @@ def refuse_without_gpu() -> str | None:
 
 
 def apply_configs(overrides: list[str]) -> None:
-    from headwise.kernels import triton_flash
+    from headwise.kernels.triton import configs
 
     for spec in overrides:
         try:
@@ -106,9 +106,9 @@ def apply_configs(overrides: list[str]) -> None:
             ) from None
         if kind not in KINDS:
             raise SystemExit(f"--config {spec!r}: kind must be one of {KINDS}, got {kind!r}")
-        table = triton_flash.GPU_CONFIGS[kind]
+        table = configs.GPU_CONFIGS[kind]
         fallbacks = table.get(bound_d, table[max(table)])
-        table[bound_d] = (triton_flash.TileConfig(bm, bn, warps, stages), *fallbacks)
+        table[bound_d] = (configs.TileConfig(bm, bn, warps, stages), *fallbacks)
 
 
 # ----------------------------------------------------------------------------- correctness
@@ -363,7 +363,7 @@ def compile_only(arch: int, dtype: torch.dtype, head_dims: list[int], console) -
     from rich.table import Table
     from triton.backends.compiler import GPUTarget
 
-    from headwise.kernels import triton_flash
+    from headwise.kernels.triton import jit, launch
 
     class Utils:  # what Triton asks a driver before launching; A100 / H100 limits
         def get_device_properties(self, device):
@@ -410,10 +410,10 @@ def compile_only(arch: int, dtype: torch.dtype, head_dims: list[int], console) -
                 "spilled bytes"):
         table.add_column(col)
     triton.runtime.driver.set_active(CompileOnlyDriver())
-    interpreted = triton_flash._interpreted
-    triton_flash._interpreted = lambda device: False  # CPU tensors, compiled kernels
+    interpreted = launch._interpreted
+    launch._interpreted = lambda device: False  # CPU tensors, compiled kernels
     try:
-        kernels = triton_flash._compiled(False)
+        kernels = jit._compiled(False)
         variants = [(D, causal, window, padded, alibi) for D in head_dims
                     for causal, window, padded, alibi in ((False, None, False, False), (True, None, True, False),
                                                           (True, 64, True, True))]
@@ -423,9 +423,9 @@ def compile_only(arch: int, dtype: torch.dtype, head_dims: list[int], console) -
             k, v = torch.randn(B, Hkv, S, D).to(dtype), torch.randn(B, Hkv, S, D).to(dtype)
             bias = torch.zeros(B, S).index_fill_(1, torch.arange(200, S), float("-inf")) if padded else None
             slopes = torch.rand(H) if alibi else None
-            out, lse = triton_flash._flash_forward(q, k, v, bias, slopes, D**-0.5, causal, window)
-            triton_flash._flash_backward(out, q, k, v, out, lse, bias, slopes, D**-0.5, causal, window,
-                                         padded)
+            out, lse = launch._flash_forward(q, k, v, bias, slopes, D**-0.5, causal, window)
+            launch._flash_backward(out, q, k, v, out, lse, bias, slopes, D**-0.5, causal, window,
+                                   padded)
             name = f"D={D}" + (" causal" if causal else "") + (f" window={window}" if window else "") + \
                    (" padded" if padded else "") + (" alibi" if alibi else "")
             for fn in vars(kernels).values():
@@ -438,7 +438,7 @@ def compile_only(arch: int, dtype: torch.dtype, head_dims: list[int], console) -
                                   f"{c.shared / 1024:.0f} KiB", regs, spills)
                 cache.clear()
     finally:
-        triton_flash._interpreted = interpreted
+        launch._interpreted = interpreted
         with contextlib.suppress(RuntimeError):  # no real driver on this machine: nothing to go back to
             triton.runtime.driver.reset_active()
     console.print(table)

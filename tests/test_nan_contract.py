@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import headwise
 from headwise import attention, available_backends, packed_attention
-from headwise.kernels import triton_flash
+from headwise.kernels.triton import support
 
 NAN, INF = float("nan"), float("inf")
 BACKENDS = available_backends() + ["auto"]
@@ -72,7 +72,7 @@ def interpreter(monkeypatch):
 
 def _backends_with_triton():
     names = list(BACKENDS)
-    if triton_flash._triton_installed():
+    if support._triton_installed():
         names.append("triton")
     return names
 

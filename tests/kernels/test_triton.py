@@ -23,15 +23,16 @@ import torch
 
 import headwise
 from conftest import reference_attention
-from headwise.kernels import get_kernel, triton_flash
+from headwise.kernels import get_kernel
 from headwise.kernels.registry import Request
+from headwise.kernels.triton import configs, jit, launch, support, tile_maps
 from headwise.rules import Rules
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _why_skip() -> str | None:
-    if not triton_flash._triton_installed():
+    if not support._triton_installed():
         return ("triton is not installed; pip install 'headwise[triton]' to run the Triton kernel tests "
                 "(on a CPU they use Triton's interpreter)")
     version = importlib.metadata.version("triton")
@@ -43,7 +44,7 @@ def _why_skip() -> str | None:
 
 SKIP_REASON = _why_skip()
 needs_triton = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
-TILE = triton_flash.INTERPRET_CONFIG.block_n  # keys per tile in the interpreter
+TILE = configs.INTERPRET_CONFIG.block_n  # keys per tile in the interpreter
 SHAPES = [(37, 37), (21, 45), (45, 21)]  # (S, Sk): square, fewer queries (decode-like), more queries
 SHAPE_IDS = ["S=Sk", "S<Sk", "S>Sk"]
 HEADS = [(2, 2), (4, 2), (2, 1)]  # (H, Hkv): MHA, GQA, MQA
@@ -237,7 +238,7 @@ def test_fully_padded_key_tiles_are_never_read(interpreter, form):
     key bias adds -inf to NaN scores, giving NaN), one that skips them stays exact."""
     # The widest key tile of any kernel: a run of whole tiles of it is whole for all of them.
     tile = max(c.block_n for kind in ("forward", "dkdv", "dq")
-               for c in triton_flash._configs(kind, 16, torch.float32, DEVICE == "cpu"))
+               for c in configs._configs(kind, 16, torch.float32, DEVICE == "cpu"))
     S, Sk = 2 * tile - 2, 3 * tile - 3  # 30, 45 in the interpreter
     q, k, v, gen = make_inputs(2, 2, 1, S, Sk, 16, seed=6)
     mask = key_mask(form, 2, Sk, gen, tile)
@@ -364,14 +365,14 @@ def test_custom_op_registration_passes_opcheck(interpreter):
     q, k, v, gen = make_inputs(1, 2, 1, 17, 18, 16, seed=10)
     bias = torch.zeros(1, 18, device=DEVICE).masked_fill(torch.arange(18, device=DEVICE) > 12, float("-inf"))
     args = (q, k, v, bias.requires_grad_(), None, 0.25, True, None, None, None, [], [])
-    torch.library.opcheck(triton_flash._flash_forward, args,
+    torch.library.opcheck(launch._flash_forward, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     sinks = torch.randn(2, generator=gen).to(DEVICE).requires_grad_()
-    torch.library.opcheck(triton_flash._flash_forward, (*args[:8], 1.5, sinks, [], []),  # softcap and sinks
+    torch.library.opcheck(launch._flash_forward, (*args[:8], 1.5, sinks, [], []),  # softcap and sinks
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    block = triton_flash._rule_block(DEVICE == "cpu")
-    tiles = triton_flash._rule_tiles(headwise.mask_mods.prefix_lm(5), bias, 1, 2, 17, 18, block, q.device)
-    torch.library.opcheck(triton_flash._flash_forward, (*args[:6], False, None, None, None, tiles, list(block)),
+    block = configs._rule_block(DEVICE == "cpu")
+    tiles = tile_maps._rule_tiles(headwise.mask_mods.prefix_lm(5), bias, 1, 2, 17, 18, block, q.device)
+    torch.library.opcheck(launch._flash_forward, (*args[:6], False, None, None, None, tiles, list(block)),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
@@ -454,9 +455,9 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 
 def test_unavailable_without_triton_or_a_gpu(monkeypatch):
-    monkeypatch.setattr(triton_flash, "_triton_installed", lambda: False)
+    monkeypatch.setattr(support, "_triton_installed", lambda: False)
     assert get_kernel("triton").available() == "triton is not installed (pip install 'headwise[triton]')"
-    monkeypatch.setattr(triton_flash, "_triton_installed", lambda: True)
+    monkeypatch.setattr(support, "_triton_installed", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert "needs a CUDA GPU" in get_kernel("triton").available()
@@ -472,18 +473,18 @@ def test_direct_calls_reject_what_dispatch_refuses():
     q = torch.zeros(1, 2, 3, 16)
     common = dict(rules=Rules(), scale=0.25, need_weights=False)
     with pytest.raises(ValueError, match=r"key padding masks \(B\|1, 1, 1, Sk\) only, got shape \(1, 1, 3, 3\)"):
-        triton_flash.triton_attention(q, q, q, attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool),
-                                      dropout_p=0.0, **common)
+        launch.triton_attention(q, q, q, attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool),
+                                dropout_p=0.0, **common)
     with pytest.raises(ValueError, match=r"no dropout \(dropout_p=0.5\)"):
-        triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.5, **common)
+        launch.triton_attention(q, q, q, attention_mask=None, dropout_p=0.5, **common)
     with pytest.raises(ValueError, match=r"v's head dim to be q's \(got Dv = 8, D = 16\) and takes no sink tokens"):
-        triton_flash.triton_attention(q, q, q[..., :8], attention_mask=None, dropout_p=0.0, **common)
+        launch.triton_attention(q, q, q[..., :8], attention_mask=None, dropout_p=0.0, **common)
     with pytest.raises(ValueError, match=r"takes no sink tokens \(got 2\)"):
-        triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, scale=0.25, need_weights=False,
-                                      rules=Rules(is_causal=True, window=2, sink_tokens=2))
+        launch.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, scale=0.25, need_weights=False,
+                                rules=Rules(is_causal=True, window=2, sink_tokens=2))
     with pytest.raises(ValueError, match=r"takes no score_mod \(score_mod double\): a Python function cannot run"):
-        triton_flash.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, scale=0.25, need_weights=False,
-                                      rules=Rules(score_mod=double))
+        launch.triton_attention(q, q, q, attention_mask=None, dropout_p=0.0, scale=0.25, need_weights=False,
+                                rules=Rules(score_mod=double))
 
 
 @pytest.mark.parametrize("overrides", [dict(value_dim=96), dict(window=16, sink_tokens=4)], ids=["Dv", "sinks"])
@@ -505,7 +506,7 @@ def test_live_key_tiles_lists_each_rows_real_tiles_in_order():
     bias = torch.zeros(3, 10)
     bias[0, 2:6] = float("-inf")  # tile 1 (keys 2, 3) and tile 2 (keys 4, 5) dead
     bias[1] = float("-inf")  # nothing
-    tiles, cum = triton_flash._live_key_tiles(bias, block_n=2)  # 5 tiles per row
+    tiles, cum = tile_maps._live_key_tiles(bias, block_n=2)  # 5 tiles per row
     assert tiles[0, :3].tolist() == [0, 3, 4] and cum[0].tolist() == [0, 1, 1, 1, 2, 3]
     assert cum[1].tolist() == [0] * 6
     assert tiles[2].tolist() == [0, 1, 2, 3, 4] and cum[2].tolist() == list(range(6))
@@ -617,7 +618,7 @@ def test_a_users_tile_map_is_read_as_is(interpreter, monkeypatch):
     states are used, never rebuilt, and the plain function behind it is evaluated on the rows
     of map tiles that hold partial tiles only, for their bits."""
     B, H, S, Sk = 2, 2, 37, 37
-    block = triton_flash._rule_block(DEVICE == "cpu")
+    block = configs._rule_block(DEVICE == "cpu")
     evaluated = []
 
     def stripes(b, h, q_idx, kv_idx):
@@ -635,7 +636,7 @@ def test_a_users_tile_map_is_read_as_is(interpreter, monkeypatch):
     evaluated.clear()
     with monkeypatch.context() as m:
         m.setattr(headwise.rules, "evaluated_tile_states", None)  # a rebuild of the states would fail
-        tiles = triton_flash._rule_tiles(rule, None, B, H, S, Sk, block, q.device)
+        tiles = tile_maps._rule_tiles(rule, None, B, H, S, Sk, block, q.device)
     if block[0] == 32:  # map row 0 holds partial tiles; row 1 (rows 32..36) is full, but its
         # tile (1, 1) runs past Sk = 37, so it is partial and its 5 x 5 real pairs are read
         assert evaluated == [(32, 37), (5, 5)]
@@ -650,7 +651,7 @@ def test_rule_tiles_hold_the_bits_of_partial_tiles_only():
     rule = headwise.mask_mods.document(torch.arange(80) // 30)  # (1, L): states (1, 1, nq, nk)
     key_bias = torch.zeros(B, Sk)
     key_bias[1, 32:64] = float("-inf")  # row 1's second key tile is all padding
-    row_lists, row_counts, col_lists, col_counts, words = triton_flash._rule_tiles(
+    row_lists, row_counts, col_lists, col_counts, words = tile_maps._rule_tiles(
         rule, key_bias, B, H, S, Sk, block, torch.device("cpu"))
     nq, nk = 3, 3
     assert row_lists.shape == (2, B, 1, nq, nk) and col_lists.shape == (2, B, 1, nk, nq)
@@ -693,10 +694,10 @@ def test_rule_tiles_hold_the_bits_of_partial_tiles_only():
 
 def test_every_kernel_tile_divides_the_map_tile():
     """One map serves forward, dq and dkdv only if each walks a map tile in whole tiles of its own."""
-    tables = [triton_flash.GPU_CONFIGS, triton_flash.GPU_FP32_CONFIGS]
-    configs = [c for t in tables for by_dim in t.values() for cs in by_dim.values() for c in cs]
-    for block, cs in ((triton_flash.RULE_BLOCK, configs),
-                      (triton_flash.INTERPRET_RULE_BLOCK, [triton_flash.INTERPRET_CONFIG])):
+    tables = [configs.GPU_CONFIGS, configs.GPU_FP32_CONFIGS]
+    every = [c for t in tables for by_dim in t.values() for cs in by_dim.values() for c in cs]
+    for block, cs in ((configs.RULE_BLOCK, every),
+                      (configs.INTERPRET_RULE_BLOCK, [configs.INTERPRET_CONFIG])):
         assert block[1] % 32 == 0  # whole int32 words of bits per row
         for c in cs:
             assert block[0] % c.block_m == 0 and block[1] % c.block_n == 0, (block, c)
@@ -709,7 +710,7 @@ def test_empty_tiles_are_never_visited(interpreter):
     tiles inside the map's partial and full tiles, fewer than the dense grid's."""
     B, H, S, Sk = 2, 2, 64, 64
     rule = headwise.mask_mods.document(torch.tensor([0] * 30 + [1] * 34))  # 2 x 2 map tiles, (0, 1) empty
-    ns = triton_flash._compiled(True)._fwd_kernel.fn.__globals__  # where the kernels look their helpers up
+    ns = jit._compiled(True)._fwd_kernel.fn.__globals__  # where the kernels look their helpers up
     steps = ("_online_softmax", "_dq_step", "_dkdv_step")  # one call per kernel tile computed
     originals = {name: ns[name] for name in steps}
     counts = dict.fromkeys(steps, 0)
@@ -741,7 +742,7 @@ def test_trace_names_the_tile_map_and_its_shares(interpreter):
     with headwise.trace() as t:
         headwise.attention(q, k, v, is_causal=True, mask_mod=rule, backend="triton")
     note = t.stages[-1].note
-    block = triton_flash._rule_block(DEVICE == "cpu")
+    block = configs._rule_block(DEVICE == "cpu")
     nq = -(-64 // block[0])
     assert f"as a tile map of {nq} x {nq} tiles of {block[0]} x {block[1]} per (b, h)" in note
     assert "causal: key j <= i ANDed in" in note and "empty (skipped)" in note and "full (no mask)" in note
@@ -753,7 +754,7 @@ def test_score_mods_are_refused_by_name(monkeypatch):
     """A named backend 'triton' with a score_mod fails with the kernel's reason, never
     dropping the score_mod (nor a learned table's gradient)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(triton_flash, "_triton_installed", lambda: True)
+    monkeypatch.setattr(support, "_triton_installed", lambda: True)
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match=r"Python score_mod cannot run"):
         headwise.attention(q, q, q, score_mod=double, backend="triton")
@@ -883,8 +884,8 @@ def test_return_lse_of_empty_inputs(interpreter, sizes):
     q, k, v, _ = make_inputs(Bn, 4, 2, S, Sk, 16)
     out, lse = headwise.attention(q, k, v, backend="triton", return_lse=True)
     assert lse.shape == (Bn, 4, S) and lse.dtype == torch.float32 and torch.isneginf(lse).all()
-    direct = triton_flash.triton_attention(q, k, v, attention_mask=None, rules=Rules(), dropout_p=0.0, scale=0.25,
-                                           need_weights=False, return_lse=True)
+    direct = launch.triton_attention(q, k, v, attention_mask=None, rules=Rules(), dropout_p=0.0, scale=0.25,
+                                     need_weights=False, return_lse=True)
     assert direct.weights is None and direct.lse.shape == (Bn, 4, S) and torch.isneginf(direct.lse).all()
 
 
@@ -892,8 +893,8 @@ def test_return_lse_of_empty_inputs(interpreter, sizes):
 def test_backward_op_with_the_lse_gradient_passes_opcheck(interpreter):
     q, k, v, gen = make_inputs(1, 2, 1, 17, 18, 16, seed=20)
     sinks = torch.randn(2, generator=gen).to(DEVICE)
-    out, lse = triton_flash._flash_forward(q, k, v, None, None, 0.25, True, None, None, sinks, [], [])
+    out, lse = launch._flash_forward(q, k, v, None, None, 0.25, True, None, None, sinks, [], [])
     dlse = torch.randn(lse.shape, generator=gen).to(DEVICE)
     args = (torch.randn(out.shape, generator=gen).to(DEVICE), q.detach(), k.detach(), v.detach(), out.detach(),
             lse, dlse, None, None, 0.25, True, None, False, None, sinks, [], [])
-    torch.library.opcheck(triton_flash._flash_backward, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(launch._flash_backward, args, test_utils=("test_schema", "test_faketensor"))
