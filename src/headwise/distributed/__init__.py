@@ -42,7 +42,8 @@ from headwise.distributed import ring as _ring
 from headwise.distributed import ulysses as _ulysses
 from headwise.distributed.layout import LAYOUTS, check_layout, local_length, positions_of, segments
 from headwise.functional import _check_inputs, _check_structure
-from headwise.masks import check_mask_values, normalize_mask
+from headwise.mask_contract import check_mask_values
+from headwise.masks import normalize_mask
 
 __all__ = ["ContextParallel", "MethodChoice", "METHODS", "LAYOUTS", "attention", "choose_method",
            "global_length", "global_positions", "positions", "shard", "unshard"]

@@ -30,7 +30,7 @@ What makes it headwise's and not the Triton tutorial's:
   pairs are evaluated, packed 32 to an int32 word, and loaded with their tile. Every kernel
   tile divides the map tile, so forward, dq and dkdv share one map, each walking a map tile
   as several of its own. States of size 1 in b or h broadcast (stride 0); a user's
-  :class:`headwise.rules.TileMap` of the call's shape at that block is read as is. A key
+  :class:`headwise.masks.TileMap` of the call's shape at that block is read as is. A key
   tile that is all padding is empty for its batch row. A ``score_mod`` is refused: a
   Python function cannot run in the precompiled kernel, and a bias score_mod would need
   a dense bias, where the kernel reads one bias per key.
@@ -78,11 +78,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from headwise.evaluate import MaskMod, evaluate_mask, mask_tile_states
 from headwise.kernels import describe
 from headwise.kernels.common import attached_zeros
 from headwise.kernels.registry import Call, Kernel, KernelStage, Request
-from headwise.mask_mods import EMPTY, FULL, PARTIAL, Bounds, MaskMod
-from headwise.rules import Rules, evaluate_mask, mask_tile_states
+from headwise.rules import Rules
+from headwise.tiles import EMPTY, FULL, PARTIAL, Bounds
 
 if TYPE_CHECKING:  # the device code's ``tl``; at run time it lives in _compiled()'s namespace
     import triton.language as tl
@@ -1074,7 +1075,7 @@ def _rule_tiles(rule: MaskMod, key_bias: Tensor | None, B: int, H: int, S: int, 
                 block: tuple[int, int], device: torch.device) -> list[Tensor]:
     """The tile map the kernels walk for a mask_mod (the causal / window rule ANDed in).
 
-    Its states come from the rule (a helper's bounds, a :class:`headwise.rules.TileMap` of
+    Its states come from the rule (a helper's bounds, a :class:`headwise.masks.TileMap` of
     this shape and block as is, a plain function evaluated); only the partial tiles' bits
     are built. A full tile that runs past Sk counts as partial (its bits end at Sk), so the
     kernels read full tiles with no bounds check; a key tile that is all padding in a batch
@@ -1343,7 +1344,7 @@ def triton_attention(
             of its own, sink tokens or a score_mod (dispatch refuses them before calling;
             this guards direct calls).
 
-    >>> from headwise.mask_mods import document  # doctest: +SKIP
+    >>> from headwise.masks import document  # doctest: +SKIP
     >>> out, _ = triton_attention(q, k, v, attention_mask=None, rules=Rules(is_causal=True,
     ...     mask_mod=document(doc_ids)), dropout_p=0.0, scale=0.125, need_weights=False)  # doctest: +SKIP
     """

@@ -30,7 +30,7 @@ from headwise.kernels import describe
 from headwise.kernels.common import attached_zeros, fold_rules, length_buckets
 from headwise.kernels.registry import Call, Kernel, KernelStage, Request
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages, with_sink
-from headwise.mask_mods import AlignedCausal
+from headwise.masks import AlignedCausal
 from headwise.rules import Rules, document_lengths, document_rule
 
 
