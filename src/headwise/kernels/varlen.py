@@ -12,7 +12,7 @@ call as one appended zero key (see :mod:`headwise.kernels.sdpa`); a row with no 
 gives zeros with or without them. Logit soft-capping is refused, as SDPA cannot apply it.
 Queries are all kept (the functional
 contract gives padded queries an output too); the module's packed path
-(:mod:`headwise.varlen`) also drops padded queries.
+(:mod:`headwise.packing`) also drops padded queries.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim, n rows in a bucket, L a bucket's key count.
