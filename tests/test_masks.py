@@ -621,3 +621,10 @@ def test_prefix_lm_refuses_a_negative_prefix_length(lengths):
     with pytest.raises(ValueError, match=r"prefix_lm's prefix_lengths must be >= 0, got -\d at row \d"):
         masks.prefix_lm(lengths)
     assert masks.prefix_lm(0)(0, 0, torch.tensor(1), torch.tensor(2)).item() is False  # 0: causal, still accepted
+
+
+def test_the_public_helpers_are_masks_own_code():
+    """headwise.masks holds its own code: no public name is re-exported from another module."""
+    elsewhere = {name: getattr(masks, name).__module__ for name in masks.__all__
+                 if getattr(getattr(masks, name), "__module__", "headwise.masks") != "headwise.masks"}
+    assert elsewhere == {}

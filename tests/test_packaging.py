@@ -6,9 +6,12 @@ tests check the sources those come from.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import re
 from pathlib import Path
+
+import pytest
 
 import headwise
 
@@ -40,3 +43,21 @@ def test_the_package_is_marked_typed():
     assert (ROOT / "src" / "headwise" / "py.typed").is_file()
     assert '"py.typed"' in _table("tool.setuptools.package-data")
     assert '"Typing :: Typed"' in _table("project")
+
+
+@pytest.mark.parametrize("old", ["headwise.mask_mods", "headwise.varlen", "headwise.embed", "headwise.deprecation",
+                                 "headwise.convert"])
+def test_no_old_home_of_a_name_is_kept_before_a_release(old):
+    """One home per name: a module that only re-exported or renamed names elsewhere is gone
+    (nothing was published under it), and so is every ``__getattr__`` table of moved names."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+    import headwise.dispatch
+    import headwise.distributed.ring
+    import headwise.kernels.chunked
+    import headwise.kernels.common
+    import headwise.module
+
+    for module in (headwise.dispatch, headwise.distributed.ring, headwise.kernels.chunked, headwise.kernels.common,
+                   headwise.module):
+        assert "__getattr__" not in vars(module), module.__name__
