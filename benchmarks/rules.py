@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 import headwise
-from headwise import mask_mods as mm
+from headwise import masks
 from headwise.bench import PEAK_CHILD_ENV, cpu_name, peak_rise_mib, round_robin_ms
-from headwise.rules import tile_map
+from headwise.masks import tile_map
 
 
 def documents(S: int, n: int, seed: int = 0) -> tuple[torch.Tensor, list[int]]:
@@ -56,7 +56,7 @@ def document_causal(S: int, H: int, D: int, repeats: int) -> list[tuple[str, flo
     ids, lengths = documents(S, 16)
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, H, S, D, generator=gen, requires_grad=True) for _ in range(3))
-    rule = mm.and_masks(mm.causal, mm.document(ids))
+    rule = masks.and_masks(masks.causal, masks.document(ids))
     dense = (ids[:, None] == ids[None, :]) & torch.ones(S, S, dtype=torch.bool).tril()  # (S, S)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
     packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_(True) for t in (q, k, v)]  # (S, H, D)
@@ -101,14 +101,14 @@ def _peak_side(side: str, S: int, H: int) -> None:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(2)
     table = torch.randn(32, H, generator=gen, requires_grad=True)
-    rule = mm.relative_position_bias(table)
+    rule = masks.relative_position_bias(table)
 
     def run(n: int) -> None:
         q, k, v = (torch.randn(1, H, n, 64, generator=gen, requires_grad=True) for _ in range(3))
         if side == "score_mod":
             headwise.attention(q, k, v, score_mod=rule).sum().backward()
         else:
-            b, h, i, j = headwise.rules.grid(1, H, (0, n), (0, n), None)
+            b, h, i, j = headwise.evaluate.grid(1, H, (0, n), (0, n), None)
             bias = rule.bias(b, h, i, j)  # (1, H, S, S) float32, from the table: gradients reach it
             F.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum().backward()
 
@@ -125,7 +125,7 @@ def t5_memory(S: int, H: int) -> list[tuple[str, float, str]]:
 
 def tile_map_time(S: int, repeats: int) -> list[tuple[str, float, str]]:
     ids, _ = documents(S, 16)
-    rule = mm.and_masks(mm.causal, mm.document(ids))
+    rule = masks.and_masks(masks.causal, masks.document(ids))
     t = paired({"tile_map": lambda: tile_map(rule, 1, 8, S, S, block=(128, 128))}, repeats)["tile_map"]
     shares = tile_map(rule, 1, 8, S, S).describe()
     return [(f"tile_map, S = Sk = {S}", t, f"{t * 1e3:.1f} ms (target <= 50 ms); {shares}")]
@@ -150,7 +150,7 @@ def against_flex(S: int, H: int, D: int, repeats: int) -> list[tuple[str, float,
             flex(q, k, v, block_mask=block_mask)  # compiled here, outside the timing
     except Exception as e:  # noqa: BLE001 - whatever stops compiling, say it
         return [("compiled flex_attention", float("nan"), f"could not run: {type(e).__name__}: {e}"[:200])]
-    rule = mm.and_masks(mm.causal, mm.document(ids))
+    rule = masks.and_masks(masks.causal, masks.document(ids))
     with torch.no_grad():
         torch.testing.assert_close(headwise.attention(q, k, v, mask_mod=rule), flex(q, k, v, block_mask=block_mask),
                                    atol=2e-5, rtol=2e-5)

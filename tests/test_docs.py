@@ -23,7 +23,6 @@ import pytest
 import torch
 
 import headwise
-import headwise.deprecation
 from conftest import markdown_blocks, run_python_block
 
 pytest.importorskip("sphinx", reason="the docs extra is missing: pip install -e '.[docs]'")
@@ -33,8 +32,6 @@ pytest.importorskip("myst_parser", reason="the docs extra is missing: pip instal
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PACKAGE = ROOT / "src" / "headwise"
-# Modules that only keep old names working: the "Old names" page lists them instead.
-OLD_NAMES = {"headwise.varlen", "headwise.embed"}
 NOT_DOCUMENTED = {"headwise.__main__"}  # `python -m headwise`, the command line's entry point
 GUIDES = sorted(p for p in DOCS.glob("*.md") if p.name != "how-attention-works.md")
 
@@ -128,7 +125,7 @@ def test_every_public_name_is_in_the_reference(site):
     anchors = set(re.findall(r'id="([\w.-]+)"', html))
     missing = []
     for module in module_names():
-        if module in OLD_NAMES | NOT_DOCUMENTED:
+        if module in NOT_DOCUMENTED:
             continue
         if f"module-{module}" not in anchors:
             missing.append(f"module {module}")
@@ -145,13 +142,6 @@ def test_every_public_name_is_in_the_reference(site):
     assert missing == []
 
 
-def test_every_old_name_is_on_the_old_names_page():
-    page = (DOCS / "api" / "deprecated.md").read_text()
-    embed = importlib.import_module("headwise.embed")
-    old = [*importlib.import_module("headwise.varlen").__all__, *(n for ns in embed._PLACES.values() for n in ns)]
-    assert [name for name in old if not re.search(rf"\b{name}\b", page)] == []
-
-
 def _resolve(dotted: str) -> object:
     """The object a dotted ``headwise...`` name names: the longest importable module, then attributes."""
     parts = dotted.split(".")
@@ -166,11 +156,9 @@ def _resolve(dotted: str) -> object:
     raise ImportError(dotted)
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # the old names page cites old names on purpose
-def test_every_headwise_name_the_pages_cite_exists(monkeypatch):
-    monkeypatch.setattr(headwise.deprecation, "_warned", set())  # leave the warn-once record as it was
+def test_every_headwise_name_the_pages_cite_exists():
     cited, broken = set(), []
-    for page in GUIDES + [DOCS / "api" / "deprecated.md"]:
+    for page in GUIDES:
         for code in re.findall(r"`([^`\n]+)`", page.read_text()):
             cited |= {m.rstrip(".") for m in re.findall(r"\bheadwise(?:\.\w+)+", code)}
     for dotted in sorted(cited):

@@ -664,41 +664,21 @@ def test_dispatch_runs_no_projection(monkeypatch):
     assert calls == []
 
 
-def test_backend_varlen_is_the_deprecated_name_of_packing_true(monkeypatch):
-    import headwise.deprecation
-
-    monkeypatch.setattr(headwise.deprecation, "_warned", set())
-    with pytest.warns(FutureWarning, match="^" + re.escape(
-            "MultiHeadAttention(backend='varlen') is now packing=True: 'varlen' names the kernel that drops padded "
-            "keys, and the module's padding-free path is packing=; backend='varlen' keeps meaning packing=True with "
-            "'auto' kernels for now (with packing= given, 'varlen' is the kernel)") + "$"):
-        old = MultiHeadAttention(E, H, backend="varlen")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per process
-        again = MultiHeadAttention(E, H, backend="varlen")
-    assert (old.backend, old.packing, again.packing) == ("auto", True, True)
-    new = MultiHeadAttention(E, H, packing=True)
-    new.load_state_dict(old.state_dict())
+def test_backend_varlen_is_the_kernel_whatever_packing_says():
+    """backend= names a kernel, and "varlen" is the kernel that drops padded keys; the padding-free
+    path is packing= (no old meaning of backend="varlen" is kept: it was never released)."""
     x = torch.randn(3, 4, E)
-    mask = torch.ones(3, 4, dtype=torch.bool)
-    torch.testing.assert_close(old(x, mask), new(x, mask), rtol=0, atol=0)
-    kernel = MultiHeadAttention(E, H, backend="varlen", packing=False)  # packing= given: the kernel's name
-    kernel.load_state_dict(old.state_dict())
-    assert (kernel.backend, kernel.packing, kernel.dispatch(x, mask).backend) == ("varlen", False, "varlen")
-    torch.testing.assert_close(kernel(x, mask), new(x, mask))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    new = MultiHeadAttention(E, H, packing=True)
+    for packing in ("auto", False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            kernel = MultiHeadAttention(E, H, backend="varlen", packing=packing)
+        kernel.load_state_dict(new.state_dict())
+        assert (kernel.backend, kernel.packing, kernel.dispatch(x, mask).backend) == ("varlen", packing, "varlen")
+        torch.testing.assert_close(kernel(x, mask), new(x, mask))
     with pytest.raises(ValueError, match=r"packing must be 'auto', True or False, got 1"):
         MultiHeadAttention(E, H, packing=1)
-
-
-def test_old_threshold_name_warns_and_reads_the_policy(monkeypatch):
-    import headwise.deprecation
-    import headwise.module
-    import headwise.policy
-
-    monkeypatch.setattr(headwise.deprecation, "_warned", set())
-    monkeypatch.setattr(headwise.policy, "PACK_MIN_PADDING", 0.5)
-    with pytest.warns(FutureWarning, match=r"module.PACK_MIN_PADDING moved to headwise.policy.PACK_MIN_PADDING"):
-        assert headwise.module.PACK_MIN_PADDING == 0.5
 
 
 def test_dispatch_checks_and_uses_context_and_cache_like_forward():

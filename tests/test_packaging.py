@@ -6,9 +6,12 @@ tests check the sources those come from.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import re
 from pathlib import Path
+
+import pytest
 
 import headwise
 
@@ -52,3 +55,21 @@ def test_importing_headwise_in_a_fresh_interpreter_prints_nothing():
     run = subprocess.run([sys.executable, "-W", "default", "-c", "import headwise, headwise.cli"],
                          capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0 and run.stdout == "" and run.stderr == "", run.stderr
+
+
+@pytest.mark.parametrize("old", ["headwise.mask_mods", "headwise.varlen", "headwise.embed", "headwise.deprecation",
+                                 "headwise.convert"])
+def test_no_old_home_of_a_name_is_kept_before_a_release(old):
+    """One home per name: a module that only re-exported or renamed names elsewhere is gone
+    (nothing was published under it), and so is every ``__getattr__`` table of moved names."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+    import headwise.dispatch
+    import headwise.distributed.ring
+    import headwise.kernels.chunked
+    import headwise.kernels.common
+    import headwise.module
+
+    for module in (headwise.dispatch, headwise.distributed.ring, headwise.kernels.chunked, headwise.kernels.common,
+                   headwise.module):
+        assert "__getattr__" not in vars(module), module.__name__

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import headwise
-from headwise import mask_mods as mm
+from headwise import masks
 
 BACKENDS = ["matmul", "einsum", "bmm", "einops", "sdpa", "chunked", "varlen", "auto"]
 B, H, Hkv, S, Sk, D = 2, 4, 2, 6, 9, 8
@@ -86,7 +86,7 @@ def test_a_float32_call_returns_a_float32_lse_and_packed_attention_returns_its_r
 def test_merging_parts_over_disjoint_keys_is_attention_over_all_of_them(backend, cuts):
     q, k, v = inputs(1)
     bounds = [0, *cuts, Sk] if cuts != (0, 9) else [0, 0, 9]
-    rule = mm.causal  # with S < Sk raw positions: late keys are empty for early rows, a part may be all empty
+    rule = masks.causal  # with S < Sk raw positions: late keys are empty for early rows, a part may be all empty
     outs, lses = [], []
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         part = lambda b, h, i, j, lo=lo: rule(b, h, i, j + lo)  # noqa: E731 - the part's keys at their positions
@@ -129,8 +129,7 @@ def test_the_ring_merges_with_the_public_function():
     import headwise.pieces as pieces
 
     assert ring.merge_into is pieces.merge_into
-    with pytest.warns(FutureWarning, match="moved to headwise.pieces.merge_into"):
-        assert ring.merge is pieces.merge_into
+    assert not hasattr(ring, "merge")  # one home per name: no old name kept before a release
 
 
 def _triton_skip_reason() -> str | None:

@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headwise
-from headwise import mask_mods as mm
 from headwise import masks, policy
-from headwise.rules import Rules, TileMap, evaluate_mask, grid, tile_map
+from headwise.evaluate import evaluate_mask, grid
+from headwise.masks import TileMap, tile_map
+from headwise.rules import Rules
 
 BACKENDS = ["matmul", "einsum", "bmm", "einops", "sdpa", "chunked", "varlen", "auto"]
 B, H, Hkv, D = 2, 4, 2, 8
@@ -53,20 +54,20 @@ IDS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 1, 1, 
 TABLE = torch.randn(8, H, dtype=torch.float64)
 
 MASK_CASES = {
-    "document-causal": dict(mask_mod=mm.and_masks(mm.causal, mm.document(IDS))),
-    "document-is-causal": dict(mask_mod=mm.document(IDS[0]), is_causal=True),
-    "prefix-lm": dict(mask_mod=mm.prefix_lm(torch.tensor([3, 6]))),
-    "sliding-window": dict(mask_mod=mm.sliding_window(3)),
+    "document-causal": dict(mask_mod=masks.and_masks(masks.causal, masks.document(IDS))),
+    "document-is-causal": dict(mask_mod=masks.document(IDS[0]), is_causal=True),
+    "prefix-lm": dict(mask_mod=masks.prefix_lm(torch.tensor([3, 6]))),
+    "sliding-window": dict(mask_mod=masks.sliding_window(3)),
     "per-head-lambda": dict(mask_mod=lambda b, h, q, kv: (kv - q).abs() <= h + 1),
-    "or-masks": dict(mask_mod=mm.or_masks(mm.sliding_window(2), mm.prefix_lm(2))),
-    "with-padding": dict(mask_mod=mm.causal, attention_mask=torch.tensor([[True] * 10 + [False] * 2] * 2)),
+    "or-masks": dict(mask_mod=masks.or_masks(masks.sliding_window(2), masks.prefix_lm(2))),
+    "with-padding": dict(mask_mod=masks.causal, attention_mask=torch.tensor([[True] * 10 + [False] * 2] * 2)),
     "empty-rows": dict(mask_mod=lambda b, h, q, kv: (q % 3 != 0) & (kv < q)),
 }
 SCORE_CASES = {
-    "t5-bias": dict(score_mod=mm.relative_position_bias(TABLE, max_distance=16)),
+    "t5-bias": dict(score_mod=masks.relative_position_bias(TABLE, max_distance=16)),
     "general": dict(score_mod=lambda s, b, h, q, kv: s * torch.tanh(s) + 0.1 * h - 0.01 * (q - kv).abs()),
     "general-with-mask": dict(score_mod=lambda s, b, h, q, kv: torch.tanh(s / 2) * 2,
-                              mask_mod=mm.and_masks(mm.causal, mm.document(IDS))),
+                              mask_mod=masks.and_masks(masks.causal, masks.document(IDS))),
 }
 
 
@@ -111,7 +112,7 @@ def test_score_mod_on_every_backend_that_serves_it_equals_the_formula(backend, c
 
 @pytest.mark.parametrize("backend", ["matmul", "chunked", "sdpa", "varlen", "auto"])
 def test_rules_with_cross_attention_lengths_use_raw_positions(backend, small_tiles):
-    _check(backend, dict(mask_mod=lambda b, h, q, kv: kv <= q + 2, score_mod=mm.relative_position_bias(TABLE)),
+    _check(backend, dict(mask_mod=lambda b, h, q, kv: kv <= q + 2, score_mod=masks.relative_position_bias(TABLE)),
            S=6, Sk=11)
 
 
@@ -119,11 +120,11 @@ def test_rules_with_cross_attention_lengths_use_raw_positions(backend, small_til
 def test_a_learned_bias_table_gets_exact_gradients(backend, small_tiles):
     q, k, v = inputs()
     table = TABLE.clone().requires_grad_(True)
-    rule = mm.relative_position_bias(table, max_distance=16)
-    out = headwise.attention(q, k, v, backend=backend, score_mod=rule, mask_mod=mm.causal)
+    rule = masks.relative_position_bias(table, max_distance=16)
+    out = headwise.attention(q, k, v, backend=backend, score_mod=rule, mask_mod=masks.causal)
     (got,) = torch.autograd.grad(out.square().sum(), table)
     want_table = TABLE.clone().requires_grad_(True)
-    want = oracle(q, k, v, mask_mod=mm.causal, score_mod=mm.relative_position_bias(want_table, max_distance=16))
+    want = oracle(q, k, v, mask_mod=masks.causal, score_mod=masks.relative_position_bias(want_table, max_distance=16))
     (expected,) = torch.autograd.grad(want.square().sum(), want_table)
     torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
     assert got.abs().sum() > 0
@@ -133,7 +134,7 @@ def test_a_learned_bias_table_gets_exact_gradients(backend, small_tiles):
 def test_a_row_the_rules_leave_empty_is_zeros_and_excluded_nan_reaches_nothing(backend, small_tiles):
     q, k, v = inputs()
     dead_key = 11  # attended by no query under the rule
-    rule = mm.and_masks(mm.causal, lambda b, h, qi, kv: (qi % 4 != 0) & (kv != dead_key))
+    rule = masks.and_masks(masks.causal, lambda b, h, qi, kv: (qi % 4 != 0) & (kv != dead_key))
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[:, :, dead_key] = float("nan")
     v2[:, :, dead_key] = float("inf")
@@ -154,9 +155,9 @@ def test_a_row_the_rules_leave_empty_is_zeros_and_excluded_nan_reaches_nothing(b
 def test_random_combinations_of_the_helpers_equal_the_formula(parts, combine, backend, S, seed):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.sort(torch.randint(0, 3, (B, S), generator=gen), dim=1).values
-    made = {"causal": mm.causal, "window": mm.sliding_window(1 + seed % 4), "document": mm.document(ids),
-            "prefix": mm.prefix_lm(seed % 5), "lambda": lambda b, h, q, kv: (q + kv + h) % 3 != 0}
-    rule = (mm.and_masks if combine == "and" else mm.or_masks)(*[made[p] for p in parts])
+    made = {"causal": masks.causal, "window": masks.sliding_window(1 + seed % 4), "document": masks.document(ids),
+            "prefix": masks.prefix_lm(seed % 5), "lambda": lambda b, h, q, kv: (q + kv + h) % 3 != 0}
+    rule = (masks.and_masks if combine == "and" else masks.or_masks)(*[made[p] for p in parts])
     q, k, v = inputs(S, S, seed)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(policy, "CHUNKED_BLOCK_Q", 3)
@@ -171,10 +172,10 @@ def test_random_combinations_of_the_helpers_equal_the_formula(parts, combine, ba
 
 def test_the_builtin_keywords_and_mask_mod_combine_with_and():
     q, k, v = inputs()
-    out = headwise.attention(q, k, v, is_causal=True, window=4, mask_mod=mm.prefix_lm(0) | mm.document(IDS[0]),
+    out = headwise.attention(q, k, v, is_causal=True, window=4, mask_mod=masks.prefix_lm(0) | masks.document(IDS[0]),
                              backend="chunked")
-    want = oracle(q, k, v, mask_mod=mm.and_masks(mm.sliding_window(4), mm.or_masks(mm.prefix_lm(0),
-                                                                                   mm.document(IDS[0]))))
+    want = oracle(q, k, v, mask_mod=masks.and_masks(masks.sliding_window(4), masks.or_masks(masks.prefix_lm(0),
+                                                                                   masks.document(IDS[0]))))
     torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
 
 
@@ -186,7 +187,7 @@ def test_chunked_skips_the_empty_tiles_and_masks_only_the_partial_ones(monkeypat
     monkeypatch.setattr(chunked, "evaluate_mask", lambda *a, **kw: evaluated.append(a[3:5]) or real(*a, **kw))
     q, k, v = inputs()
     ids = torch.tensor([0] * 4 + [1] * 8)
-    rule = mm.and_masks(mm.causal, mm.document(ids))
+    rule = masks.and_masks(masks.causal, masks.document(ids))
     states = tile_map(rule, B, H, 12, 12, block=(4, 4)).states[0, 0]
     assert states.tolist() == [[1, 0, 0], [0, 1, 0], [0, 2, 1]]  # empty 0, partial 1, full 2
     with headwise.trace() as t:
@@ -197,7 +198,7 @@ def test_chunked_skips_the_empty_tiles_and_masks_only_the_partial_ones(monkeypat
 
 
 def test_a_tile_map_is_reused_as_built_and_says_its_shares(monkeypatch):
-    rule = mm.and_masks(mm.causal, mm.document(torch.tensor([0] * 4 + [1] * 8)))
+    rule = masks.and_masks(masks.causal, masks.document(torch.tensor([0] * 4 + [1] * 8)))
     tm = tile_map(rule, 1, 1, 12, 12, block=(4, 4))
     assert isinstance(tm, TileMap) and tm.shares() == {"empty": 5 / 9, "partial": 3 / 9, "full": 1 / 9}
     assert "3 x 3 tiles of 4 x 4, 56% empty, 11% full, 33% partial" in tm.describe()
@@ -207,9 +208,7 @@ def test_a_tile_map_is_reused_as_built_and_says_its_shares(monkeypatch):
         assert torch.equal(tile, want)
     monkeypatch.setattr(policy, "CHUNKED_BLOCK_Q", 4)
     monkeypatch.setattr(policy, "CHUNKED_BLOCK_K", 4)
-    import headwise.rules as rules
-
-    monkeypatch.setattr(rules.Document, "tile_states", lambda *a: pytest.fail("the map's states were rebuilt"))
+    monkeypatch.setattr(masks.Document, "tile_states", lambda *a: pytest.fail("the map's states were rebuilt"))
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 1, 12, 4, dtype=torch.float64, generator=gen) for _ in range(3))
     out = headwise.attention(q, k, v, mask_mod=tm, backend="chunked")
@@ -299,8 +298,8 @@ def test_a_block_mask_is_attended_as_its_blocks(backend, case, small_tiles):
 def test_a_block_mask_and_a_mask_mod_combine_with_and():
     block_mask = _block_masks()["mask_mod on partial blocks only"]
     q, k, v = inputs()
-    allowed = _block_rule(block_mask, B, H, 12, 12) & mm.causal(None, None, *grid(1, 1, (0, 12), (0, 12), None)[2:])
-    out = headwise.attention(q, k, v, block_mask, mask_mod=mm.causal, backend="chunked")
+    allowed = _block_rule(block_mask, B, H, 12, 12) & masks.causal(None, None, *grid(1, 1, (0, 12), (0, 12), None)[2:])
+    out = headwise.attention(q, k, v, block_mask, mask_mod=masks.causal, backend="chunked")
     torch.testing.assert_close(out, oracle(q, k, v, attention_mask=allowed), atol=1e-10, rtol=1e-10)
 
 
@@ -341,13 +340,13 @@ def test_a_block_mask_that_does_not_fit_the_call_is_refused():
 def test_auto_picks_by_the_rule_and_says_why(monkeypatch):
     q, k, v = (torch.randn(1, 2, 2048, 16) for _ in range(3))
     ids = torch.arange(2048) // 256
-    d = headwise.choose_backend(q, k, v, mask_mod=mm.and_masks(mm.causal, mm.document(ids)))
+    d = headwise.choose_backend(q, k, v, mask_mod=masks.and_masks(masks.causal, masks.document(ids)))
     assert d.backend == "varlen" and "8 in 1 row, the longest 256 tokens" in d.reason
     d = headwise.choose_backend(q, k, v, score_mod=lambda s, b, h, i, j: s * 2)
     assert d.backend == "chunked" and "a general score_mod" in d.reason
-    d = headwise.choose_backend(q, k, v, mask_mod=mm.sliding_window(64))
+    d = headwise.choose_backend(q, k, v, mask_mod=masks.sliding_window(64))
     assert d.backend == "chunked" and "of the mask rule's tiles are empty" in d.reason
-    d = headwise.choose_backend(q[:, :, :64], k[:, :, :64], v[:, :, :64], mask_mod=mm.prefix_lm(3))
+    d = headwise.choose_backend(q[:, :, :64], k[:, :, :64], v[:, :, :64], mask_mod=masks.prefix_lm(3))
     assert d.backend == "sdpa" and "SDPA with the rules materialised as one mask" in d.reason
 
 
@@ -362,18 +361,18 @@ def test_rules_refuse_what_cannot_be_a_rule():
     with pytest.raises(ValueError, match=r"score_mod <lambda> returned shape \(5,\), which does not broadcast"):
         headwise.attention(q, k, v, score_mod=lambda s, b, h, qi, kv: s.new_ones(5), backend="matmul")
     with pytest.raises(ValueError, match=r"document's doc_ids \(1, 4\) must cover"):
-        headwise.attention(q, k, v, mask_mod=mm.document(torch.zeros(4, dtype=torch.long)))
+        headwise.attention(q, k, v, mask_mod=masks.document(torch.zeros(4, dtype=torch.long)))
     with pytest.raises(ValueError, match="backend 'triton'"):
-        headwise.attention(q, k, v, mask_mod=mm.causal, score_mod=lambda s, *a: s, backend="triton")
+        headwise.attention(q, k, v, mask_mod=masks.causal, score_mod=lambda s, *a: s, backend="triton")
 
 
 def test_rules_describe_and_the_legacy_keywords():
-    rules = Rules(is_causal=True, window=3, mask_mod=mm.causal, score_mod=mm.relative_position_bias(TABLE))
+    rules = Rules(is_causal=True, window=3, mask_mod=masks.causal, score_mod=masks.relative_position_bias(TABLE))
     assert rules.describe() == "mask_mod causal, score_mod relative_position_bias((8, 4) table)"
     assert rules.keywords() == dict(is_causal=True, window=3, alibi_slopes=None, softcap=None, sinks=None,
                                     sink_tokens=0)
     assert not Rules(softcap=2.0).additive and Rules(score_mod=rules.score_mod).additive
-    assert masks.and_masks is mm.and_masks and masks.tile_map is tile_map
+    assert masks.and_masks is masks.and_masks and masks.tile_map is tile_map
 
 
 def test_the_module_takes_rules_per_call_and_in_its_constructor():
@@ -381,11 +380,11 @@ def test_the_module_takes_rules_per_call_and_in_its_constructor():
     mha = headwise.MultiHeadAttention(16, 4, num_kv_heads=2, is_causal=True).double()
     x = torch.randn(2, 12, 16, dtype=torch.float64)
     dense = (IDS[:, :, None] == IDS[:, None, :])[:, None]  # (B, 1, S, S)
-    torch.testing.assert_close(mha(x, mask_mod=mm.document(IDS)), mha(x, dense), atol=1e-12, rtol=1e-12)
-    windowed = headwise.MultiHeadAttention(16, 4, num_kv_heads=2, is_causal=True, mask_mod=mm.sliding_window(3))
+    torch.testing.assert_close(mha(x, mask_mod=masks.document(IDS)), mha(x, dense), atol=1e-12, rtol=1e-12)
+    windowed = headwise.MultiHeadAttention(16, 4, num_kv_heads=2, is_causal=True, mask_mod=masks.sliding_window(3))
     windowed.double()
     windowed.load_state_dict(mha.state_dict())
-    both = windowed(x, mask_mod=mm.document(IDS))  # the constructor's and the call's, ANDed
+    both = windowed(x, mask_mod=masks.document(IDS))  # the constructor's and the call's, ANDed
     band = torch.ones(12, 12, dtype=torch.bool).tril() & ~torch.ones(12, 12, dtype=torch.bool).tril(-3)
     torch.testing.assert_close(both, mha(x, dense & band), atol=1e-12, rtol=1e-12)
     cache = windowed.new_cache(2, 12)
@@ -393,9 +392,9 @@ def test_the_module_takes_rules_per_call_and_in_its_constructor():
         steps = [windowed(x[:, :5], cache=cache)] + [windowed(x[:, i:i + 1], cache=cache) for i in range(5, 12)]
     torch.testing.assert_close(torch.cat(steps, 1), windowed(x), atol=1e-12, rtol=1e-12)
     table = TABLE.clone().requires_grad_(True)
-    mha(x, score_mod=mm.relative_position_bias(table)).sum().backward()
+    mha(x, score_mod=masks.relative_position_bias(table)).sum().backward()
     assert table.grad is not None and table.grad.abs().sum() > 0
-    sliding = headwise.MultiHeadAttention(16, 4, window=3, mask_mod=mm.causal).double()
+    sliding = headwise.MultiHeadAttention(16, 4, window=3, mask_mod=masks.causal).double()
     evicting = sliding.new_cache(2, 12, evict=True)
     refused = pytest.raises(ValueError, match="mask_mod / score_mod with an evicting cache that has dropped")
     with torch.no_grad(), refused:
@@ -404,7 +403,7 @@ def test_the_module_takes_rules_per_call_and_in_its_constructor():
 
 
 def test_the_modules_plan_and_dispatch_say_what_a_call_with_rules_runs():
-    mha = headwise.MultiHeadAttention(32, 4, is_causal=True, packing=True, mask_mod=mm.prefix_lm(2))
+    mha = headwise.MultiHeadAttention(32, 4, is_causal=True, packing=True, mask_mod=masks.prefix_lm(2))
     x = torch.randn(8, 64, 32)
     padding = torch.ones(8, 64, dtype=torch.bool)
     padding[:, 20:] = False
@@ -413,7 +412,7 @@ def test_the_modules_plan_and_dispatch_say_what_a_call_with_rules_runs():
     assert plan.path == "dense" and "mask_mod / score_mod: the dense path" in plan.why
     ids = torch.arange(2048) // 256
     wide = headwise.MultiHeadAttention(32, 4, is_causal=True)
-    d = wide.dispatch(torch.randn(1, 2048, 32), mask_mod=mm.document(ids))
+    d = wide.dispatch(torch.randn(1, 2048, 32), mask_mod=masks.document(ids))
     assert d.path == "dense" and d.backend == "varlen" and "a document mask over contiguous documents" in d.reason
     assert d.request.mask_mod and mha.dispatch(x, padding, score_mod=lambda s, *a: s * 2).backend == "chunked"
 
@@ -452,7 +451,7 @@ def loop_oracle(q, k, v, mask_mod=None, score_mod=None, attention_mask=None):
     return torch.stack(rows).reshape(Bq, Hq, S, v.shape[-1])
 
 
-class _Bias(mm.ScoreRule):
+class _Bias(masks.ScoreRule):
     """An additive score_mod (it has ``bias``) whose bias broadcasts: SDPA and varlen fold it into the mask."""
 
     additive = True
@@ -588,7 +587,8 @@ def _flex_cases(table):
         "mask allowed[h][q][kv]": dict(mask_mod=lambda b, h, q_idx, kv_idx: ALLOWED[h][q_idx][kv_idx]),
         "score s + bias[b][q]": dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + table[b][q_idx]),
         "score s + bias[h][q][kv]": dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + HEAD_BIAS[h][q_idx][kv_idx]),
-        "both, anded with causal": dict(mask_mod=mm.and_masks(mm.causal, lambda b, h, q_idx, kv_idx: KEEP[b][kv_idx]),
+        "both, anded with causal": dict(mask_mod=masks.and_masks(masks.causal,
+                                                                 lambda b, h, q_idx, kv_idx: KEEP[b][kv_idx]),
                                         score_mod=lambda s, b, h, q_idx, kv_idx: s + table[b][q_idx]),
     }
 
@@ -613,32 +613,6 @@ def test_a_flex_function_with_chained_indexing_runs_unchanged(backend, case, siz
             headwise.attention(*flex_inputs(Bn, S), backend=backend, **kwargs)
         return
     _check_against_loops(backend, q_k_v=flex_inputs(Bn, S), leaves=(table,), **kwargs)
-
-
-@pytest.mark.parametrize("sizes", [(2, 12), (4, 4)], ids=["B<S", "B==S"])
-def test_every_evaluation_of_a_rule_reads_a_flex_function_the_flex_way(sizes):
-    from headwise.rules import evaluate_score, evaluate_score_at, grid_at
-
-    Bn, S = sizes
-    keep = lambda b, h, q_idx, kv_idx: KEEP[b][kv_idx] & ALLOWED[h][q_idx][kv_idx]  # noqa: E731
-    bias = lambda s, b, h, q_idx, kv_idx: s * 2 + ROW_BIAS[b][q_idx] + HEAD_BIAS[h][q_idx][kv_idx]  # noqa: E731
-    want_mask = KEEP[:Bn, None, None, :S] & ALLOWED[None, :, :S, :S]  # (B, H, S, Sk)
-    scores = torch.randn(Bn, H, S, S, dtype=torch.float64)
-    want_scores = scores * 2 + ROW_BIAS[:Bn, None, :S, None] + HEAD_BIAS[None, :, :S, :S]
-    got = evaluate_mask(keep, Bn, H, (1, S), (2, S), None)
-    assert torch.equal(got.expand(Bn, H, S - 1, S - 2), want_mask[:, :, 1:, 2:])
-    torch.testing.assert_close(evaluate_score(bias, scores[:, :, 1:, 2:], (1, S), (2, S)), want_scores[:, :, 1:, 2:])
-    heads, rows = torch.tensor([3, 1]), torch.tensor([S - 1, 0])
-    at = grid_at(Bn, heads, rows, S)
-    torch.testing.assert_close(evaluate_score_at(bias, scores[:, heads][:, :, rows], *at),
-                               want_scores[:, heads][:, :, rows])
-    assert torch.equal(evaluate_mask(keep, Bn, H, (0, 0), (0, 0), None, at=at).expand(Bn, 2, 2, S),
-                       want_mask[:, heads][:, :, rows])
-    tiles = tile_map(keep, Bn, H, S, S, block=(2, 3)).states  # (B, H, nq, nk)
-    padded = torch.nn.functional.pad(want_mask.to(torch.int8), (0, (-S) % 3, 0, (-S) % 2), mode="replicate")
-    blocks = padded.reshape(Bn, H, -1, 2, padded.shape[-1] // 3, 3)
-    want_tiles = torch.where(blocks.amin((3, 5)) == 1, 2, torch.where(blocks.amax((3, 5)) == 1, 1, 0))
-    assert torch.equal(tiles.expand_as(want_tiles).long(), want_tiles.long())
 
 
 def test_a_broadcast_safe_function_keeps_the_fast_evaluation():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import headwise
-from headwise import mask_mods as mm
+from headwise import masks
 from headwise.kernels import registry
 
 BACKENDS = ["matmul", "einsum", "sdpa", "chunked", "varlen", "auto"]
@@ -21,7 +21,7 @@ CASES = {
     "sinks": dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)),
     "alibi": dict(alibi_slopes=headwise.masks.alibi_slopes(H).double()),
     "softcap": dict(softcap=1.5),
-    "score-mod": dict(score_mod=mm.relative_position_bias(torch.randn(8, H, dtype=torch.float64))),
+    "score-mod": dict(score_mod=masks.relative_position_bias(torch.randn(8, H, dtype=torch.float64))),
     "empty-rows": dict(mask_mod=lambda b, h, i, j: (i != 2) & (j <= i + 1)),
 }
 SELECTIONS = {"all": (None, None), "one-head": ([2], None), "rows": (None, slice(1, 4)), "both": (-1, [0, 4])}

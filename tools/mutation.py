@@ -54,10 +54,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULE = ["module/layer.py", "module/plan.py", "module/dense.py", "module/packed.py", "module/cached.py",
           "module/fused.py", "module/memo.py", "module/checks.py", "module/projections.py", "module/report.py",
           "module/qkv.py", "module/ruled.py", "module/paged.py", "module/torch_mha.py"]
-FILES = ["masks.py", "functional.py", *MODULE, "cache.py", "positions.py", "kernels/sdpa.py", "kernels/chunked.py"]
+FILES = ["masks.py", "mask_contract.py", "functional.py", *MODULE, "cache.py", "positions.py", "kernels/sdpa.py",
+         "kernels/chunked.py"]
 # The tests that exercise those files (explain mode's included: its stages are output too),
 # without the slow Triton interpreter, the Hugging Face models and the benchmark's subprocesses.
-TESTS = ["tests/test_masks.py", "tests/test_functional.py", "tests/test_module.py",
+TESTS = ["tests/test_masks.py", "tests/test_mask_contract.py", "tests/test_functional.py", "tests/test_module.py",
          "tests/test_module_refusals.py", "tests/test_nan_contract.py",
          "tests/test_module_oracles.py", "tests/test_cache.py", "tests/test_positions.py",
          "tests/test_dispatch.py", "tests/test_packing.py", "tests/test_reference.py", "tests/test_tracing.py",

@@ -51,14 +51,10 @@ from types import MappingProxyType
 import torch
 
 from headwise import policy
-from headwise.deprecation import moved
 from headwise.kernels.registry import Kernel, Request, find_kernel, get_kernel, kernels
 from headwise.kernels.varlen import call_shapes as varlen_calls
 
 logger = logging.getLogger(__name__)
-
-__getattr__ = moved(__name__, {name: (policy, f"headwise.policy.{name}") for name in (
-    "SCORES_BUDGET_BYTES", "VARLEN_MIN_PADDING", "VARLEN_SHORT_KEYS", "VARLEN_MIN_PADDING_SHORT")})
 
 _WEIGHT_ORDER = ("matmul", "einsum", "einops", "bmm")
 _DEFAULT_ORDER = ("sdpa", "chunked", "matmul", "einsum", "einops", "bmm")

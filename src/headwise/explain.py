@@ -12,10 +12,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headwise.mask_mods import MaskMod, and_masks, causal, document, prefix_lm, sliding_window
-from headwise.masks import causal_mask, key_padding_mask
+from headwise.evaluate import MaskMod, evaluate_mask
+from headwise.masks import (
+    TileMap,
+    and_masks,
+    causal,
+    causal_mask,
+    document,
+    key_padding_mask,
+    prefix_lm,
+    sliding_window,
+    tile_map,
+)
 from headwise.module import MultiHeadAttention
-from headwise.rules import TileMap, evaluate_mask, tile_map
 from headwise.tracing import Trace, trace
 
 __all__ = ["MEMORY_LIMIT_GIB", "ExplainConfig", "Explained", "command", "explain", "markdown_page",

@@ -22,7 +22,7 @@ keys, query ``i`` at key position ``i + Sk - S``, bottom-right aligned):
   (B, 1, 1, 1), ``h`` (1, H, 1, 1) (the query head), ``q_idx`` (1, 1, S, 1), ``kv_idx``
   (1, 1, 1, Sk), raw positions also when S != Sk. The helpers of :mod:`headwise.masks`
   (``causal``, ``sliding_window``, ``document``, ``prefix_lm``, ``and_masks``, ``or_masks``)
-  know their tiles, so blockwise kernels skip empty ones; a :class:`headwise.rules.TileMap`
+  know their tiles, so blockwise kernels skip empty ones; a :class:`headwise.masks.TileMap`
   is reused as built. A FlexAttention ``BlockMask`` may be given as ``attention_mask``
   instead: attended as Flex attends it, its full blocks whole and its partial blocks where
   its own mask_mod allows (:class:`headwise.rules.BlockRule`);
@@ -53,6 +53,7 @@ from headwise import policy
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch, select
 from headwise.dispatch import logger as dispatch_logger
+from headwise.evaluate import MaskMod, ScoreMod
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros, lse_dtype
 from headwise.kernels.registry import (
@@ -65,18 +66,9 @@ from headwise.kernels.registry import (
     run_kernel,
     takes,
 )
-from headwise.mask_mods import Document, MaskMod, ScoreMod, and_masks
-from headwise.masks import _canonical, check_mask_values, hide_excluded, normalize_mask
-from headwise.rules import (
-    Rules,
-    TileMap,
-    check_functions,
-    document_lengths,
-    from_block_mask,
-    is_block_mask,
-    knows_tiles,
-    score_mod_needs_grad,
-)
+from headwise.mask_contract import check_mask_values, hide_excluded
+from headwise.masks import Document, TileMap, _canonical, and_masks, is_block_mask, normalize_mask
+from headwise.rules import Rules, check_functions, document_lengths, from_block_mask, knows_tiles, score_mod_needs_grad
 from headwise.weights import Selection, weights_from_lse
 from headwise.weights import select as select_weights
 
@@ -434,7 +426,7 @@ class Prepared:
                  excluded_finite: bool = False) -> Tensor:
         """``excluded_finite``: the caller made what ``mask`` excludes for every query finite
         (the module zeroes padded positions of x before projecting them), so the NaN
-        contract's :func:`~headwise.masks.hide_excluded` has nothing to hide."""
+        contract's :func:`~headwise.mask_contract.hide_excluded` has nothing to hide."""
         if mask is not None:
             check_mask_values(mask)
         if not excluded_finite:

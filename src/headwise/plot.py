@@ -96,7 +96,7 @@ def plot_tile_map(states: Tensor, path: str, *, block: tuple[int, int], title: s
 
     Args:
         states: (nq, nk) int8 tile states of one (b, h): 0 empty, 1 partial, 2 full
-            (:class:`headwise.rules.TileMap`'s ``states``).
+            (:class:`headwise.masks.TileMap`'s ``states``).
         path: where to write the PNG.
         block: the (bq, bk) tile, for the axis labels.
         title: the figure's title.

@@ -301,7 +301,7 @@ SCORES_BUDGET_BYTES = 256 * 2**20
 SINKS_CHUNKED_MIN_SCORES = 768 * 768
 
 # ---- rules as functions (dispatch.py, kernels/chunked.py) --------------------------------
-# A mask_mod whose tiles are known (a helper of headwise.mask_mods or a tile map) with at
+# A mask_mod whose tiles are known (a helper of headwise.masks or a tile map) with at
 # least this share of empty 128 x 128 tiles, from RULES_CHUNKED_MIN_SCORES scores per head
 # (S x Sk): "auto" runs chunked, which skips the empty tiles, over SDPA with the rule
 # materialised as a (B|1, H|1, S, Sk) mask, which computes every tile.

@@ -3,9 +3,11 @@
 A kernel reads one :class:`Rules` instead of a keyword per variant. Its parts are the
 public keywords (``is_causal``, ``window``, ``sink_tokens``, ``alibi_slopes``, ``softcap``,
 ``sinks``) and the two functions of FlexAttention, ``mask_mod`` and ``score_mod`` (see
-:mod:`headwise.mask_mods`). The keywords are rules of the same kind: ``is_causal``,
-``window`` and ``sink_tokens`` are one :class:`~headwise.mask_mods.AlignedCausal` mask rule,
-``softcap`` and ``alibi_slopes`` are score rules; ``sinks`` alone acts on the softmax.
+:mod:`headwise.evaluate`). The keywords are rules of the same kind: ``is_causal``,
+``window`` and ``sink_tokens`` are one :class:`~headwise.masks.AlignedCausal` mask rule,
+``softcap`` and ``alibi_slopes`` are score rules (:class:`SoftCap`, :class:`Alibi`, here);
+``sinks`` alone acts on the softmax. A module's rules and a call's combine here too
+(:func:`combine_rules`; :class:`Shifted` places a cached step's queries).
 
 The order of operations, every kernel alike::
 
@@ -17,8 +19,8 @@ The order of operations, every kernel alike::
         rule or mask_mod(b, h, i, j) forbids   # mask_mod ANDs with all of them
     p = softmax([s, sink_h])[:-1] ; dropout ; out = p @ v
 
-:func:`tile_map` marks each (bq, bk) tile of the score grid empty, full or partial, so a
-blockwise kernel skips empty tiles and runs full ones without a mask.
+:func:`headwise.masks.tile_map` marks each (bq, bk) tile of the score grid empty, full or
+partial, so a blockwise kernel skips empty tiles and runs full ones without a mask.
 
 Legend: B batch, H query heads, S query length, Sk key length, bq / bk the rows / columns
 of one tile, nq / nk the tiles along S / Sk, P partial tiles.
@@ -32,273 +34,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headwise.mask_mods import (
-    EMPTY,
-    FULL,
-    PARTIAL,
-    Alibi,
-    AlignedCausal,
-    Bounds,
-    Combined,
-    Document,
+from headwise.evaluate import (
     MaskMod,
-    MaskRule,
     ScoreMod,
-    Shifted,
-    SoftCap,
-    as_4d,
-    states,
+    _broadcasts,
+    _evaluate,
+    _name,
+    evaluate_mask,
+    evaluate_score,
+    evaluated_tile_states,
+    grid,
+    mask_tile_states,
 )
+from headwise.masks import AlignedCausal, Combined, Document, MaskRule, ScoreRule, TileMap, and_masks
+from headwise.tiles import Bounds, as_4d, states
 
-__all__ = ["Rules", "TileMap", "tile_map", "grid", "grid_at", "evaluate_mask", "evaluate_score", "evaluate_score_at",
-           "evaluated_tile_states",
-           "mask_tile_states", "knows_tiles", "document_lengths", "document_rule", "score_mod_needs_grad",
-           "check_functions", "BlockRule", "from_block_mask", "is_block_mask"]
-
-# Pairs evaluated at once when a plain mask_mod is read on the whole grid: bounds the memory
-# of building a tile map to a few tens of MiB whatever S and Sk are.
-_EVAL_PAIRS = 1 << 24
-
-
-def grid(B: int, H: int, rows: tuple[int, int], cols: tuple[int, int],
-         device: torch.device | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The index arguments of a mask_mod / score_mod call on rows [i0, i1) x cols [j0, j1):
-    ``b`` (B, 1, 1, 1), ``h`` (1, H, 1, 1), ``q_idx`` (1, 1, bq, 1), ``kv_idx`` (1, 1, 1, bk), int64."""
-    b = torch.arange(B, device=device).view(B, 1, 1, 1)
-    h = torch.arange(H, device=device).view(1, H, 1, 1)
-    q = torch.arange(rows[0], rows[1], device=device).view(1, 1, -1, 1)
-    kv = torch.arange(cols[0], cols[1], device=device).view(1, 1, 1, -1)
-    return b, h, q, kv
-
-
-def grid_at(B: int, heads: Tensor, rows: Tensor, Sk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The index arguments at chosen heads (h,) and query rows (s,), every key: ``b`` (B, 1, 1, 1),
-    ``h`` (1, h, 1, 1), ``q_idx`` (1, 1, s, 1), ``kv_idx`` (1, 1, 1, Sk)."""
-    b = torch.arange(B, device=heads.device).view(B, 1, 1, 1)
-    kv = torch.arange(Sk, device=heads.device).view(1, 1, 1, Sk)
-    return b, heads.view(1, -1, 1, 1), rows.view(1, 1, -1, 1), kv
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__name__", None) or repr(fn)
-
-
-def _broadcasts(out: Any, want: tuple[int, ...]) -> bool:
-    """Whether ``out`` is a tensor that broadcasts to ``want`` (4 dims) without growing it."""
-    return isinstance(out, Tensor) and out.dim() <= 4 and all(
-        n in (1, w) for n, w in zip(reversed(out.shape), reversed(want), strict=False))
-
-
-def _flex_way(fn: Any, index: tuple[Tensor, Tensor, Tensor, Tensor], score: Tensor | None) -> Tensor | None:
-    """``fn`` evaluated as FlexAttention does (torch's ``_vmap_for_bhqkv``): ``torch.vmap`` over
-    one scalar ``b``, ``h``, ``q_idx``, ``kv_idx`` (and score) at a time, kv innermost:
-    (B, h, s, k), the grid of the four index tensors. None where that fails too."""
-    flat = tuple(t.reshape(-1) for t in index)  # (B,), (h,), (s,), (k,)
-    lead = () if score is None else (0,)
-    f = fn
-    for pos in (3, 2, 1, 0):  # kv_idx innermost, b outermost, as Flex nests them
-        f = torch.vmap(f, in_dims=(*lead, *(0 if n == pos else None for n in range(4))))
-    grid_shape = tuple(t.shape[0] for t in flat)
-    args = flat if score is None else (score.expand(grid_shape), *flat)
-    try:
-        out = f(*args)  # (B, h, s, k)
-    except Exception:  # noqa: BLE001 - the caller reports the broadcast call's own error or result
-        return None
-    return out if isinstance(out, Tensor) and tuple(out.shape) == grid_shape else None
-
-
-def _evaluate(fn: Any, index: tuple[Tensor, Tensor, Tensor, Tensor], score: Tensor | None = None) -> Any:
-    """``fn(b, h, q_idx, kv_idx)`` (``fn(score, ...)`` with a score) on broadcasting index tensors:
-    one call, the fast way. A function written for Flex's scalar indices (``bias[b][q_idx]``)
-    may raise there, or return a result that does not broadcast to the grid (it grows dims);
-    it is then evaluated the Flex way. A number comes back as a 0-d tensor; anything else
-    that is not a tensor comes back as it is, for the caller to name."""
-    want = tuple(score.shape) if score is not None else (
-        index[0].shape[0], index[1].shape[1], index[2].shape[2], index[3].shape[3])
-    args = index if score is None else (score, *index)
-    try:
-        out = fn(*args)
-    except Exception:
-        flex = _flex_way(fn, index, score)
-        if flex is None:
-            raise  # not a Flex function either: its own error
-        return flex
-    if isinstance(out, (bool, int, float)):
-        out = torch.as_tensor(out, device=index[0].device)
-    if not isinstance(out, Tensor) or _broadcasts(out, want):
-        return out
-    flex = _flex_way(fn, index, score)
-    return out if flex is None else flex  # None: the caller names the broadcast call's shape
-
-
-def evaluate_mask(mod: MaskMod, B: int, H: int, rows: tuple[int, int], cols: tuple[int, int],
-                  device: torch.device | None, at: tuple[Tensor, Tensor, Tensor, Tensor] | None = None) -> Tensor:
-    """``mod`` on rows [i0, i1) x cols [j0, j1): bool (B|1, H|1, bq|1, bk|1), True = may attend
-    (``at``: on these index arguments instead, from :func:`grid_at`). A function written for
-    Flex's scalar indices is evaluated as Flex does (see :func:`_evaluate`).
-
-    Raises:
-        TypeError: the function returned something other than a bool tensor (or a bool).
-        ValueError: its result does not broadcast to (B, H, bq, bk).
-    """
-    b, h, q, kv = grid(B, H, rows, cols, device) if at is None else at
-    allowed = _evaluate(mod, (b, h, q, kv))
-    if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
-        got = allowed.dtype if isinstance(allowed, Tensor) else "None" if allowed is None else type(allowed).__name__
-        raise TypeError(f"mask_mod {_name(mod)} must return a bool tensor (True = may attend), got "
-                        f"{got}; compare instead of computing, e.g. kv_idx <= q_idx")
-    want = (B, h.shape[1], q.shape[2], kv.shape[3])
-    if not _broadcasts(allowed, want):
-        raise ValueError(f"mask_mod {_name(mod)} returned shape {tuple(allowed.shape)}, which does not broadcast "
-                         f"to (B, H, S, Sk) = {want}; index with the b, h, q_idx, kv_idx tensors it is given")
-    return as_4d(allowed)
-
-
-def evaluate_score(mod: ScoreMod, scores: Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> Tensor:
-    """``mod`` on a block of scores (B, H, bq, bk) at rows [i0, i1) x cols [j0, j1), in the scores' dtype."""
-    B, H = scores.shape[:2]
-    return evaluate_score_at(mod, scores, *grid(B, H, rows, cols, scores.device))
-
-
-def evaluate_score_at(mod: ScoreMod, scores: Tensor, b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-    """``mod`` on scores (B, h, s, Sk) at the index arguments given: the new scores (B, h, s, Sk)
-    in the scores' dtype, a result that broadcasts (per key, per head, a number) expanded to
-    them. A function written for Flex's scalar indices is evaluated as Flex does.
-
-    Raises:
-        TypeError: the function returned something other than a tensor or a number.
-        ValueError: its result does not broadcast to the scores.
-    """
-    out = _evaluate(mod, (b, h, q, kv), scores)
-    if not isinstance(out, Tensor):
-        got = "None" if out is None else type(out).__name__
-        raise TypeError(f"score_mod {_name(mod)} must return the new scores as a tensor, got {got}; "
-                        "e.g. return score + bias")
-    if not _broadcasts(out, tuple(scores.shape)):
-        raise ValueError(f"score_mod {_name(mod)} returned shape {tuple(out.shape)}, which does not broadcast to the "
-                         f"scores' shape (B, H, S, Sk) = {tuple(scores.shape)}; return the scores' shape (or one "
-                         "that broadcasts to it), indexing with the b, h, q_idx, kv_idx tensors it is given")
-    return out.to(scores.dtype).expand(scores.shape)
-
-
-def evaluated_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tensor:
-    """Tile states of a plain mask_mod, evaluating every pair a block of rows at a time:
-    int8 (B|1, H|1, nq, nk)."""
-    S, Sk, bq, bk = bounds.S, bounds.Sk, bounds.bq, bounds.bk
-    step = max(1, _EVAL_PAIRS // max(1, B * H * Sk * bq)) * bq  # rows per evaluation, whole tiles
-    parts = []
-    for i0 in range(0, S, step):
-        i1 = min(i0 + step, S)
-        allowed = evaluate_mask(mod, B, H, (i0, i1), (0, Sk), bounds.device)  # (B|1, H|1, rows|1, Sk|1)
-        b, h = allowed.shape[:2]
-        allowed = allowed.expand(b, h, i1 - i0, Sk)
-        rows_pad, cols_pad = (-(i1 - i0)) % bq, (-Sk) % bk
-        # Padding repeats the last row and column: it changes neither "any" nor "all".
-        padded = torch.nn.functional.pad(allowed.to(torch.uint8), (0, cols_pad, 0, rows_pad), mode="replicate") \
-            if rows_pad or cols_pad else allowed.to(torch.uint8)
-        tiles = padded.reshape(b, h, -1, bq, padded.shape[-1] // bk, bk)  # (b, h, nq', bq, nk, bk)
-        some = tiles.amax(dim=(3, 5)).bool()  # (b, h, nq', nk)
-        every = tiles.amin(dim=(3, 5)).bool()
-        parts.append(torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8))
-    return torch.cat(parts, dim=2)
-
-
-def mask_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tensor:
-    """int8 (B|1, H|1, nq, nk) tile states of any mask_mod: a rule's own, else evaluated."""
-    own = getattr(mod, "tile_states", None)
-    if callable(own):
-        return own(bounds, B, H)
-    return evaluated_tile_states(mod, bounds, B, H)
-
-
-@dataclass(frozen=True, eq=False)
-class TileMap:
-    """Which (bq, bk) tiles of a mask_mod's (S, Sk) grid are empty, full or partial.
-
-    Calling it is calling its ``mask_mod``, so it is accepted wherever a mask_mod is, and a
-    kernel whose call has the map's shape and tiles reads ``states`` instead of building them.
-
-    Attributes:
-        mask_mod: the rule.
-        shape: (B, H, S, Sk) it was built for.
-        block: (bq, bk).
-        states: int8 (B|1, H|1, nq, nk): 0 empty, 1 partial, 2 full.
-    """
-
-    mask_mod: MaskMod
-    shape: tuple[int, int, int, int]
-    block: tuple[int, int]
-    states: Tensor
-
-    def __call__(self, b, h, q_idx, kv_idx):
-        return self.mask_mod(b, h, q_idx, kv_idx)
-
-    def tile_states(self, bounds: Bounds, B: int, H: int) -> Tensor:
-        if (B, H, bounds.S, bounds.Sk) == self.shape and (bounds.bq, bounds.bk) == self.block:
-            return self.states.to(bounds.device) if bounds.device is not None else self.states
-        return mask_tile_states(self.mask_mod, bounds, B, H)
-
-    def shares(self) -> dict[str, float]:
-        """The share of empty, partial and full tiles (over B x H x nq x nk)."""
-        n = self.states.numel()
-        return {name: int((self.states == value).sum()) / n
-                for name, value in (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))}
-
-    def partial_masks(self) -> tuple[Tensor, Tensor]:
-        """The partial tiles and their pairs: ``index`` (P, 4) of (b, h, tile row, tile column)
-        in ``states``, and ``bits`` (P, bq, bk) bool, True = may attend (pairs past S or Sk False)."""
-        B, H, S, Sk = self.shape
-        bq, bk = self.block
-        index = (self.states == PARTIAL).nonzero()  # (P, 4)
-        bits = torch.zeros(index.shape[0], bq, bk, dtype=torch.bool, device=self.states.device)
-        for n, (b, h, qi, kj) in enumerate(index.tolist()):
-            rows, cols = (qi * bq, min(qi * bq + bq, S)), (kj * bk, min(kj * bk + bk, Sk))
-            allowed = evaluate_mask(self.mask_mod, B, H, rows, cols, self.states.device)
-            tile = allowed[min(b, allowed.shape[0] - 1), min(h, allowed.shape[1] - 1)]
-            bits[n, :rows[1] - rows[0], :cols[1] - cols[0]] = tile
-        return index, bits
-
-    def describe(self) -> str:
-        """One line: the rule, its tiles and their shares."""
-        s = self.shares()
-        nq, nk = self.states.shape[-2:]
-        return (f"{_name(self.mask_mod)}: {nq} x {nk} tiles of {self.block[0]} x {self.block[1]}, "
-                f"{s['empty']:.0%} empty, {s['full']:.0%} full, {s['partial']:.0%} partial")
-
-
-def tile_map(mask_mod: MaskMod, B: int, H: int, S: int, Sk: int, block: tuple[int, int] = (128, 128),
-             device: torch.device | str | None = None) -> TileMap:
-    """Mark each (bq, bk) tile of ``mask_mod``'s (S, Sk) grid empty, full or partial.
-
-    Built eagerly with vectorised tensor ops on ``device`` (no compile): the helpers of
-    :mod:`headwise.mask_mods` from their tiles' bounds, a plain function by evaluating
-    every pair a block of rows at a time. Pass the map as ``mask_mod=`` to reuse it across
-    calls of the same shape.
-
-    Args:
-        mask_mod: ``(b, h, q_idx, kv_idx) -> bool``.
-        B, H, S, Sk: the call's batch, query heads, queries and keys.
-        block: (bq, bk), the tile.
-        device: where to build it (None: the CPU).
-
-    Returns:
-        A :class:`TileMap`.
-
-    >>> from headwise.mask_mods import causal
-    >>> tile_map(causal, 1, 1, 4, 4, block=(2, 2)).states.tolist()
-    [[[[1, 0], [2, 1]]]]
-    """
-    for name, n in (("B", B), ("H", H), ("S", S), ("Sk", Sk)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"tile_map needs {name} >= 1 as an int, got {n!r}")
-    if len(block) != 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in block):
-        raise ValueError(f"tile_map's block must be two ints >= 1 (bq, bk), got {block!r}")
-    if isinstance(mask_mod, TileMap):
-        mask_mod = mask_mod.mask_mod
-    bounds = Bounds(S, Sk, block[0], block[1], torch.device(device) if device is not None else None)
-    states = mask_tile_states(mask_mod, bounds, B, H)
-    return TileMap(mask_mod, (B, H, S, Sk), (block[0], block[1]), states)
-
+__all__ = ["Rules", "SoftCap", "Alibi", "Shifted", "ShiftedScore", "Composed", "combine_rules", "knows_tiles",
+           "document_lengths", "document_rule", "score_mod_needs_grad", "check_functions", "BlockRule",
+           "from_block_mask"]
 
 @dataclass(frozen=True, eq=False)
 class Rules:
@@ -408,6 +161,103 @@ class Rules:
         if self.score_mod is not None:
             words.append(f"score_mod {_name(self.score_mod)}")
         return ", ".join(words)
+
+
+class SoftCap(ScoreRule):
+    """The built-in ``softcap``: ``softcap * tanh(score / softcap)`` (Gemma 2)."""
+
+    def __init__(self, cap: float):
+        self.cap = cap
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / self.cap) * self.cap
+
+    def __repr__(self) -> str:
+        return f"softcap({self.cap})"
+
+
+class Alibi(ScoreRule):
+    """The built-in ``alibi_slopes``: ``score - slope[h] * |q_idx + offset - kv_idx|``."""
+
+    additive = True
+
+    def __init__(self, slopes: Tensor, offset: int):
+        self.slopes, self.offset = slopes, offset
+
+    def bias(self, b, h, q_idx, kv_idx, dtype: torch.dtype | None = None):
+        """``-slope[h] * |q_idx + offset - kv_idx|`` (1, H, S, Sk), in ``dtype`` (None: the slopes')."""
+        dtype = self.slopes.dtype if dtype is None else dtype
+        distance = (q_idx + self.offset - kv_idx).abs().to(dtype)  # (1, 1, S, Sk)
+        return -self.slopes.to(dtype)[h] * distance  # (1, H, 1, 1) x (1, 1, S, Sk) -> (1, H, S, Sk)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score + self.bias(b, h, q_idx, kv_idx, score.dtype)  # the product in the scores' precision
+
+    def __repr__(self) -> str:
+        return f"alibi({self.slopes.numel()} slopes)"
+
+
+class Shifted(MaskRule):
+    """``mask_mod`` with its queries at ``q_idx + offset``: a cached decode step's queries are
+    the tokens after ``offset`` cached ones, so one rule serves prefill and decode."""
+
+    def __init__(self, mod: MaskMod, offset: int):
+        self.mod, self.offset = mod, offset
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.mod(b, h, q_idx + self.offset, kv_idx)
+
+    def tile_states(self, bounds, B, H):
+        return evaluated_tile_states(self, bounds, B, H)
+
+    def __repr__(self) -> str:
+        return f"{getattr(self.mod, '__name__', None) or self.mod!r} (queries from position {self.offset})"
+
+
+class ShiftedScore(ScoreRule):
+    """``score_mod`` with its queries at ``q_idx + offset`` (a cached decode step's, see :class:`Shifted`)."""
+
+    def __init__(self, mod: Any, offset: int):  # a ScoreMod, perhaps with bias()
+        self.mod, self.offset = mod, offset
+        self.additive = bool(getattr(mod, "additive", False))
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.mod(score, b, h, q_idx + self.offset, kv_idx)
+
+    def bias(self, b, h, q_idx, kv_idx):
+        return self.mod.bias(b, h, q_idx + self.offset, kv_idx)
+
+    @property
+    def weight(self):  # what score_mod_needs_grad reads, where the rule has a table
+        return getattr(self.mod, "weight", None)
+
+    def __repr__(self) -> str:
+        return f"{getattr(self.mod, '__name__', None) or self.mod!r} (queries from position {self.offset})"
+
+
+class Composed(ScoreRule):
+    """Two score_mods, one after the other (the module's and the call's)."""
+
+    def __init__(self, first: Any, second: Any):  # ScoreMods, perhaps with bias()
+        self.first, self.second = first, second
+        self.additive = bool(getattr(first, "additive", False) and getattr(second, "additive", False))
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.second(self.first(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+
+    def bias(self, b, h, q_idx, kv_idx):
+        return self.first.bias(b, h, q_idx, kv_idx) + self.second.bias(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"{getattr(self.first, '__name__', None) or self.first!r}, then " \
+               f"{getattr(self.second, '__name__', None) or self.second!r}"
+
+
+def combine_rules(module_rule: Any, call_rule: Any, *, score: bool) -> Any:
+    """The module's rule and the call's together: mask_mods ANDed, score_mods one after the other."""
+    if module_rule is None or call_rule is None:
+        return call_rule if module_rule is None else module_rule
+    return Composed(module_rule, call_rule) if score else and_masks(module_rule, call_rule)
 
 
 def knows_tiles(mod: Any) -> bool:
@@ -570,12 +420,3 @@ def from_block_mask(block_mask: Any, S: int, Sk: int, *, B: int | None = None, H
         full = _listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nk)
     mask_mod = None if block_mask.mask_mod is flex.noop_mask else block_mask.mask_mod
     return BlockRule(_listed(num, index, nk), full, (bq, bk), (S, Sk), mask_mod)
-
-
-def is_block_mask(mask: Any) -> bool:
-    """Whether ``mask`` is a ``torch.nn.attention.flex_attention.BlockMask`` (where torch has one)."""
-    try:
-        from torch.nn.attention.flex_attention import BlockMask
-    except ImportError:  # pragma: no cover - torch without FlexAttention
-        return False
-    return isinstance(mask, BlockMask)

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from headwise.evaluate import evaluate_mask, evaluate_score_at, grid_at
 from headwise.masks import masked_scores
-from headwise.rules import Rules, evaluate_mask, evaluate_score_at, grid_at
+from headwise.rules import Rules
 
 __all__ = ["Selection", "select", "weights_from_lse"]
 

@@ -20,10 +20,11 @@ transformers = pytest.importorskip(
 from transformers import masking_utils as mu  # noqa: E402
 
 import headwise.integrations.transformers as hw_hf  # noqa: E402
+from headwise.evaluate import evaluated_tile_states, mask_tile_states  # noqa: E402
 from headwise.integrations.transformers import register  # noqa: E402
 from headwise.integrations.transformers_masks import TransformersMask, headwise_mask  # noqa: E402
-from headwise.mask_mods import AlignedCausal, Document  # noqa: E402
-from headwise.rules import Bounds, evaluated_tile_states, mask_tile_states  # noqa: E402
+from headwise.masks import AlignedCausal, Document  # noqa: E402
+from headwise.tiles import Bounds  # noqa: E402
 
 ATOL = 1e-5
 

@@ -371,7 +371,7 @@ def test_custom_op_registration_passes_opcheck(interpreter):
     torch.library.opcheck(launch._flash_forward, (*args[:8], 1.5, sinks, [], []),  # softcap and sinks
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     block = configs._rule_block(DEVICE == "cpu")
-    tiles = tile_maps._rule_tiles(headwise.mask_mods.prefix_lm(5), bias, 1, 2, 17, 18, block, q.device)
+    tiles = tile_maps._rule_tiles(headwise.masks.prefix_lm(5), bias, 1, 2, 17, 18, block, q.device)
     torch.library.opcheck(launch._flash_forward, (*args[:6], False, None, None, None, tiles, list(block)),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
@@ -530,7 +530,7 @@ def _lonely_rows(b, h, q_idx, kv_idx):
 def _rule_case(name: str, B: int, S: int, Sk: int):
     """(mask_mod, is_causal) of one case; documents and prefixes cover max(S, Sk) positions."""
     n = max(S, Sk)
-    mm = headwise.mask_mods
+    mm = headwise.masks
     if name == "document-causal":
         return mm.document(torch.arange(n) // 13), True  # 13-token documents straddle the 16 / 32 tiles
     if name == "document-per-row":
@@ -600,7 +600,7 @@ def test_mask_mod_with_alibi_softcap_sinks_and_window(interpreter):
     q, k, v, gen = make_inputs(2, 4, 2, 21, 37, 16, seed=14)
     s = (2 * torch.randn(4, generator=gen)).to(DEVICE).requires_grad_()
     kw = dict(window=9, softcap=2.0, sinks=s, alibi_slopes=headwise.masks.alibi_slopes(4).to(DEVICE),
-              mask_mod=headwise.mask_mods.document(torch.arange(37) // 11))
+              mask_mod=headwise.masks.document(torch.arange(37) // 11))
     grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
     out = headwise.attention(q, k, v, backend="triton", **kw)
     got = torch.autograd.grad(out, (q, k, v, s), grad_out)
@@ -625,7 +625,7 @@ def test_a_users_tile_map_is_read_as_is(interpreter, monkeypatch):
         evaluated.append((q_idx.shape[2], kv_idx.shape[3]))
         return ((kv_idx // 8) % 2 == (q_idx // 8) % 2) | (q_idx >= 32)  # rows 32.. attend all: full tiles
 
-    rule = headwise.rules.tile_map(stripes, B, H, S, Sk, block=block)
+    rule = headwise.masks.tile_map(stripes, B, H, S, Sk, block=block)
     q, k, v, gen = make_inputs(B, H, H, S, Sk, 16, seed=15)
     grad_out = torch.randn(q.shape, generator=gen).to(DEVICE)
     out, grads = run_triton(q, k, v, None, grad_out, mask_mod=rule)
@@ -648,7 +648,7 @@ def test_rule_tiles_hold_the_bits_of_partial_tiles_only():
     bits), full ones after, empty ones never listed; a full tile past Sk becomes partial;
     a fully padded key tile is empty for its batch row; b and h broadcast where the rule does."""
     B, H, S, Sk, block = 2, 3, 70, 75, (32, 32)
-    rule = headwise.mask_mods.document(torch.arange(80) // 30)  # (1, L): states (1, 1, nq, nk)
+    rule = headwise.masks.document(torch.arange(80) // 30)  # (1, L): states (1, 1, nq, nk)
     key_bias = torch.zeros(B, Sk)
     key_bias[1, 32:64] = float("-inf")  # row 1's second key tile is all padding
     row_lists, row_counts, col_lists, col_counts, words = tile_maps._rule_tiles(
@@ -709,7 +709,7 @@ def test_empty_tiles_are_never_visited(interpreter):
     """Each kernel's per-tile step, counted: forward, dq and dkdv visit exactly the kernel
     tiles inside the map's partial and full tiles, fewer than the dense grid's."""
     B, H, S, Sk = 2, 2, 64, 64
-    rule = headwise.mask_mods.document(torch.tensor([0] * 30 + [1] * 34))  # 2 x 2 map tiles, (0, 1) empty
+    rule = headwise.masks.document(torch.tensor([0] * 30 + [1] * 34))  # 2 x 2 map tiles, (0, 1) empty
     ns = jit._compiled(True)._fwd_kernel.fn.__globals__  # where the kernels look their helpers up
     steps = ("_online_softmax", "_dq_step", "_dkdv_step")  # one call per kernel tile computed
     originals = {name: ns[name] for name in steps}
@@ -738,7 +738,7 @@ def test_empty_tiles_are_never_visited(interpreter):
 @needs_triton
 def test_trace_names_the_tile_map_and_its_shares(interpreter):
     q, k, v, gen = make_inputs(2, 4, 2, 64, 64, 16)
-    rule = headwise.mask_mods.document(torch.tensor([0] * 30 + [1] * 34))
+    rule = headwise.masks.document(torch.tensor([0] * 30 + [1] * 34))
     with headwise.trace() as t:
         headwise.attention(q, k, v, is_causal=True, mask_mod=rule, backend="triton")
     note = t.stages[-1].note
@@ -759,7 +759,7 @@ def test_score_mods_are_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match=r"Python score_mod cannot run"):
         headwise.attention(q, q, q, score_mod=double, backend="triton")
     table = torch.zeros(32, 2, requires_grad=True)
-    bias = headwise.mask_mods.relative_position_bias(table)
+    bias = headwise.masks.relative_position_bias(table)
     with pytest.raises(ValueError, match=r"additive score_mod .* cannot reach its scores and its table's gradient"):
         headwise.attention(q, q, q, score_mod=bias, backend="triton")
 
@@ -768,7 +768,7 @@ def test_auto_never_runs_a_mask_mod_through_the_interpreter(monkeypatch):
     """On a CPU the interpreter serves only a named backend: "auto" passes triton over."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q = torch.randn(1, 2, 8, 16)
-    chosen = headwise.choose_backend(q, q, q, mask_mod=headwise.mask_mods.causal)
+    chosen = headwise.choose_backend(q, q, q, mask_mod=headwise.masks.causal)
     assert chosen.backend != "triton" and "runs on CUDA tensors" not in chosen.passed_over.get("triton", "")
 
 

@@ -12,7 +12,7 @@ import torch
 
 import headwise
 from headwise import functional, policy
-from headwise.mask_mods import document
+from headwise.masks import document
 
 E, H = 32, 4
 

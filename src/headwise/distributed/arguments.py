@@ -21,7 +21,8 @@ from headwise.distributed.agreement import _all_gather_rows, _comm_device, _leng
 from headwise.distributed.layout import LAYOUTS, check_layout
 from headwise.distributed.method import METHODS
 from headwise.functional import _check_inputs, _check_structure
-from headwise.masks import check_mask_values, normalize_mask
+from headwise.mask_contract import check_mask_values
+from headwise.masks import normalize_mask
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FIELDS = ("inputs valid", "batch B", "num_heads H", "num_kv_heads Hkv", "head_dim D", "dtype", "is_causal",

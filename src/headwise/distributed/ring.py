@@ -52,15 +52,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from headwise import policy
-from headwise.deprecation import moved
 from headwise.distributed.layout import segments
 from headwise.pieces import merge_into
 
 __all__ = ["RingPlan", "Ring", "Traffic", "TRAFFIC", "ring_attention", "block_forward"]
 
-__getattr__ = moved(__name__, {**{old: (policy, f"headwise.policy.RING_{old}")
-                                  for old in ("BLOCK_Q", "BLOCK_K", "FUSED_ROWS", "PASS_BYTES")},
-                               "merge": ("headwise.pieces", "headwise.pieces.merge_into")})
 # PyTorch's fused CPU flash kernel and its backward (None on builds without them: the plan then never fuses).
 _FUSED_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CPU_BACKWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)

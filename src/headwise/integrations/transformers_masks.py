@@ -15,10 +15,10 @@ into headwise's arguments with :meth:`TransformersMask.attention_kwargs`:
 
 * causal and sliding window, aligned bottom-right (``q_offset - kv_offset == Sk - S``, the
   case of every dynamic cache): ``is_causal=True, window=W``, the keywords the fast paths
-  run natively; otherwise an :class:`~headwise.mask_mods.AlignedCausal` mask_mod with the
+  run natively; otherwise an :class:`~headwise.masks.AlignedCausal` mask_mod with the
   offset (a static cache's unfilled slots, for one);
 * packed sequences (transformers finds them in ``position_ids`` restarting): the document
-  ids become :func:`headwise.mask_mods.document`, so headwise skips the empty tiles or runs
+  ids become :func:`headwise.masks.document`, so headwise skips the empty tiles or runs
   the documents as packed segments; causality and the window inside a document are the
   same rule on raw indices, since positions rise by one inside a document;
 * chunked attention (Llama 4): a chunk rule with the row's left padding;
@@ -42,8 +42,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headwise.mask_mods import AlignedCausal, Bounds, MaskRule, and_masks, as_4d, document, states
-from headwise.rules import evaluated_tile_states, mask_tile_states
+from headwise.evaluate import evaluated_tile_states, mask_tile_states
+from headwise.masks import AlignedCausal, MaskRule, and_masks, document
+from headwise.tiles import Bounds, as_4d, states
 
 __all__ = ["headwise_mask", "TransformersMask"]
 

@@ -39,15 +39,13 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from headwise import policy
-from headwise.deprecation import moved
+from headwise.evaluate import MaskMod, evaluate_mask, mask_tile_states
 from headwise.kernels import describe
 from headwise.kernels.chunked_rows import rows_attention
 from headwise.kernels.common import blocks, lse_dtype
 from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage
-from headwise.mask_mods import EMPTY, FULL, Bounds, MaskMod
-from headwise.rules import Rules, evaluate_mask, mask_tile_states
-
-__getattr__ = moved(__name__, {old: (policy, f"headwise.policy.CHUNKED_{old}") for old in ("BLOCK_Q", "BLOCK_K")})
+from headwise.rules import Rules
+from headwise.tiles import EMPTY, FULL, Bounds
 
 
 def _tile_drop(seed: int, tile: int, shape: tuple[int, ...], dropout_p: float,
@@ -66,7 +64,7 @@ def _causal_tile(i0: int, i1: int, j0: int, j1: int, offset: int, window: int | 
     else a bool (bq, bk) mask (True = may attend). A tile holding a sink key (``j0 <
     sink_tokens``) is never skipped for lying before the window.
 
-    The same rule as :class:`headwise.mask_mods.AlignedCausal`, decided on Python ints: the
+    The same rule as :class:`headwise.masks.AlignedCausal`, decided on Python ints: the
     built-in rules read no tensor on the host (no device sync, no torch.compile graph break),
     where a mask_mod's tile map is read back with ``tolist``.
     """

@@ -31,10 +31,11 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from headwise import policy
+from headwise.evaluate import evaluate_mask, mask_tile_states
 from headwise.kernels.common import blocks, lse_dtype, row_lse
-from headwise.mask_mods import EMPTY, Bounds
 from headwise.masks import masked_scores, safe_softmax
-from headwise.rules import Rules, evaluate_mask, mask_tile_states
+from headwise.rules import Rules
+from headwise.tiles import EMPTY, Bounds
 
 
 def rows_per_block(B: int, H: int, Sk: int, itemsize: int, most: int) -> int:

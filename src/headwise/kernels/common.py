@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from headwise import policy
-from headwise.deprecation import moved
 from headwise.masks import masked_scores, safe_softmax
 from headwise.rules import Rules
 
@@ -118,10 +117,6 @@ def attached_zeros(like: Tensor, *also: Tensor, size: int | None = None) -> Tens
     for t in also:
         out = out + torch.where(never, t.sum(), 0.0)
     return out
-
-
-__getattr__ = moved(__name__, {name: (policy, f"headwise.policy.{name}") for name in ("BUCKET_SLACK",
-                                                                                       "DIRECT_MIN_LENGTH")})
 
 
 def length_buckets(lengths: list[int], slack: float | None = None) -> list[list[int]]:  # None: the policy's

@@ -18,7 +18,7 @@ A kernel is a function with one keyword-only signature::
   ``alibi_slopes`` ((H,): add ``-slope_h * |i + Sk - S - j|``), ``softcap`` (Gemma 2's
   ``s = softcap * tanh(s / softcap)``), ``sinks`` ((H,) logits: one more softmax column per
   row that adds nothing to the output, gpt-oss), and the user's ``mask_mod`` /
-  ``score_mod`` (FlexAttention's functions, see :mod:`headwise.mask_mods`);
+  ``score_mod`` (FlexAttention's functions, see :mod:`headwise.evaluate`);
 * the order of operations is ``s = q k^T * scale``; softcap; ALiBi; score_mod; the mask
   (the caller's, the causal / window rule and mask_mod, ANDed); softmax over
   ``[s, sink_h]`` with the sink column dropped; dropout; ``@ v``;

@@ -12,7 +12,7 @@ call as one appended zero key (see :mod:`headwise.kernels.sdpa`); a row with no 
 gives zeros with or without them. Logit soft-capping is refused, as SDPA cannot apply it.
 Queries are all kept (the functional
 contract gives padded queries an output too); the module's packed path
-(:mod:`headwise.varlen`) also drops padded queries.
+(:mod:`headwise.packing`) also drops padded queries.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim, n rows in a bucket, L a bucket's key count.
@@ -33,8 +33,8 @@ from headwise.kernels.buckets import attend_buckets
 from headwise.kernels.common import attached_zeros, fold_rules, length_buckets
 from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage, Request
 from headwise.kernels.sdpa import sdpa_attention, sdpa_masked, sdpa_stages, with_sink
-from headwise.mask_mods import AlignedCausal
-from headwise.masks import hide_excluded
+from headwise.mask_contract import hide_excluded
+from headwise.masks import AlignedCausal
 from headwise.rules import Rules, document_lengths, document_rule
 
 

@@ -6,11 +6,7 @@ dispatch report (``report``) and the conversions to and from ``torch.nn.Multihea
 (``torch_mha``).
 """
 
-from headwise import policy
-from headwise.deprecation import moved
 from headwise.module.layer import MultiHeadAttention
 from headwise.module.plan import Plan
 
 __all__ = ["MultiHeadAttention", "Plan"]
-
-__getattr__ = moved(__name__, {"PACK_MIN_PADDING": (policy, "headwise.policy.PACK_MIN_PADDING")})

@@ -19,7 +19,7 @@ from headwise import functional
 from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.functional import Prepared, attend
-from headwise.mask_mods import AlignedCausal
+from headwise.masks import AlignedCausal
 from headwise.module import checks, memo
 from headwise.module import projections as proj
 from headwise.module.layer_protocol import Layer

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from headwise.cache import KVCache
-from headwise.deprecation import warn_once
 from headwise.kernels.registry import get_kernel
 from headwise.masks import normalize_mask
 from headwise.module import qkv
@@ -124,14 +123,7 @@ def reference_weight(mha: Layer) -> Tensor:
 
 
 def check_backend(backend: str, packing: bool | str) -> tuple[str, bool | str]:
-    """The constructor's (backend, packing): a known backend (ValueError listing them), and
-    the module's old name for its packed path, backend="varlen", read as packing=True."""
-    if backend == "varlen" and packing == "auto":
-        warn_once("MultiHeadAttention(backend='varlen')",
-                  "MultiHeadAttention(backend='varlen') is now packing=True: 'varlen' names the kernel that "
-                  "drops padded keys, and the module's padding-free path is packing=; backend='varlen' keeps "
-                  "meaning packing=True with 'auto' kernels for now (with packing= given, 'varlen' is the kernel)")
-        return "auto", True
+    """The constructor's (backend, packing): a known backend (ValueError listing them)."""
     if backend != "auto":
         get_kernel(backend)  # ValueError listing the known backends
     return backend, packing

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.dispatch import Dispatch
-from headwise.mask_mods import MaskMod, ScoreMod
+from headwise.evaluate import MaskMod, ScoreMod
 from headwise.masks import alibi_slopes
 from headwise.module import cached, checks, context_parallel, dense, fused, packed, qkv, report, ruled, torch_mha
 from headwise.module import memo as memos
@@ -531,11 +531,11 @@ class MultiHeadAttention(nn.Module):
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention, **kwargs) -> MultiHeadAttention:
-        """Build one from a ``torch.nn.MultiheadAttention``; see :func:`headwise.convert.from_torch`."""
+        """Build one from a ``torch.nn.MultiheadAttention``; see :func:`headwise.module.torch_mha.from_torch`."""
         return torch_mha.from_torch(cls, m, **kwargs)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """The equivalent ``torch.nn.MultiheadAttention``; see :func:`headwise.convert.to_torch`.
+        """The equivalent ``torch.nn.MultiheadAttention``; see :func:`headwise.module.torch_mha.to_torch`.
 
         Raises:
             ValueError: a causal module (torch's takes causality per call: build this one

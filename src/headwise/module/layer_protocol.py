@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from headwise.mask_mods import MaskMod, ScoreMod
+from headwise.evaluate import MaskMod, ScoreMod
 from headwise.positions import RotaryEmbedding
 
 

@@ -4,7 +4,7 @@ A rule is the module's (given to the constructor) and the call's together: mask_
 ANDed, score_mods one after the other. Such a call runs the dense path (the packed and
 fused paths reorder or bypass the scores the rules read), never the memo (the functions
 are the call's own). With a cache, the rules see the queries at their positions in the
-sequence (``q_idx`` counts from the first cached token, :class:`headwise.mask_mods.Shifted`),
+sequence (``q_idx`` counts from the first cached token, :class:`headwise.rules.Shifted`),
 so one rule serves prefill and decode; an evicting cache, whose keys are no longer at
 their positions, and context parallelism refuse rules.
 
@@ -19,11 +19,11 @@ from typing import Any
 from torch import Tensor
 
 from headwise.cache import KVCache
-from headwise.mask_mods import Shifted, ShiftedScore, combine_rules
 from headwise.module import cached, dense
 from headwise.module import plan as planning
 from headwise.module.layer_protocol import Layer
 from headwise.module.plan import Plan
+from headwise.rules import Shifted, ShiftedScore, combine_rules
 
 
 def rules_of(mha: Layer, mask_mod: Any, score_mod: Any) -> tuple[Any, Any]:

@@ -1,5 +1,5 @@
 """Conversion between :class:`headwise.MultiHeadAttention` and ``torch.nn.MultiheadAttention``
-(the module's ``from_torch`` / ``to_torch``; :mod:`headwise.convert` is the public face).
+(the code of :meth:`headwise.MultiHeadAttention.from_torch` / ``to_torch``).
 
 torch keeps q, k and v in one ``in_proj_weight`` (3E, E); headwise keeps three
 projections, as the documents and Hugging Face models do. Both ways copy the weights.

@@ -30,7 +30,7 @@ What makes it headwise's and not the Triton tutorial's:
   pairs are evaluated, packed 32 to an int32 word, and loaded with their tile. Every kernel
   tile divides the map tile, so forward, dq and dkdv share one map, each walking a map tile
   as several of its own. States of size 1 in b or h broadcast (stride 0); a user's
-  :class:`headwise.rules.TileMap` of the call's shape at that block is read as is. A key
+  :class:`headwise.masks.TileMap` of the call's shape at that block is read as is. A key
   tile that is all padding is empty for its batch row. A ``score_mod`` is refused: a
   Python function cannot run in the precompiled kernel, and a bias score_mod would need
   a dense bias, where the kernel reads one bias per key.

@@ -19,13 +19,13 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from headwise.evaluate import MaskMod
 from headwise.kernels.common import attached_zeros
 from headwise.kernels.registry import KernelResult
 from headwise.kernels.triton.configs import TileConfig, _configs, _rule_block
 from headwise.kernels.triton.jit import _compiled
 from headwise.kernels.triton.support import _interpreted
 from headwise.kernels.triton.tile_maps import _live_key_tiles, _rule_tiles
-from headwise.mask_mods import MaskMod
 from headwise.rules import Rules
 
 LOG2E = math.log2(math.e)
@@ -314,7 +314,7 @@ def triton_attention(
             of its own, sink tokens or a score_mod (dispatch refuses them before calling;
             this guards direct calls).
 
-    >>> from headwise.mask_mods import document  # doctest: +SKIP
+    >>> from headwise.masks import document  # doctest: +SKIP
     >>> out = triton_attention(q, k, v, attention_mask=None, rules=Rules(is_causal=True,
     ...     mask_mod=document(doc_ids)), dropout_p=0.0, scale=0.125, need_weights=False).out  # doctest: +SKIP
     """

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import cast
 
+from headwise.evaluate import MaskMod, mask_tile_states
 from headwise.kernels import describe
 from headwise.kernels.registry import Call, KernelStage
 from headwise.kernels.triton.configs import _rule_block
 from headwise.kernels.triton.support import _interpreted
-from headwise.mask_mods import EMPTY, FULL, PARTIAL, Bounds, MaskMod
-from headwise.rules import mask_tile_states
+from headwise.tiles import EMPTY, FULL, PARTIAL, Bounds
 
 
 def _tile_map_note(call: Call) -> str:

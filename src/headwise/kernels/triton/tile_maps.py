@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from headwise.mask_mods import EMPTY, FULL, PARTIAL, Bounds, MaskMod
-from headwise.rules import evaluate_mask, mask_tile_states
+from headwise.evaluate import MaskMod, evaluate_mask, mask_tile_states
+from headwise.tiles import EMPTY, FULL, PARTIAL, Bounds
 
 
 def _live_key_tiles(key_bias: Tensor, block_n: int) -> tuple[Tensor, Tensor]:
@@ -134,7 +134,7 @@ def _rule_tiles(rule: MaskMod, key_bias: Tensor | None, B: int, H: int, S: int, 
                 block: tuple[int, int], device: torch.device) -> list[Tensor]:
     """The tile map the kernels walk for a mask_mod (the causal / window rule ANDed in).
 
-    Its states come from the rule (a helper's bounds, a :class:`headwise.rules.TileMap` of
+    Its states come from the rule (a helper's bounds, a :class:`headwise.masks.TileMap` of
     this shape and block as is, a plain function evaluated); only the partial tiles' bits
     are built. A full tile that runs past Sk counts as partial (its bits end at Sk), so the
     kernels read full tiles with no bounds check; a key tile that is all padding in a batch
