@@ -33,9 +33,10 @@ settings.register_profile("fuzz-long", max_examples=3000, deadline=None, derando
 FUZZ = settings.get_profile("fuzz-long" if LONG else "fuzz-ci")
 
 
-def budget(ci: int) -> settings:
-    """The profile with ``ci`` examples in CI (the long run keeps its thousands)."""
-    return settings(FUZZ, max_examples=FUZZ.max_examples if LONG else ci)
+def budget(ci: int, long: int | None = None) -> settings:
+    """The profile with ``ci`` examples in CI, and in the long run its thousands (``long``:
+    fewer, for a test whose example takes seconds)."""
+    return settings(FUZZ, max_examples=(long or FUZZ.max_examples) if LONG else ci)
 
 
 REFUSALS = (ValueError, TypeError)  # the only exceptions a caller's mistake may raise
