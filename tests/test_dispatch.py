@@ -316,3 +316,19 @@ def test_cuda_structured_requests_rank_triton_first():
         assert d.reason.startswith("first able backend in the ranking (SDPA's flash kernel takes no mask")
     plain = select(request(device=torch.device("cuda"), dtype=torch.float16))
     assert plain.backend == "sdpa"  # no mask, no window: SDPA's flash kernel stays
+
+
+@pytest.mark.parametrize("b, s", [(0, 0), (1, 0), (0, 3)])
+def test_a_document_mask_mod_on_empty_sizes_is_served_by_auto(b, s):
+    # auto's reason took max() over the documents of every row: with no row (B = 0) or rows
+    # with no document (S = 0) it raised "max() arg is an empty sequence", a ValueError that
+    # read as a refusal of a call every kernel serves
+    from headwise import masks
+
+    q = torch.randn(b, 2, s, D, dtype=torch.float64)
+    rule = masks.document(torch.tensor([0, 0, 1])[:s])
+    choice = choose_backend(q, q, q, mask_mod=rule)
+    assert choice.backend == "varlen" and "the longest 0 tokens" in choice.reason
+    out = attention(q, q, q, mask_mod=rule)
+    assert out.shape == (b, 2, s, D)
+    torch.testing.assert_close(out, attention(q, q, q, mask_mod=rule, backend="matmul"), atol=0, rtol=0)

@@ -396,10 +396,11 @@ def test_the_module_takes_rules_per_call_and_in_its_constructor():
     assert table.grad is not None and table.grad.abs().sum() > 0
     sliding = headwise.MultiHeadAttention(16, 4, window=3, mask_mod=masks.causal).double()
     evicting = sliding.new_cache(2, 12, evict=True)
-    refused = pytest.raises(ValueError, match="mask_mod / score_mod with an evicting cache that has dropped")
+    refused = pytest.raises(ValueError, match="mask_mod / score_mod with an evicting cache whose step would drop 1")
     with torch.no_grad(), refused:
         for i in range(6):
             sliding(x[:, i:i + 1], cache=evicting)
+    assert evicting.evicted == 0 and len(evicting) == 3  # refused at the first step that would evict, before it
 
 
 def test_the_modules_plan_and_dispatch_say_what_a_call_with_rules_runs():

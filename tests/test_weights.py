@@ -134,3 +134,22 @@ def test_without_gradients_the_weights_are_computed_in_place_and_equal(case):
         _, weights = headwise.attention(q, k, v, mask, need_weights=True, weights_rows=[0, 2, 4], **kwargs)
         _, want = headwise.attention(q, k, v, mask, backend="matmul", need_weights=True, **kwargs)
     torch.testing.assert_close(weights, want[:, :, [0, 2, 4]], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["per-key result", "the caller's tensor"])
+def test_without_gradients_a_score_mods_own_result_is_never_written_in_place(kind):
+    # the in-place weights wrote into the score_mod's result: a result that only broadcasts
+    # (expanded, one element per key) raised "more than one element of the written-to tensor
+    # refers to a single memory location"; a full-size tensor the caller holds was overwritten
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    held = torch.randn(1, 2, 3, 3, generator=gen, dtype=torch.float64)
+    kept = held.clone()
+    rules = {"per-key result": lambda s, b, h, i, j: (j * 0.25).to(s.dtype),
+             "the caller's tensor": lambda s, b, h, i, j: held}
+    scores = (torch.arange(3, dtype=torch.float64) * 0.25).expand(1, 2, 3, 3) if kind == "per-key result" else kept
+    want = torch.softmax(scores, -1)
+    with torch.no_grad():
+        _, weights = headwise.attention(q, k, v, score_mod=rules[kind], need_weights=True, backend="chunked")
+    torch.testing.assert_close(weights, want, atol=1e-12, rtol=1e-12)
+    assert torch.equal(held, kept)

@@ -168,7 +168,7 @@ def _rules_ranking(r: Request, budget: int) -> tuple[tuple[str, ...], str]:
     """Preference order for a call with a mask_mod or score_mod (rules 7-9 of the module docstring)."""
     if r.documents is not None:
         counts = [len(row) for row in r.documents]
-        longest = max(max(row) for row in r.documents)
+        longest = max((max(row, default=0) for row in r.documents), default=0)  # B = 0 or S = 0: 0
         return _VARLEN_ORDER, (f"a document mask over contiguous documents ({sum(counts)} in {len(counts)} "
                                f"row{'s' if len(counts) > 1 else ''}, the longest {longest} tokens): varlen attends "
                                "each document on its own, as packed_attention does")

@@ -122,6 +122,8 @@ def weights_from_lse(q: Tensor, k: Tensor, mask: Tensor | None, rules: Rules, ls
         s = masked_scores(masked_scores(s, allowed), keep)
         return torch.exp(s - shift)  # (B, h, s, Sk), differentiable
     # Without gradients every step works in place: the weights are the one (B, h, s, Sk) tensor held.
+    if rules.score_mod is not None:  # its result may be a broadcast view, or a tensor the caller holds
+        s = s.clone(memory_format=torch.contiguous_format)
     if allowed is not None:
         s.masked_fill_(~allowed, float("-inf"))
     if keep is not None:

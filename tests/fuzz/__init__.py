@@ -10,5 +10,7 @@ cores). The long run, thousands of fresh examples per test::
 
     HEADWISE_FUZZ=long python -m pytest -q -p no:cacheprovider tests/fuzz
 
-``HEADWISE_FUZZ=long`` also draws more cases for the two-rank distributed fuzz.
+``HEADWISE_FUZZ=long`` also draws more cases for the two-rank distributed fuzz. The long
+profile is not derandomized; ``--hypothesis-seed=N`` makes a run repeatable, and
+``HEADWISE_FUZZ_SEED=N`` draws other cases for the distributed fuzz (7 by default).
 """

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from headwise import masks
+from headwise.paged_cache import PagedKVCache
 from headwise.testing import reference_attention
 
 LONG = os.environ.get("HEADWISE_FUZZ", "") == "long"
@@ -33,9 +34,10 @@ settings.register_profile("fuzz-long", max_examples=3000, deadline=None, derando
 FUZZ = settings.get_profile("fuzz-long" if LONG else "fuzz-ci")
 
 
-def budget(ci: int) -> settings:
-    """The profile with ``ci`` examples in CI (the long run keeps its thousands)."""
-    return settings(FUZZ, max_examples=FUZZ.max_examples if LONG else ci)
+def budget(ci: int, long: int | None = None) -> settings:
+    """The profile with ``ci`` examples in CI, and in the long run its thousands (``long``:
+    fewer, for a test whose example takes seconds)."""
+    return settings(FUZZ, max_examples=(long or FUZZ.max_examples) if LONG else ci)
 
 
 REFUSALS = (ValueError, TypeError)  # the only exceptions a caller's mistake may raise
@@ -256,7 +258,23 @@ def state_of(obj: Any) -> Any:
                         "memo": {k: id(v) for k, v in obj.__dict__.get("_repeats", {}).items()}, "settings": plain})
     if obj == "functional memo":
         return _freeze({k: id(v) for k, v in functional._REPEATS.items()})
+    if isinstance(obj, PagedKVCache):
+        return _freeze(_paged_state(obj))
     return _freeze(dict(vars(obj)))
+
+
+def _paged_state(pool: PagedKVCache) -> dict:
+    """A paged pool's bookkeeping and what each sequence reads (its keys and values up to its
+    length), not the raw pages: a step refused after its append leaves what it wrote in pages
+    that were free and in slots past the lengths, which no sequence reads (the rollback
+    restores the bookkeeping only, as PagedKVCache.savepoint documents)."""
+    plain = {k: v for k, v in vars(pool).items() if k not in ("_k", "_v", "k_pages", "v_pages")}
+    live = {}
+    for s in pool.sequences:
+        idx, L = torch.tensor(pool.pages(s), dtype=torch.long), pool.length(s)
+        k, v = pool.k_pages[idx].transpose(0, 1), pool.v_pages[idx].transpose(0, 1)  # (Hkv, n, P, D|Dv)
+        live[s] = (k.flatten(1, 2)[:, :L], v.flatten(1, 2)[:, :L])  # (Hkv, L, D|Dv)
+    return {"bookkeeping": plain, "sequences": live}
 
 
 class Unchanged:

@@ -207,7 +207,8 @@ def _check_case(case: dict, results: list[dict]) -> None:
 def test_two_ranks_equal_the_oracle_and_refuse_together(tmp_path):
     from fuzz.fuzz_kit import LONG
 
-    cases = [c for c in draw_cases(seed=7, n=40 if LONG else 5)]
+    seed = int(os.environ.get("HEADWISE_FUZZ_SEED", "7"))  # CI: 7; a long run may draw other cases
+    cases = [c for c in draw_cases(seed=seed, n=40 if LONG else 5)]
     cases.sort(key=lambda c: c["kind"] == "refusal")  # a refusal that hangs stops the group: run them last
     for method in ("ring", "ulysses"):  # a mistake on one rank, every kind, both methods
         for refusal in ("+inf-mask", "bad-shape"):

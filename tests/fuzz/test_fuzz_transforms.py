@@ -133,7 +133,8 @@ def test_functional_call_of_the_module_under_grad_and_jvp(data):
     assert_close("module jvp against finite differences", out_t, fd / (2 * eps), 1e-5)
 
 
-@settings(budget(3), phases=[Phase.explicit, Phase.generate])  # compiling is slow: no shrinking
+# compiling is slow (seconds an example): no shrinking, and 60 examples in the long run (3,000 would take hours)
+@settings(budget(3, long=60), phases=[Phase.explicit, Phase.generate])
 @given(st.data())
 def test_compiled_calls_equal_eager_within_two_graphs(data):
     from torch._dynamo.testing import CompileCounter

@@ -499,3 +499,21 @@ def test_nan_at_a_padded_position_of_a_step_with_gradients_reaches_no_gradient(n
             torch.testing.assert_close(got[key], full[key], atol=1e-10, rtol=0, msg=key)
     torch.testing.assert_close(got["x"][:, 1:], full["x"][:, 1:], atol=1e-10, rtol=0)
     torch.testing.assert_close(got["x"][0], full["x"][0], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(softcap=2.0), dict(num_kv_heads=2, window=3)])
+def test_a_static_cache_with_alibi_and_a_score_mod_equals_the_full_forward(kwargs):
+    # the score_mod reads the scores after ALiBi and before the mask: a static step must not
+    # carry ALiBi in its mask, which is added after the score_mod
+    def halve(score, b, h, q_idx, kv_idx):
+        return score * 0.5 + (q_idx - kv_idx) * 0.01
+
+    mha = module(alibi=True, score_mod=halve, **kwargs)
+    x = torch.randn(2, 7, E, dtype=torch.float64)
+    full = mha(x)
+    for static in (True, False):
+        cache = mha.new_cache(2, 9, static=static)
+        with torch.no_grad():
+            steps = [mha(x[:, :3], cache=cache), mha(x[:, 3:5], cache=cache), mha(x[:, 5:6], cache=cache),
+                     mha(x[:, 6:], cache=cache)]
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-12, rtol=1e-12, msg=f"static={static}")

@@ -147,3 +147,25 @@ def test_rules_with_an_evicting_cache_that_dropped_positions_are_refused():
                 f"mask_mod / score_mod with an evicting cache that has dropped {cache.evicted} positions: its keys "
                 "are no longer at their positions; use a cache without evict=True")):
             mha(torch.randn(1, 1, E, dtype=torch.float64), cache=cache, mask_mod=band)
+
+
+@pytest.mark.parametrize("rule", ["mask_mod", "score_mod"])
+def test_rules_with_a_step_that_would_evict_are_refused_before_anything_changes(rule):
+    # the check ran before the step evicted: the first evicting step attended with its rules
+    # reading slots as positions (0.44 off) instead of being refused
+    mha = module(window=2, is_causal=True)
+    rules = {"mask_mod": sliding_window(2), "score_mod": lambda s, b, h, q_idx, kv_idx: s * 0.5}
+    cache = mha.new_cache(1, 4, evict=True)
+    x = torch.randn(1, 6, E, dtype=torch.float64)
+    with torch.no_grad():
+        first = mha(x[:, :3], cache=cache, **{rule: rules[rule]})  # nothing to evict yet: served
+        torch.testing.assert_close(first, mha(x[:, :3], **{rule: rules[rule]}), atol=1e-12, rtol=1e-12)
+        before = (len(cache), cache.held, cache.evicted, cache.k.clone(), cache.v.clone())
+        with pytest.raises(ValueError, match=re.escape(
+                "mask_mod / score_mod with an evicting cache whose step would drop 2 of its 3 positions "
+                "(window=2, sink_tokens=0): its keys would no longer be at their positions; use a cache "
+                "without evict=True")):
+            mha(x[:, 3:], cache=cache, **{rule: rules[rule]})
+        assert (len(cache), cache.held, cache.evicted) == before[:3]
+        assert torch.equal(cache.k, before[3]) and torch.equal(cache.v, before[4])
+        torch.testing.assert_close(mha(x[:, 3:], cache=cache), mha(x)[:, 3:], atol=1e-12, rtol=1e-12)

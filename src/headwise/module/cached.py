@@ -25,6 +25,7 @@ from headwise.module import projections as proj
 from headwise.module.layer_protocol import Layer
 from headwise.module.plan import Plan
 from headwise.positions import apply_rotary
+from headwise.rules import Alibi, Composed
 from headwise.weights import Selection
 
 
@@ -111,7 +112,8 @@ def _step(mha: Layer, x: Tensor, attention_mask: Tensor | None, plan: Plan, need
     q, k = proj.normalize(mha, q, k)
     causal, window, slopes, sink_tokens = plan.is_causal, mha.window, checks.slopes(mha), mha.sink_tokens
     if cache.static:  # same shapes every step; positions are tensors
-        q, k, v, attention_mask = _static(mha, q, k, v, cache, attention_mask, causal)
+        rules, alibi = static_rules(mha, cache, rules)
+        q, k, v, attention_mask = _static(mha, q, k, v, cache, attention_mask, causal, alibi)
         causal, window, slopes, sink_tokens = False, None, None, 0  # all in the mask now
     else:
         q, k = proj.rotate(mha, q, k, len(cache))
@@ -161,12 +163,13 @@ def _record(cache: KVCache, T: int, k: Tensor) -> None:
 
 
 def _static(mha: Layer, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, mask: Tensor | None,
-            causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            causal: bool, alibi: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Write this step into a static cache; return q, k, v over every slot and the mask.
 
-    The mask (B, 1, T, L), or (B, H, T, L) float with ALiBi, allows the written, unpadded
-    slots, with causality, the window and ALiBi measured from the positions tensor (not
-    from the slot count, which is always L = max_seq_len).
+    The mask (B, 1, T, L), or (B, H, T, L) float with ALiBi (``alibi``, see
+    :func:`static_rules`), allows the written, unpadded slots, with causality, the window and
+    ALiBi measured from the positions tensor (not from the slot count, which is always
+    L = max_seq_len).
     """
     positions = cache.position + torch.arange(q.shape[2], device=q.device)  # (T,) where this step goes
     if mha.rope is not None:  # at the position tensor; dynamic NTK's length is one too (no host read)
@@ -175,7 +178,7 @@ def _static(mha: Layer, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, mask: T
         if trace.ACTIVE:
             trace.record("rotary positions", q, f"{mha.rope.describe()}, positions from the cache's "
                          "position tensor")
-    allowed = static_mask(mha, cache, mask, q.shape[2], causal, q.dtype)  # before the write: it reads the cache
+    allowed = static_mask(mha, cache, mask, q.shape[2], causal, q.dtype, alibi)  # before the write: it reads the cache
     k, v, _ = cache.update_static(k, v, mask)  # (B, Hkv, L, D), (B, Hkv, L, Dv): every slot
     if trace.ACTIVE:
         trace.record("kv cache", k, f"static: write {q.shape[2]} positions at the position tensor "
@@ -183,19 +186,31 @@ def _static(mha: Layer, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, mask: T
     return q, k, v, allowed
 
 
+def static_rules(mha: Layer, cache: KVCache, rules: tuple) -> tuple[tuple, bool]:
+    """A static step's (mask_mod, score_mod) and whether its mask carries ALiBi (read before
+    the step). ALiBi goes in the mask, which the kernels add after the score_mod; but a
+    score_mod reads the scores after ALiBi, so with one ALiBi leads it instead, at the
+    queries' positions (slot j holds position j)."""
+    slopes = checks.slopes(mha)
+    if slopes is None or rules[1] is None:
+        return rules, True
+    return (rules[0], Composed(Alibi(slopes, int(cache.position)), rules[1])), False
+
+
 def static_mask(mha: Layer, cache: KVCache, mask: Tensor | None, T: int, causal: bool,
-                dtype: torch.dtype) -> Tensor:
+                dtype: torch.dtype, alibi: bool = True) -> Tensor:
     """The mask a static cache's step of T positions attends through, read before the step
     (changes nothing; :meth:`~headwise.MultiHeadAttention.dispatch` reads it too): the slots
     written by then, unpadded (``mask``: the step's (B, T) padding, or None), under the
-    module's rules (:func:`rules_mask`, positions from the position tensor)."""
+    module's rules (:func:`rules_mask`, positions from the position tensor; ``alibi``: with
+    ALiBi's bias, see :func:`static_rules`)."""
     positions = cache.position + torch.arange(T, device=cache.position.device)  # (T,) where this step goes
     key_mask = cache.key_mask  # (B, L)
     if mask is not None:  # the step's own padding, where update_static will put it
         key_mask = key_mask.index_copy(1, positions, mask.to(key_mask.device) != 0)
     j = torch.arange(cache.max_seq_len, device=cache.position.device)  # (L,) slot positions
     written = (j < cache.position + T)[None, None, None, :] & key_mask[:, None, None, :]  # (B, 1, 1, L)
-    return rules_mask(mha, positions, j, written, causal, dtype)
+    return rules_mask(mha, positions, j, written, causal, dtype, alibi)
 
 
 def evicting_mask(mha: Layer, cache: KVCache, mask: Tensor | None, T: int, causal: bool,
@@ -218,7 +233,7 @@ def evicting_mask(mha: Layer, cache: KVCache, mask: Tensor | None, T: int, causa
 
 
 def rules_mask(mha: Layer, queries: Tensor, keys: Tensor, allowed: Tensor, causal: bool,
-               dtype: torch.dtype) -> Tensor:
+               dtype: torch.dtype, alibi: bool = True) -> Tensor:
     """The module's positional rules as one mask, for keys that are not positions 0..L-1.
 
     Args:
@@ -227,6 +242,7 @@ def rules_mask(mha: Layer, queries: Tensor, keys: Tensor, allowed: Tensor, causa
         allowed: (B|1, 1, 1, L) bool, the keys that may be attended at all.
         causal: apply the causal rule (a window implies it).
         dtype: the float mask's dtype when ALiBi makes it a bias.
+        alibi: add the module's ALiBi (False: a score_mod carries it, see :func:`static_rules`).
 
     Returns:
         (B|1, 1, T, L) bool with causality, the window and its sink tokens ANDed in, or
@@ -236,7 +252,7 @@ def rules_mask(mha: Layer, queries: Tensor, keys: Tensor, allowed: Tensor, causa
     if causal or mha.window is not None:  # the one causal / window rule, at the true positions
         allowed = allowed & AlignedCausal(0, mha.window, mha.sink_tokens)(None, None, i, j)  # (B|1, 1, T, L)
     allowed = allowed.expand(-1, -1, queries.shape[0], -1)  # (B|1, 1, T, L)
-    if mha.alibi_slopes is None:
+    if mha.alibi_slopes is None or not alibi:
         return allowed
     distance = (i - j).abs().to(dtype)  # (T, L)
     bias = -mha.alibi_slopes.to(dtype)[:, None, None] * distance  # (H, T, L)

@@ -40,7 +40,8 @@ def dispatch(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tens
     kept = 0 if cache is None else sum(cache.kept())  # the held positions the step keeps
     evicted = cache is not None and cache.evicts and (cache.evicted > 0 or kept < cache.held)
     if cache is not None and cache.static:  # every slot, through the mask forward builds
-        attention_mask = cached.static_mask(mha, cache, attention_mask, S, causal, cache.k.dtype)
+        rules, alibi = cached.static_rules(mha, cache, rules)
+        attention_mask = cached.static_mask(mha, cache, attention_mask, S, causal, cache.k.dtype, alibi)
         Sk = cache.max_seq_len
         causal, window, slopes, sink_tokens = False, None, None, 0
     elif cache is not None and evicted:  # the kept positions, through the mask forward builds

@@ -6,7 +6,8 @@ fused paths reorder or bypass the scores the rules read), never the memo (the fu
 are the call's own). With a cache, the rules see the queries at their positions in the
 sequence (``q_idx`` counts from the first cached token, :class:`headwise.rules.Shifted`),
 so one rule serves prefill and decode; an evicting cache, whose keys are no longer at
-their positions, and context parallelism refuse rules.
+their positions once it evicts (from the step that first evicts on), and context
+parallelism refuse rules.
 
 Legend: B batch, S query length, E embed dim.
 """
@@ -41,6 +42,11 @@ def _check(mha: Layer, cache: KVCache | None, mask_mod: Any, score_mod: Any) -> 
     if cache is not None and cache.evicted:
         raise ValueError(f"mask_mod / score_mod with an evicting cache that has dropped {cache.evicted} positions: its "
                          "keys are no longer at their positions; use a cache without evict=True")
+    dropped = cache.held - sum(cache.kept()) if cache is not None and cache.evicts else 0
+    if cache is not None and dropped:  # the step would evict before it attends: refused before anything changes
+        raise ValueError(f"mask_mod / score_mod with an evicting cache whose step would drop {dropped} of its "
+                         f"{cache.held} positions (window={cache.window}, sink_tokens={cache.sink_tokens}): its keys "
+                         "would no longer be at their positions; use a cache without evict=True")
 
 
 def plan(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,
