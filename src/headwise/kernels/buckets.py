@@ -22,7 +22,7 @@ from headwise import policy
 from headwise import tracing as trace
 from headwise.kernels.common import attached_zeros, length_buckets, lse_dtype
 
-Attend = Callable[..., "Tensor | tuple[Tensor, Tensor]"]  # one bucket's attention: see attend_buckets
+_Attend = Callable[..., "Tensor | tuple[Tensor, Tensor]"]  # one bucket's attention: see attend_buckets
 
 
 # --- the buckets --------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _layout(group: list[int], lengths_q, lengths_k, positional: bool,
     return Lq, Lk, q_at, k_at, masked
 
 
-def attend_buckets(q, k, v, lengths_q, lengths_k, attend: Attend, *, is_causal, window, alibi_slopes, dropout_p,
+def attend_buckets(q, k, v, lengths_q, lengths_k, attend: _Attend, *, is_causal, window, alibi_slopes, dropout_p,
                    scale, backend, softcap=None, sinks=None, sink_tokens=0, return_lse=False):
     """Attend each group of sequences (checked inputs), and put the rows back in packed order:
     (Tq, H, Dv), or with ``return_lse`` ``(out, lse (Tq, H))``.
