@@ -33,7 +33,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under pytest-xdist each worker is one process of `-n N`: torch's default of one intra-op
     # thread per core made N workers on N cores run N x N threads, and the suite ran 3x slower
     # (tests/kernels/test_parity.py and test_sdpa.py with -n 2 on 2 cores: 125 s, 37 s with one
-    # thread each). Subprocesses the tests start inherit the setting.
+    # thread each; the whole suite gained less). Subprocesses the tests start inherit the setting.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 
