@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 import headwise
-from headwise.bench import SDPAModule, copy_weights, cpu_name
+from headwise.bench import SDPAModule, copy_weights
+from headwise.calibration import cpu_name
 
 # The issue's rows first, then the grid.
 ISSUE_ROWS = [(1, 32, 256, 4, 0.0), (8, 64, 128, 4, 0.42), (8, 128, 256, 4, 0.32), (16, 128, 384, 6, 0.21),

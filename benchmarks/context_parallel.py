@@ -153,7 +153,7 @@ def table(args, results) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    from headwise.bench import cpu_name
+    from headwise.calibration import cpu_name
 
     def best(runs, key):
         return min(r[key] for r in runs)

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import headwise
-from headwise.bench import SDPAModule, copy_weights, cpu_name
+from headwise.bench import SDPAModule, copy_weights
+from headwise.calibration import cpu_name
 from headwise.module import plan as planning
 from headwise.module import projections as proj
 

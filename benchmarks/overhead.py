@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 import headwise
-from headwise.bench import cpu_name, decode_steps_us
+from headwise.bench import decode_steps_us
+from headwise.calibration import cpu_name
 from headwise.module import fused
 
 

@@ -30,7 +30,7 @@ import torch
 
 import headwise
 from headwise import paged
-from headwise.bench import cpu_name
+from headwise.calibration import cpu_name
 
 PAGE = 16
 

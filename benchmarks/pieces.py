@@ -24,7 +24,8 @@ import sys
 import torch
 
 import headwise
-from headwise.bench import PEAK_CHILD_ENV, cpu_name, peak_rise_mib, round_robin_ms
+from headwise.bench import PEAK_CHILD_ENV, peak_rise_mib, round_robin_ms
+from headwise.calibration import cpu_name
 
 SIDES = {
     "without weights": dict(),

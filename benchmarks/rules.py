@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 import headwise
 from headwise import masks
-from headwise.bench import PEAK_CHILD_ENV, cpu_name, peak_rise_mib, round_robin_ms
+from headwise.bench import PEAK_CHILD_ENV, peak_rise_mib, round_robin_ms
+from headwise.calibration import cpu_name
 from headwise.masks import tile_map
 
 

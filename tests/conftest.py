@@ -29,6 +29,11 @@ if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not N
     else:
         os.environ["TRITON_INTERPRET"] = _before
 
+# "auto" decides with the built-in unit costs of headwise.policy, the same on every machine and
+# run: no measurement at first use, nothing read from a user's calibration file
+# (tests/test_calibration.py and tests/test_tune.py turn it on where they test it).
+os.environ["HEADWISE_TUNE"] = "off"
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under pytest-xdist each worker is one process of `-n N`: torch's default of one intra-op
     # thread per core made N workers on N cores run N x N threads, and the suite ran 3x slower

@@ -105,7 +105,7 @@ def test_command_errors_are_one_line(argv, message, capsys):
     assert len(err) == 1 and message in err[0]
 
 
-@pytest.mark.parametrize("command", ["demo", "explain", "equivalences", "bench", "embed"])
+@pytest.mark.parametrize("command", ["demo", "explain", "equivalences", "bench", "embed", "tune"])
 def test_every_command_has_help(command, capsys):
     assert main([command, "--help"]) == 0
     assert "usage" in capsys.readouterr().out
@@ -124,7 +124,7 @@ def test_bare_headwise_prints_the_help_with_every_command(capsys):
     assert main([]) == 2  # a usage error, as argparse's
     out = capsys.readouterr().out
     assert out.startswith("usage: headwise")
-    for command in ("demo", "explain", "equivalences", "embed", "bench"):
+    for command in ("demo", "explain", "equivalences", "embed", "bench", "tune"):
         assert f"    {command}" in out
 
 
@@ -248,7 +248,7 @@ def _fits_80(text: str) -> None:
     ["explain", "--backend", "auto", "--mask", "lengths", "10,7,3,5", "--causal", "--kv-heads", "2"],
     ["explain", "--causal", "--softcap", "50", "--sinks"],
     ["explain", "--seq", "12", "--batch", "1", "--heads", "2", "--dim", "32", "--rule", "prefix:3"],
-    ["equivalences"], ["equivalences", "--help"], ["bench", "--help"], ["embed", "--help"],
+    ["equivalences"], ["equivalences", "--help"], ["bench", "--help"], ["embed", "--help"], ["tune", "--help"],
 ], ids=" ".join)
 def test_every_command_fits_an_80_column_terminal(argv, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")  # what rich and argparse read

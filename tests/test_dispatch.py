@@ -279,7 +279,8 @@ def test_heavy_key_padding_on_cpu_picks_varlen_when_priced_lower_and_says_why(mo
     assert call_shapes([1024, 256, 256, 256]) == calls
     estimate = headwise.policy.estimate_varlen(4, 8, 8, 256, 1024, 64, calls)
     assert estimate.drops
-    assert (d.backend, d.reason) == ("varlen", f"56% of the keys are padding: varlen drops them per row, {estimate}")
+    assert (d.backend, d.reason) == ("varlen", f"56% of the keys are padding: varlen drops them per row, {estimate}; "
+                                     "unit costs built in (HEADWISE_TUNE=off)")
     assert d.request.key_padding == pytest.approx(0.55) and d.request.key_lengths == (1024, 256, 256, 256)
     # the unit costs are read at each decision: a dear call makes the same keys stay with SDPA
     dear = dataclasses.replace(headwise.policy.INFERENCE_COSTS, bucket_us=1e6)

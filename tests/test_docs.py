@@ -322,7 +322,7 @@ def test_measure_docs_records_the_machine_torch_date_and_command(monkeypatch, tm
     """tools/measure_docs.py, the one command that writes the published tables."""
     import importlib.util
 
-    from headwise import bench
+    from headwise import bench, calibration
 
     spec = importlib.util.spec_from_file_location("measure_docs", ROOT / "tools" / "measure_docs.py")
     tool = importlib.util.module_from_spec(spec)
@@ -334,6 +334,6 @@ def test_measure_docs_records_the_machine_torch_date_and_command(monkeypatch, tm
     assert tool.main(["--repeats", "3", "--out", str(out)]) == 1  # written, but a median did not settle
     assert calls[0]["quick"] and calls[0]["repeats"] == 3 and not calls[0]["memory"]
     measured = json.loads(out.read_text())["measured"]
-    assert measured["cpu"] == bench.cpu_name() and measured["torch"] == torch.__version__
+    assert measured["cpu"] == calibration.cpu_name() and measured["torch"] == torch.__version__
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", measured["date"])
     assert measured["command"] == f"python tools/measure_docs.py --repeats 3 --out {out}"

@@ -20,7 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from headwise import bench
+from headwise import bench, calibration
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "_measured" / "bench.json"
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                        progress=lambda message: print(f"measuring {message}", file=sys.stderr))
     command = " ".join(["python tools/measure_docs.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
     report["measured"] = {
-        "cpu": bench.cpu_name(),
+        "cpu": calibration.cpu_name(),
         "torch": report["machine"]["torch"],
         "date": datetime.date.today().isoformat(),
         "command": command.strip(),

@@ -6,7 +6,8 @@
 torch.Size([3, 2, 128])
 """
 
-from headwise import masks, reference
+from headwise import calibration, masks, reference, tune
+from headwise.calibration import calibrate
 from headwise.dispatch import Dispatch
 from headwise.functional import attention, available_backends, choose_backend
 from headwise.module import MultiHeadAttention
@@ -16,11 +17,14 @@ from headwise.paged_cache import PagedKVCache
 from headwise.pieces import merge_attentions
 from headwise.tracing import Trace, trace
 
+calibration.measure_with(tune.measure)  # "auto" measures this machine's unit costs at first use
+
 __all__ = [
     "Dispatch",
     "MultiHeadAttention",
     "attention",
     "available_backends",
+    "calibrate",
     "choose_backend",
     "masks",
     "packed_attention",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -44,17 +43,6 @@ __all__ = ["TOLERANCE", "Case", "Result", "SDPAModule", "Timing", "attention_cor
 # 1.58 IQR / sqrt(n)) lies within +-5% of it: a ratio of two such medians is then good to
 # about 10%, where a busy machine's outliers move a median of 3 by 100x.
 TOLERANCE = 0.05
-
-
-def cpu_name() -> str:
-    """The CPU model as ``lscpu`` names it, for the tables' titles."""
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 class SDPAModule(nn.Module):

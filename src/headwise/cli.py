@@ -411,7 +411,53 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--memory-limit", type=positive_float, default=16.0,
                     help="GiB a case may use before it is reported out of memory (default 16)")
     be.set_defaults(run=_bench)
+
+    _add_tune_parser(sub)
     return parser
+
+
+def _add_tune_parser(sub: Any) -> None:
+    tu = sub.add_parser("tune", help="measure this machine's unit costs for auto",
+                        description="Measure the unit costs that auto weighs between the dense path, packing "
+                        "and the varlen kernel on this machine (about a second), store them per CPU, torch "
+                        "version and thread count, and print them beside the built-in ones. auto measures "
+                        "them at first use; run this again after a change of machine load or settings.")
+    tu.add_argument("--repeats", type=positive_int, default=5, help="timed loops per point, the least kept "
+                    "(default 5)")
+    tu.add_argument("--threads", type=positive_int, default=None,
+                    help="torch threads to measure with (default: torch's; costs are stored per count)")
+    tu.add_argument("--show", action="store_true", help="print the stored costs without measuring")
+    tu.set_defaults(run=_tune)
+
+
+def _tune(args: argparse.Namespace, console: Console) -> int:
+    """``headwise tune``: measure (or show) this machine's unit costs, beside the built-in ones."""
+    from headwise import calibration, policy, tune
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.show:
+        found = calibration.stored()
+        if found is None:
+            console.print(f"no calibration stored for {calibration.machine_key()} in {calibration.cache_file()}")
+            return 1
+    else:
+        try:
+            found = calibration.measure_and_store(tune.Timing(repeats=args.repeats))
+        except calibration.MeasurementError as e:  # a busy machine: say so, store nothing
+            print(f"headwise tune: {e}", file=sys.stderr)
+            return 1
+    table = Table(title=f"unit costs: {found.key}", title_justify="left")
+    table.add_column("cost")
+    for head in ("fwd, built in", "fwd, here", "train, built in", "train, here"):
+        table.add_column(head, justify="right")
+    built_in = (policy.BUILT_IN_INFERENCE_COSTS, policy.BUILT_IN_TRAINING_COSTS)
+    for field in ("call_us", "pack_us", "bucket_us", "gemm_ps", "attn_ps", "copy_ps"):
+        cells = [getattr(c, field) for c in (built_in[0], found.inference, built_in[1], found.training)]
+        table.add_row(field, *(f"{v:,.1f}" for v in cells))
+    console.print(table)
+    console.print(f"measured {found.measured_at} in {found.seconds:.1f} s; stored in {calibration.cache_file()}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -50,7 +50,7 @@ from types import MappingProxyType
 
 import torch
 
-from headwise import policy
+from headwise import calibration, policy
 from headwise.kernels.registry import Kernel, Request, find_kernel, get_kernel, kernels
 from headwise.kernels.varlen import call_shapes as varlen_calls
 
@@ -141,9 +141,10 @@ def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.
         share = 1.0 - sum(r.key_lengths) / (len(r.key_lengths) * r.k_len)
         if estimate.drops:
             return _VARLEN_ORDER, (
-                f"{share:.0%} of the keys are padding: varlen drops them per row, {estimate}"
+                f"{share:.0%} of the keys are padding: varlen drops them per row, {estimate}; "
+                f"{calibration.describe()}"
             )
-        priced = f"; {share:.0%} of the keys are padding, but {estimate}"
+        priced = f"; {share:.0%} of the keys are padding, but {estimate}; {calibration.describe()}"
     else:
         priced = ""
     per_query = r.is_causal or r.alibi or (r.mask_shape is not None and r.mask_shape[2] != 1)
@@ -207,6 +208,8 @@ def select(request: Request, backend: str = "auto") -> Dispatch:
             (the message says why and which backends can).
     """
     compiling = torch.compiler.is_compiling()
+    if request.key_lengths is not None:  # varlen is priced with this machine's unit costs
+        calibration.current()
     # Under torch.compile the decision is traced once per graph: no memo, no logging (neither traces).
     select_ = _select.__wrapped__ if compiling else _select
     dispatch = select_(request, backend, tuple(kernels().values()), policy.SCORES_BUDGET_BYTES,

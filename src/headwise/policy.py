@@ -116,8 +116,15 @@ class Costs:
 # benchmarks/pack_cost.py --threads 1 --cpu-time, AMD EPYC (Zen 5), torch 2.13 CPU, the mean
 # of two runs (they differed by under 20%, copy_ps in training by 47%): forward under no_grad
 # (INFERENCE_COSTS) and forward + backward (TRAINING_COSTS).
-INFERENCE_COSTS = Costs(call_us=59.3, pack_us=40.8, bucket_us=84.4, gemm_ps=18.2, attn_ps=23.2, copy_ps=1064.0)
-TRAINING_COSTS = Costs(call_us=181.2, pack_us=72.6, bucket_us=176.0, gemm_ps=56.7, attn_ps=79.1, copy_ps=1091.0)
+# These are the built-in costs: headwise.calibration measures this machine's at first use
+# (stored per CPU, torch version and thread count; `headwise tune` measures again) and assigns
+# them to INFERENCE_COSTS and TRAINING_COSTS; HEADWISE_TUNE=off keeps these.
+BUILT_IN_INFERENCE_COSTS = Costs(call_us=59.3, pack_us=40.8, bucket_us=84.4, gemm_ps=18.2, attn_ps=23.2,
+                                 copy_ps=1064.0)
+BUILT_IN_TRAINING_COSTS = Costs(call_us=181.2, pack_us=72.6, bucket_us=176.0, gemm_ps=56.7, attn_ps=79.1,
+                                copy_ps=1091.0)
+INFERENCE_COSTS = BUILT_IN_INFERENCE_COSTS
+TRAINING_COSTS = BUILT_IN_TRAINING_COSTS
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from headwise.module import plan as planning
 E, H = 32, 4
 NOTHING_TO_PACK = "no 2-D padding mask of x's own tokens (self-attention) to pack by"
 
+BUILT_IN = "unit costs built in (HEADWISE_TUNE=off)"  # tests/conftest.py: the costs of headwise.policy
+
 
 def padding(lengths: list[int], S: int) -> torch.Tensor:
     return torch.arange(S)[None, :] < torch.tensor(lengths)[:, None]  # (B, S) True = token
@@ -281,7 +283,7 @@ def test_auto_prices_forward_and_backward_only_where_gradients_flow(grad_mode, x
     kind = "forward + backward" if training else "forward"
     estimate = policy.estimate_packing(3, 4, E, H, H, packing.bucket_shapes(lengths, lengths), training=training,
                                        costs=CHEAP)
-    assert (plan.path, plan.why) == ("packed", f"42% of the batch is padding; {kind} {estimate}")
+    assert (plan.path, plan.why) == ("packed", f"42% of the batch is padding; {kind} {estimate}; {BUILT_IN}")
 
 
 ATTENTION_ONLY = policy.Costs(call_us=0.0, pack_us=0.0, bucket_us=0.0, gemm_ps=0.0, attn_ps=1e3, copy_ps=0.0)
@@ -299,7 +301,7 @@ def test_the_estimate_prices_the_modules_own_shape(is_causal, monkeypatch):
     estimate = policy.estimate_packing(4, 6, 64, 8, 2, packing.bucket_shapes(lengths, lengths), is_causal=is_causal,
                                        costs=ATTENTION_ONLY)
     assert estimate.dense_us == pytest.approx(18.432 * (0.5 if is_causal else 1))  # 4 x 6 x 6 x 64 x 2 at 1 ns
-    assert (plan.path, plan.why) == ("packed", f"33% of the batch is padding; forward {estimate}")
+    assert (plan.path, plan.why) == ("packed", f"33% of the batch is padding; forward {estimate}; {BUILT_IN}")
 
 
 def test_below_pack_min_padding_nothing_is_priced_and_at_it_packing_is(monkeypatch, cheap_packing):

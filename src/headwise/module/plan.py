@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headwise import packing, policy
+from headwise import calibration, packing, policy
 from headwise.cache import KVCache
 from headwise.module import checks, fused
 from headwise.module.layer_protocol import Layer
@@ -127,10 +127,12 @@ def choose_packing(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple
         return "dense", (f"the padding share of a {padding.device.type} mask is not read: it would sync the host "
                          "with the device on every call (packing=True packs anyway)")
     training = torch.is_grad_enabled() and (x.requires_grad or mha.trains())
+    calibration.current()  # this machine's unit costs: measured at first use, then read from disk
     costs = policy.TRAINING_COSTS if training else policy.INFERENCE_COSTS
-    return price_packing(lengths, padding.shape[1], mha.embed_dim, mha.num_heads, mha.num_kv_heads, causal,
-                         training, costs, policy.PACK_MIN_PADDING, (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH),
-                         margin=policy.PACK_MARGIN)
+    path, why = price_packing(lengths, padding.shape[1], mha.embed_dim, mha.num_heads, mha.num_kv_heads, causal,
+                              training, costs, policy.PACK_MIN_PADDING,
+                              (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH), margin=policy.PACK_MARGIN)
+    return path, (f"{why}; {calibration.describe()}" if " estimated " in why else why)
 
 
 @functools.lru_cache(maxsize=1024)
