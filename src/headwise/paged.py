@@ -126,6 +126,7 @@ def paged_attention(
     shareable = window is None and alibi_slopes is None and share_prefix is not False
     groups = _prefix_groups(table, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
         if shareable else []
+    lse: Tensor | None
     if native_refusal(q, k_pages, v_pages, options) is None:
         out, lse = paged_native.attend(q, k_pages, v_pages, table, lens, _scale(options, q), options.is_causal,
                                        groups)  # (B, H, T, Dv), (B, H, T)
@@ -162,9 +163,7 @@ def native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor, options: _Option
     if q.shape[-1] != k_pages.shape[-1] or k_pages.shape[1] == 0 or q.shape[1] % k_pages.shape[1] \
             or not _valid_scale(o.scale):
         return "shapes or a scale that headwise.attention refuses: the per-sequence path says why"
-    why = native.unavailable()
-    if why is None and build and native.load() is None:
-        why = native.unavailable()
+    why = (None if native.load() is not None else native.unavailable()) if build else native.unavailable()
     return None if why is None else f"the native extension is not available: {why}"
 
 
