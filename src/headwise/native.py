@@ -32,7 +32,10 @@ DISABLE_VARIABLE = "HEADWISE_NO_EXTENSION"  # set to 1: never build, always the 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 # No -ffast-math: the kernel's bits must not depend on how the compiler vectorises (issue 37);
 # no FMA contraction, so a vectorised lane and a scalar one round alike.
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+# -fopenmp: at::parallel_for is OpenMP in torch's Linux builds, compiled into the caller (without
+# it, one thread); the extension then shares torch's libgomp, so torch.set_num_threads holds.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 _state: dict[str, object] = {}  # "module": the loaded extension, or "why": why the build failed
 _warned: set[str] = set()
@@ -46,7 +49,7 @@ def _cpu_tag() -> str:
             cpu += "".join(line for line in info if line.startswith(("model name", "flags")))[:8192]
     except OSError:
         pass
-    text = "|".join([cpu, torch.__version__, " ".join(FLAGS)])
+    text = "|".join([cpu, torch.__version__, " ".join(FLAGS + LDFLAGS)])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -56,7 +59,8 @@ def _build() -> ModuleType:
     name = f"headwise_paged_{_cpu_tag()}"
     with warnings.catch_warnings():  # torch warns about the compiler's ABI; the build either works or raises
         warnings.simplefilter("ignore")
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+                                   verbose=False)
 
 
 def load() -> ModuleType | None:

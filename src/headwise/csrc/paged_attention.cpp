@@ -56,14 +56,33 @@ inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+// LANES floats as one value: GCC / Clang vector extensions, elementwise IEEE arithmetic (one
+// zmm register with AVX-512, two ymm with AVX2), so the order of every sum is the code's.
+typedef float Lanes __attribute__((vector_size(LANES * sizeof(float))));
+typedef float Lanes8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float Lanes4 __attribute__((vector_size(4 * sizeof(float))));
+typedef float Lanes2 __attribute__((vector_size(2 * sizeof(float))));
+static_assert(LANES == 16, "dot's tree adds 16 lanes");
+
+inline Lanes load(const float* p) {
+  Lanes x;
+  std::memcpy(&x, p, sizeof(Lanes));
+  return x;
+}
+
+inline void store(float* p, Lanes x) { std::memcpy(p, &x, sizeof(Lanes)); }
+
+// sum_d a[d] * b[d]: LANES partial sums, added in a fixed tree, then the D % LANES rest.
 inline float dot(const float* a, const float* b, int64_t D) {
-  float lanes[LANES] = {};
+  Lanes acc = {};
   int64_t d = 0;
-  for (; d + LANES <= D; d += LANES)
-    for (int l = 0; l < LANES; ++l) lanes[l] += a[d + l] * b[d + l];
-  for (int w = LANES / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-  float s = lanes[0];
+  for (; d + LANES <= D; d += LANES) acc += load(a + d) * load(b + d);
+  // lanes l and l + w added, w = 8, 4, 2, 1
+  const Lanes8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Lanes4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  const Lanes2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+  float s = h2[0] + h2[1];
   for (; d < D; ++d) s += a[d] * b[d];
   return s;
 }
@@ -77,14 +96,13 @@ struct Pool {
   const scalar_t* data;
   int64_t s_n, s_h, s_p, s_d, P, D;
 
-  const scalar_t* at(const int64_t* pages, int64_t h, int64_t j) const {
-    return data + pages[j / P] * s_n + h * s_h + (j % P) * s_p;
-  }
   // Float pointers to keys j0 .. j0 + count - 1: the pool itself where it holds contiguous
   // fp32 rows, else a float copy in ``tile`` (KEY_BLOCK x D). The values are the same.
   void block(const int64_t* pages, int64_t h, int64_t j0, int64_t count, float* tile, const float** rows) const {
-    for (int64_t j = 0; j < count; ++j) {
-      const scalar_t* src = at(pages, h, j0 + j);
+    int64_t page = j0 / P, slot = j0 % P;  // one division a block; the slots follow
+    for (int64_t j = 0; j < count; ++j, ++slot) {
+      if (slot == P) slot = 0, ++page;
+      const scalar_t* src = data + pages[page] * s_n + h * s_h + slot * s_p;
       if constexpr (std::is_same_v<scalar_t, float>) {
         if (s_d == 1) {
           rows[j] = src;
@@ -109,6 +127,23 @@ struct Row {
   float* acc;
 };
 
+// acc = acc * alpha + p[0] v[0] + p[1] v[1] + ... (in this order for every element), over the
+// live keys only: a key past the row's last is never read, so NaN there cannot leak. LANES
+// elements at a time, kept in registers across the keys.
+inline void add_values(float* acc, float alpha, const float* p, const float* const* values, int64_t live, int64_t Dv) {
+  int64_t d0 = 0;
+  for (; d0 + LANES <= Dv; d0 += LANES) {
+    Lanes a = load(acc + d0) * alpha;
+    for (int64_t j = 0; j < live; ++j) a += p[j] * load(values[j] + d0);
+    store(acc + d0, a);
+  }
+  for (; d0 < Dv; ++d0) {
+    float a = acc[d0] * alpha;
+    for (int64_t j = 0; j < live; ++j) a += p[j] * values[j][d0];
+    acc[d0] = a;
+  }
+}
+
 // Fold one block of keys (live: the first ``live`` of KEY_BLOCK) into a row's state.
 inline void fold_block(const float* q, const float* const* keys, const float* const* values, int64_t live,
                        float scale, int64_t D, int64_t Dv, Row row) {
@@ -130,13 +165,7 @@ inline void fold_block(const float* q, const float* const* keys, const float* co
     for (int64_t j = 0; j < w; ++j) sum[j] += sum[j + w];
   *row.l = *row.l * alpha + sum[0];
   *row.m = m_new;
-  float* acc = row.acc;
-  for (int64_t d = 0; d < Dv; ++d) acc[d] *= alpha;
-  for (int64_t j = 0; j < live; ++j) {  // a key past the row's last is never read: NaN there cannot leak
-    const float pj = p[j];
-    const float* v = values[j];
-    for (int64_t d = 0; d < Dv; ++d) acc[d] += pj * v[d];
-  }
+  add_values(row.acc, alpha, p, values, live, Dv);
 }
 
 struct Problem {
