@@ -216,3 +216,22 @@ def test_what_the_native_kernel_does_not_serve_runs_the_per_sequence_path_and_sa
     assert all(why in d.passed_over[paged_native.KERNEL] for *_, d in calls) and len(calls) == 3
     out, kernels = ran(lambda: paged_attention(q, k_pages, v_pages, table, LENS[:3], **change))
     assert paged_native.KERNEL not in kernels and torch.isfinite(out).all()
+
+
+def test_page_ids_outside_the_pool_are_refused_by_name_with_the_extension_loaded():
+    """_check reads the table through the extension's loop once it is built: the same messages."""
+    assert paged.native.loaded() is not None
+    gen = torch.Generator().manual_seed(0)
+    k_pages, v_pages, table, _, _ = churned_pool(LENS, 2, 16, torch.float32, gen)
+    q = torch.randn(len(LENS), H, 1, D)
+    bad = table.clone()
+    bad[3, 8] = k_pages.shape[0]  # sequence 3's ninth and last page (129 keys)
+    with pytest.raises(ValueError, match=rf"block_table\[3\] names page {k_pages.shape[0]} among the 9 pages its "
+                                         rf"129 keys fill, outside the pool's 0..{k_pages.shape[0] - 1}"):
+        paged_attention(q, k_pages, v_pages, bad, LENS)
+    bad[3, 8], bad[1, 0] = table[3, 8], -1
+    with pytest.raises(ValueError, match=r"block_table\[1\] names page -1 among the 1 pages its 3 keys fill"):
+        paged_attention(q, k_pages, v_pages, bad, LENS)
+    bad[1, 0], bad[1, 1] = table[1, 0], -7  # past sequence 1's one page: never read
+    assert torch.equal(paged_attention(q, k_pages, v_pages, bad, LENS), paged_attention(q, k_pages, v_pages, table,
+                                                                                           LENS))

@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["load", "unavailable", "DISABLE_VARIABLE"]
+__all__ = ["load", "loaded", "load_state", "unavailable", "DISABLE_VARIABLE"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,11 @@ def load() -> ModuleType | None:
         warnings.warn(f"headwise's native paged kernel is not available: {why}; paged attention runs its slower "
                       "pure-PyTorch path", RuntimeWarning, stacklevel=3)
     return None
+
+
+def loaded() -> ModuleType | None:
+    """The extension if it is built and allowed; never builds, never warns."""
+    return _state.get("module") if unavailable() is None else None  # type: ignore[return-value]
 
 
 def unavailable() -> str | None:

@@ -416,14 +416,25 @@ def _check(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq
             raise ValueError(f"seq_lens[{b}] = {L} must lie in T..max_pages * page_size = {T}..{W * P}: "
                              "a sequence holds its T new keys, in at most the pages its block_table row names")
     table = block_table.to(device="cpu", dtype=torch.int64).contiguous()  # (B, W): a host copy only where needed
-    need = torch.tensor([-(-L // P) for L in lens], dtype=torch.int64)  # (B,) pages each sequence fills
-    bad = (torch.arange(W)[None, :] < need[:, None]) & ((table < 0) | (table >= N))  # (B, W)
-    if bad.any():
-        b, i = (int(x) for x in bad.nonzero()[0])
+    first_bad = _first_bad_page(table, lens, P, N)
+    if first_bad is not None:
+        b, i = first_bad
         where = f"outside the pool's 0..{N - 1}" if N else "but the pool (k_pages, v_pages) has no pages"
-        raise ValueError(f"block_table[{b}] names page {int(table[b, i])} among the {int(need[b])} pages its "
+        raise ValueError(f"block_table[{b}] names page {int(table[b, i])} among the {-(-lens[b] // P)} pages its "
                          f"{lens[b]} keys fill, {where}")
     return lens, table
+
+
+def _first_bad_page(table: Tensor, lens: list[int], P: int, N: int) -> tuple[int, int] | None:
+    """``(b, i)`` of the first page id among those the sequences read that is outside the pool
+    of N pages, None where there is none (the native extension's loop where it is built)."""
+    ext = native.loaded()
+    if ext is not None:
+        flat = ext.first_bad_page(table, lens, P, N)
+        return None if flat < 0 else divmod(flat, table.shape[1])
+    need = torch.tensor([-(-L // P) for L in lens], dtype=torch.int64)  # (B,) pages each sequence fills
+    bad = (torch.arange(table.shape[1])[None, :] < need[:, None]) & ((table < 0) | (table >= N))  # (B, W)
+    return tuple(int(x) for x in bad.nonzero()[0]) if bad.any() else None  # type: ignore[return-value]
 
 
 def _rows(table: Tensor, lens: list[int], P: int) -> list[list[int]]:

@@ -335,7 +335,21 @@ std::vector<at::Tensor> paged_attention(const at::Tensor& q_in, const at::Tensor
   return result;
 }
 
+// The first entry b * W + i of a (B, W) int64 table among the pages the sequences read
+// (i < ceil(lens[b] / P)) that names no page of a pool of N: -1 where every one does.
+int64_t first_bad_page(const at::Tensor& table, const std::vector<int64_t>& lens, int64_t P, int64_t N) {
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2 &&
+                  table.size(0) == static_cast<int64_t>(lens.size()) && P > 0, "table int64 (B, W), lens (B,)");
+  const int64_t W = table.size(1);
+  const int64_t* t = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < table.size(0); ++b)
+    for (int64_t i = 0; i < std::min(W, (lens[b] + P - 1) / P); ++i)
+      if (t[b * W + i] < 0 || t[b * W + i] >= N) return b * W + i;
+  return -1;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("first_bad_page", &first_bad_page, "the first page id of a block table outside the pool, or -1");
   m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU, fp32 / bf16)");
   m.attr("KEY_BLOCK") = KEY_BLOCK;
 }
