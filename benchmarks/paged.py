@@ -27,7 +27,9 @@ The users' cases (issue 36), each against its baseline in the same run:
   ``MultiHeadAttention`` through that ``PagedKVCache`` against its dynamic ``KVCache``, at
   the first steps and after 512 more (target: at most 1.15x);
 - shared prefix and ragged batch with churned pages: the pool first filled with one-page
-  requests of which a random three quarters left, so the sequences' pages lie in the holes.
+  requests of which a random three quarters left, so the sequences' pages lie in the holes;
+- prefill chunks: the native kernel against the per-sequence kernels for T = 8, 32, 128 new
+  queries per sequence, which places ``paged.NATIVE_MAX_QUERIES``.
 
     python benchmarks/paged.py [--quick] [--repeats 15] [--threads 2]
 """
@@ -185,6 +187,32 @@ def shuffled_step_target(B: int, L: int, H: int, Hkv: int, D: int, repeats: int)
             f"(B={B}, {L} keys each, H={H}, Hkv={Hkv}): {1 / ratio:.2f}x (target <= 1.2x)")
 
 
+def prefill_chunk_rows(B: int, L: int, H: int, Hkv: int, D: int, chunks: list[int],
+                       repeats: int) -> list[tuple[str, float, str]]:
+    """The native kernel against the per-sequence kernels (SDPA over each sequence's gathered
+    pages) for T new queries per sequence on shuffled pages: where paged.NATIVE_MAX_QUERIES lies."""
+    gen = torch.Generator().manual_seed(0)
+    n = -(-L // PAGE)
+    k_pages, v_pages = torch.randn(B * n, Hkv, PAGE, D, generator=gen), torch.randn(B * n, Hkv, PAGE, D, generator=gen)
+    table = torch.randperm(B * n, generator=gen).reshape(B, n)
+    rows = []
+    saved, paged.NATIVE_MAX_QUERIES = paged.NATIVE_MAX_QUERIES, sys.maxsize  # the native kernel for every T
+    try:
+        for T in chunks:
+            q = torch.randn(B, H, T, D, generator=gen)
+            with torch.inference_mode():
+                t_seq, t_native, ratio = paired_ratio(
+                    lambda q=q: headwise.paged_attention(q, k_pages, v_pages, table, [L] * B, backend="sdpa"),
+                    lambda q=q: headwise.paged_attention(q, k_pages, v_pages, table, [L] * B), repeats)
+            rows.append((f"prefill chunk T={T}", 1 / ratio,
+                         f"native {t_native * 1e3:.2f} ms, per-sequence SDPA {t_seq * 1e3:.2f} ms (B={B}, {L} keys, "
+                         f"shuffled pages): native / per-sequence {1 / ratio:.2f}x (NATIVE_MAX_QUERIES="
+                         f"{saved} should lie where this crosses 1)"))
+    finally:
+        paged.NATIVE_MAX_QUERIES = saved
+    return rows
+
+
 def module_pool_target(B: int, prompt: int, E: int, H: int, Hkv: int, repeats: int,
                        later: int) -> list[tuple[str, float, str]]:
     """The module decoding B sequences through a pool sized to the work (prompts prefilled one
@@ -233,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
             shuffled_step_target(B, L, H, Hkv, E // H, args.repeats),
             *module_pool_target(B, prompt, E, H, Hkv, args.repeats, later),
             *shared_target(*shared, E, H, Hkv, args.repeats, churn=True),
-            ragged_target(lengths, E, H, Hkv, args.repeats, churn=True)]
+            ragged_target(lengths, E, H, Hkv, args.repeats, churn=True),
+            *prefill_chunk_rows(4, L // 2, H, Hkv, E // H, [t for t in (8, 32, 128) if t <= L // 2], args.repeats)]
     for name, value, note in rows:
         print(f"  {name:<24} {value:>6.2f}  {note}")
 

@@ -205,16 +205,17 @@ def test_choose_backends_lists_the_native_calls_that_run():
     ({"backend": "sdpa"}, "backend='sdpa' was asked for by name"),
     ({"dtype": torch.float64}, "dtypes torch.float64, torch.float64, torch.float64: the native kernel takes fp32"),
     ({"grad": True}, "gradients are needed: the native kernel has no backward"),
+    ({"T": 33}, "T=33 new queries per sequence, above NATIVE_MAX_QUERIES=32: a prefill chunk"),
 ])
 def test_what_the_native_kernel_does_not_serve_runs_the_per_sequence_path_and_says_why(change, why):
     gen = torch.Generator().manual_seed(0)
     dtype = change.pop("dtype", torch.float32)
-    k_pages, v_pages, table, keys, values = churned_pool(LENS[:3], 2, 16, dtype, gen)
-    q = torch.randn(3, H, 2, D, dtype=dtype, requires_grad=change.pop("grad", False))
-    rows = [r[:-(-L // 16)] for r, L in zip(table.tolist(), LENS[:3], strict=True)]
-    calls = paged.choose_backends(q, k_pages, v_pages, rows, LENS[:3], **change)
+    k_pages, v_pages, table, keys, values = churned_pool([70, 40, 33], 2, 16, dtype, gen)
+    q = torch.randn(3, H, change.pop("T", 2), D, dtype=dtype, requires_grad=change.pop("grad", False))
+    rows = [r[:-(-L // 16)] for r, L in zip(table.tolist(), [70, 40, 33], strict=True)]
+    calls = paged.choose_backends(q, k_pages, v_pages, rows, [70, 40, 33], **change)
     assert all(why in d.passed_over[paged_native.KERNEL] for *_, d in calls) and len(calls) == 3
-    out, kernels = ran(lambda: paged_attention(q, k_pages, v_pages, table, LENS[:3], **change))
+    out, kernels = ran(lambda: paged_attention(q, k_pages, v_pages, table, [70, 40, 33], **change))
     assert paged_native.KERNEL not in kernels and torch.isfinite(out).all()
 
 

@@ -36,12 +36,17 @@ from headwise.dispatch import Dispatch
 from headwise.functional import _prepare, attend
 from headwise.pieces import merge_attentions
 
-__all__ = ["paged_attention", "SHARED_PREFIX_MIN_KEYS"]
+__all__ = ["paged_attention", "SHARED_PREFIX_MIN_KEYS", "NATIVE_MAX_QUERIES"]
 
 # share_prefix="auto" attends a shared prefix once where that saves reading at least this
 # many keys per kv head, (sequences - 1) x prefix keys: below it, the extra prefix call and
 # the merge cost more than the reads they save (benchmarks/paged.py measures both ways).
 SHARED_PREFIX_MIN_KEYS = 1024
+# The native kernel serves steps of at most this many new queries per sequence (decoding,
+# speculative verification, short chunks). A longer prefill chunk runs the per-sequence
+# kernels, whose matrix products beat the native kernel's dot products from about T = 32 on a
+# 2-core AMD EPYC, fp32 (benchmarks/paged.py, "prefill chunk" rows).
+NATIVE_MAX_QUERIES = 32
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,9 @@ def native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor, options: _Option
         return f"backend={o.backend!r} was asked for by name: the per-sequence path runs it"
     if unsupported:
         return f"{', '.join(unsupported)}: the native kernel applies none of them; the per-sequence kernels do"
+    if q.shape[2] > NATIVE_MAX_QUERIES:
+        return (f"T={q.shape[2]} new queries per sequence, above NATIVE_MAX_QUERIES={NATIVE_MAX_QUERIES}: a prefill "
+                "chunk, where the per-sequence kernels' matrix products are faster")
     if any(type(t) is not Tensor for t in tensors) or any(t.device.type != "cpu" for t in tensors):
         return f"tensors on {q.device} (or a tensor subclass): the native kernel runs on plain CPU tensors"
     if not q.dtype == k_pages.dtype == v_pages.dtype or q.dtype not in (torch.float32, torch.bfloat16):
