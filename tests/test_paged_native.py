@@ -236,3 +236,20 @@ def test_page_ids_outside_the_pool_are_refused_by_name_with_the_extension_loaded
     bad[1, 0], bad[1, 1] = table[1, 0], -7  # past sequence 1's one page: never read
     assert torch.equal(paged_attention(q, k_pages, v_pages, bad, LENS), paged_attention(q, k_pages, v_pages, table,
                                                                                            LENS))
+
+
+def test_the_bits_do_not_depend_on_the_threads():
+    """Tasks (sequence, kv head, row tile) go to whichever thread is free: the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    k_pages, v_pages, table, _, _ = churned_pool([300, 40, 1000, 7, 129, 64], 2, 16, torch.float32, gen)
+    q = torch.randn(6, H, 3, D, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(paged_attention(q, k_pages, v_pages, table, [300, 40, 1000, 7, 129, 64], return_lse=True))
+    finally:
+        torch.set_num_threads(threads)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
