@@ -151,11 +151,9 @@ def test_a_sequence_gets_the_same_bits_whatever_its_pages_order_page_size_or_bat
         assert torch.equal(lse, first_lse), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("P", "T"), [(16, 1), (12, 3)], ids=["P=16 decode", "P=12 T=3 (prefix 36 keys: 32 folded)"])
-def test_a_shared_prefix_is_folded_in_with_the_bits_of_private_sequences(dtype, P, T):
-    """Forks of one prompt on shuffled pages: the prefix attended once gives the bits each
-    sequence gets on its own, and the reference."""
+def forks(dtype, P: int, T: int):
+    """Four forks of one prompt (3 or 4 shared pages) and a fifth sequence, on shuffled pages:
+    (q, k_pages, v_pages, table, lens, rows)."""
     gen = torch.Generator().manual_seed(3)
     prefix_pages, N, Hkv = 3 if P == 12 else 4, 80, 2
     perm = torch.randperm(N, generator=gen).tolist()
@@ -173,17 +171,50 @@ def test_a_shared_prefix_is_folded_in_with_the_bits_of_private_sequences(dtype, 
     k_pages = torch.randn(N, Hkv, P, D, generator=gen).to(dtype)
     v_pages = torch.randn(N, Hkv, P, Dv, generator=gen).to(dtype)
     q = torch.randn(len(lens), H, T, D, generator=gen).to(dtype)
+    return q, k_pages, v_pages, table, lens, rows
+
+
+FORKS = pytest.mark.parametrize(("P", "T"), [(16, 1), (12, 3)], ids=["P=16 decode", "P=12 T=3 (36 keys: 32 taken)"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@FORKS
+def test_a_shared_prefix_on_shuffled_pages_equals_the_reference(dtype, P, T):
+    """The prefix attended once (the members' rows stacked, a matrix product), the rest by the
+    kernel, merged by log-sum-exp: the reference, and what choose_backends lists."""
+    q, k_pages, v_pages, table, lens, rows = forks(dtype, P, T)
     (shared, lse), kernels = ran(lambda: paged_attention(q, k_pages, v_pages, table, lens, share_prefix=True,
                                                          return_lse=True))
-    assert kernels == [paged_native.KERNEL] * 3  # the prefix once, the members past it, the fifth sequence
+    calls = paged.choose_backends(q, k_pages, v_pages, rows, lens, share_prefix=True)
+    assert kernels == [d.backend for *_, d in calls] and kernels[1:] == [paged_native.KERNEL] * 2
+    assert calls[0][0] == "the shared prefix of sequences [0, 1, 2, 3]" and calls[0][2] == (64 if P == 16 else 32)
     apart, lse_apart = paged_attention(q, k_pages, v_pages, table, lens, share_prefix=False, return_lse=True)
-    assert torch.equal(shared, apart) and torch.equal(lse, lse_apart)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(shared, apart, rtol=0, atol=tol)
+    torch.testing.assert_close(lse, lse_apart, rtol=0, atol=2e-6 if dtype == torch.float32 else 1e-4)
+    Hkv = k_pages.shape[1]
     for b, L in enumerate(lens):
         pages = torch.tensor(rows[b])
         k = k_pages[pages].transpose(0, 1).reshape(1, Hkv, -1, D)[:, :, :L]
         v = v_pages[pages].transpose(0, 1).reshape(1, Hkv, -1, Dv)[:, :, :L]
         ref = reference_attention(q[b:b + 1], k, v, is_causal=True)[0]
-        torch.testing.assert_close(shared[b:b + 1].double(), ref, rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-2)
+        torch.testing.assert_close(shared[b:b + 1].double(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@FORKS
+def test_a_folded_prefix_gives_the_bits_of_private_sequences(dtype, P, T):
+    """paged_native.attend without a prefix function folds the prefix in: its state after the
+    first S0 keys, computed once for all members, is the state each private pass reaches
+    (issue 37's mode will take this path)."""
+    q, k_pages, v_pages, table, lens, _ = forks(dtype, P, T)
+    groups = paged.shared_prefixes([r[:-(-L // P)] for r, L in zip(table.tolist(), lens, strict=True)], lens, T, P,
+                                   min_keys=1)
+    assert groups == [([0, 1, 2, 3], 3 if P == 12 else 4)]
+    (folded, lse), kernels = ran(lambda: paged_native.attend(q, k_pages, v_pages, table, lens, 0.25, True, groups))
+    assert kernels == [paged_native.KERNEL] * 3  # the prefix once, the members past it, the fifth sequence
+    private, lse_private = paged_native.attend(q, k_pages, v_pages, table, lens, 0.25, True, [])
+    assert torch.equal(folded, private) and torch.equal(lse, lse_private)
 
 
 def test_choose_backends_lists_the_native_calls_that_run():

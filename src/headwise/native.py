@@ -57,6 +57,7 @@ def _build() -> ModuleType:
     from torch.utils import cpp_extension  # imported on first use: it is slow to import
 
     name = f"headwise_paged_{_cpu_tag()}"
+    logger.info("loading headwise's native paged kernel %s (built once per CPU and torch, about a minute)", name)
     with warnings.catch_warnings():  # torch warns about the compiler's ABI; the build either works or raises
         warnings.simplefilter("ignore")
         return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,

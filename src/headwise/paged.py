@@ -1,12 +1,18 @@
 """Paged attention: each sequence's keys and values live in fixed-size pages of one pool.
 
 A sequence's first ``seq_lens[b]`` keys are the pages ``block_table[b, 0], block_table[b, 1],
-...`` read in order, ``page_size`` keys a page, the last page possibly partial. Nothing is
-gathered into a padded (B, Hkv, max_len, D) copy: each sequence attends its own keys, as a
-view of the pool where its pages are one run of consecutive ids (and the pool is laid out
-(Hkv, num_pages, page_size, D) in memory, as :class:`headwise.PagedKVCache` keeps it), else
-through one ``index_select`` of exactly its pages. Slots past ``seq_lens[b]`` and pages no
-sequence reads are never read, so they may hold anything, NaN included.
+...`` read in order, ``page_size`` keys a page, the last page possibly partial. Slots past
+``seq_lens[b]`` and pages no sequence reads are never read, so they may hold anything, NaN
+included. Two paths, chosen by :func:`native_refusal` (which says why):
+
+- the native CPU kernel (:mod:`headwise.paged_native`), for fp32 / bf16 CPU tensors without
+  gradients, window, ALiBi, soft-capping or sinks, at most :data:`NATIVE_MAX_QUERIES` new
+  queries per sequence and ``backend="auto"``: every sequence at once, each key read through
+  the block table, wherever its page lies;
+- otherwise each sequence on its own through :func:`headwise.attention`'s kernels, its keys a
+  view of the pool where its pages are one run of consecutive ids (and the pool is laid out
+  (Hkv, num_pages, page_size, D) in memory, as :class:`headwise.PagedKVCache` keeps it), else
+  one ``index_select`` of exactly its pages.
 
 Shared prefixes (cascade attention): sequences whose block tables begin with the same pages
 (forks of one prompt) attend those pages once, all their queries stacked as one query block
@@ -22,7 +28,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import cast
@@ -133,8 +139,14 @@ def paged_attention(
         if shareable else []
     lse: Tensor | None
     if native_refusal(q, k_pages, v_pages, options) is None:
+        pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
+
+        def prefix(members: list[int], keys: int) -> tuple[Tensor, Tensor]:
+            pages = table[members[0], :-(-keys // P)].tolist()
+            return _stacked_prefix(q, pools, pages, members, keys, options)
+
         out, lse = paged_native.attend(q, k_pages, v_pages, table, lens, _scale(options, q), options.is_causal,
-                                       groups)  # (B, H, T, Dv), (B, H, T)
+                                       groups, prefix)  # (B, H, T, Dv), (B, H, T)
     else:
         pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
         out, lse = _attend_sequences(q, pools, _rows(table, lens, P), lens, groups, options, return_lse)
@@ -249,14 +261,7 @@ def _attend_shared(q: Tensor, pools: tuple[Tensor, Tensor], tables: list[list[in
     _, H, T, D = q.shape
     Hkv, _, P, _ = pools[0].shape
     n, G = len(members), H // Hkv
-    index = torch.tensor(members, device=q.device)
-    rows = q.index_select(0, index).reshape(n, Hkv, G, T, D)  # (n, H, T, D) -> (n, Hkv, G, T, D)
-    rows = rows.permute(1, 2, 0, 3, 4).reshape(1, Hkv, G * n * T, D)  # -> (Hkv, G, n, T, D) -> (1, Hkv, G*n*T, D)
-    prefix = _keys(pools, tables[members[0]][:shared], 0, shared * P)
-    # Every prefix key precedes every query of every member: nothing causal to mask there.
-    out_p, lse_p = _attend_lse(rows, prefix, options, is_causal=False)  # (1, Hkv, G*n*T, Dv), (1, Hkv, G*n*T)
-    out_p = out_p.reshape(Hkv, G, n, T, -1).permute(2, 0, 1, 3, 4).reshape(n, H, T, -1)  # -> (n, H, T, Dv)
-    lse_p = lse_p.reshape(Hkv, G, n, T).permute(2, 0, 1, 3).reshape(n, H, T)  # -> (n, H, T)
+    out_p, lse_p = _stacked_prefix(q, pools, tables[members[0]][:shared], members, shared * P, options)
     suffixes = [_attend_lse(q[b:b + 1], _keys(pools, tables[b], shared, lens[b]), options)
                 for b in members]  # each (1, H, T, Dv), (1, H, T): bottom-right causal over its own keys
     outs, lses = [out_p, torch.cat([o for o, _ in suffixes])], [lse_p, torch.cat([s for _, s in suffixes])]
@@ -267,6 +272,25 @@ def _attend_shared(q: Tensor, pools: tuple[Tensor, Tensor], tables: list[list[in
         trace.record("shared prefix", out_p, f"{n} sequences attend their {shared * P} shared prefix keys once "
                      f"({G * n * T} rows a kv head), their suffixes apart; merged by log-sum-exp")
     return merge_attentions(outs, lses)
+
+
+def _stacked_prefix(q: Tensor, pools: tuple[Tensor, Tensor], pages: list[int], members: list[int], keys: int,
+                    options: _Options) -> tuple[Tensor, Tensor]:
+    """The members' attention over the first ``keys`` keys of their shared ``pages``, their
+    query heads of a kv head and all their queries folded into one block of rows per kv head,
+    (1, Hkv, G*n*T, D): one pass over the prefix keys, as a matrix product. ``(out (n, H, T,
+    Dv), lse (n, H, T))``, without the sinks."""
+    _, H, T, D = q.shape
+    Hkv = pools[0].shape[0]
+    n, G = len(members), H // Hkv
+    index = torch.tensor(members, device=q.device)
+    rows = q.index_select(0, index).reshape(n, Hkv, G, T, D)  # (n, H, T, D) -> (n, Hkv, G, T, D)
+    rows = rows.permute(1, 2, 0, 3, 4).reshape(1, Hkv, G * n * T, D)  # -> (Hkv, G, n, T, D) -> (1, Hkv, G*n*T, D)
+    # Every prefix key precedes every query of every member: nothing causal to mask there.
+    out_p, lse_p = _attend_lse(rows, _keys(pools, pages, 0, keys), options, is_causal=False)  # (1, Hkv, G*n*T, ..)
+    out_p = out_p.reshape(Hkv, G, n, T, -1).permute(2, 0, 1, 3, 4).reshape(n, H, T, -1)  # -> (n, H, T, Dv)
+    lse_p = lse_p.reshape(Hkv, G, n, T).permute(2, 0, 1, 3).reshape(n, H, T)  # -> (n, H, T)
+    return out_p, lse_p
 
 
 def _keys(pools: tuple[Tensor, Tensor], pages: list[int], first: int, end: int) -> tuple[Tensor, Tensor]:
@@ -311,8 +335,6 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
     groups = shared_prefixes(tables, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
         if shareable and T else []
     why_not = native_refusal(q, k_pages, v_pages, options, build=False) if B and T else "no query"
-    if why_not is None:
-        return _native_calls(q, Hkv, lens, groups, P)
 
     def call(what: str, heads: int, rows: int, keys: int, causal: bool, lse: bool, with_sinks: bool):
         q_b = torch.zeros((), dtype=q.dtype, device=q.device, requires_grad=q.requires_grad).expand(1, heads, rows, D)
@@ -320,8 +342,13 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
         d = _prepare(q_b, k_b, v_b, None, causal, 0.0, False, options.backend, options.window, options.alibi_slopes,
                      options.softcap, options.sinks if with_sinks else None, options.sink_tokens, options.scale,
                      return_lse=lse)[2]
-        return what, rows, keys, replace(d, passed_over={**d.passed_over, paged_native.KERNEL: why_not})
+        if why_not is not None:
+            d = replace(d, passed_over={**d.passed_over, paged_native.KERNEL: why_not})
+        return what, rows, keys, d
 
+    if why_not is None:
+        return _native_calls(q, lens, groups, P, lambda members, keys: call(
+            f"the shared prefix of sequences {members}", Hkv, H // Hkv * len(members) * T, keys, False, True, False))
     calls, grouped = [], set()
     for members, shared in groups:
         G, n = H // Hkv, len(members)
@@ -334,10 +361,12 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
     return calls
 
 
-def _native_calls(q: Tensor, Hkv: int, lens: list[int], groups: list[tuple[list[int], int]],
-                  P: int) -> list[tuple[str, int, int, Dispatch]]:
-    """The native kernel's calls, as :func:`paged_native.attend` makes them: each folded shared
-    prefix (its members' rows over the prefix keys), the members past it, the other sequences."""
+def _native_calls(q: Tensor, lens: list[int], groups: list[tuple[list[int], int]], P: int,
+                  prefix_call: Callable[[list[int], int], tuple[str, int, int, Dispatch]],
+                  ) -> list[tuple[str, int, int, Dispatch]]:
+    """The calls of :func:`paged_native.attend`, in its order: for each shared prefix of at
+    least KEY_BLOCK keys, the members' stacked rows over it (``prefix_call``, a matrix product)
+    and the kernel for the members past it; then the kernel for the other sequences."""
     B, H, T, _ = q.shape
     built = "" if native.load_state() == "built" else " (built on first use, about a minute)"
     reason = (f"the native CPU kernel{built}: each (sequence, kv head) reads its keys through the block table, in "
@@ -350,9 +379,8 @@ def _native_calls(q: Tensor, Hkv: int, lens: list[int], groups: list[tuple[list[
     for members, shared in groups:
         S0 = paged_native.prefix_keys(shared, P)
         if S0:
-            n = len(members)
-            calls.append((f"the shared prefix of sequences {members}", H * n * T, S0, d))
-            calls.append((f"sequences {members} past their {S0} shared keys", H * n * T,
+            calls.append(prefix_call(members, S0))
+            calls.append((f"sequences {members} past their {S0} shared keys", H * len(members) * T,
                           max(lens[b] for b in members) - S0, d))
             grouped.update(members)
     rest = [b for b in range(B) if b not in grouped]

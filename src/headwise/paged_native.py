@@ -4,10 +4,17 @@ The kernel reads each sequence's keys through its block table, in blocks of
 ``KEY_BLOCK`` keys at fixed offsets from the sequence's position 0, merged in key order: a
 sequence's bits do not depend on its pages' order, the page size or the rest of the batch.
 
-A shared prefix is folded in, not merged: the first ``S0`` prefix keys (a multiple of
-``KEY_BLOCK``) are reduced once for every member's queries stacked as the rows of one call,
-whose running state (max, sum, unnormalised output) each member's own call continues from.
-The operations on each row are those of the member's private call, so sharing changes no bit.
+A shared prefix (forks of one prompt) is attended once for all its members, over its first
+``S0`` keys (a multiple of ``KEY_BLOCK``), in one of two ways:
+
+- merged (what :func:`headwise.paged_attention` does): the members' rows stacked as one
+  matrix product over the prefix (the caller's ``prefix`` function), the kernel over the
+  rest of each sequence, the two merged by log-sum-exp;
+- folded (``prefix=None``): the kernel reduces the prefix once for every member's rows and
+  each member's call continues from that running state (max, sum, unnormalised output). The
+  operations on each row are those of the member's private call, so sharing changes no bit:
+  the form a batch-invariant mode (issue 37) takes; it reads the prefix once but computes
+  each row as the kernel does, so it saves less time than the matrix product.
 
 Legend: B batch, H query heads, Hkv key/value heads, G = H / Hkv, T new tokens per sequence,
 N pages, P page size, D head dim of q and k, Dv of v, n members of a shared prefix.
@@ -15,7 +22,7 @@ N pages, P page size, D head dim of q and k, Dv of v, n members of a shared pref
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +30,7 @@ from torch import Tensor
 
 from headwise import native
 from headwise import tracing as trace
+from headwise.pieces import merge_attentions
 
 __all__ = ["KERNEL", "KEY_BLOCK", "attend", "prefix_keys"]
 
@@ -35,12 +43,20 @@ def prefix_keys(shared_pages: int, P: int) -> int:
     return shared_pages * P // KEY_BLOCK * KEY_BLOCK
 
 
+PrefixAttention = Callable[[list[int], int], tuple[Tensor, Tensor]]
+
+
 def attend(q: Tensor, k_pages: Tensor, v_pages: Tensor, table: Tensor, lens: list[int], scale: float,
-           causal: bool, groups: Sequence[tuple[list[int], int]]) -> tuple[Tensor, Tensor]:
+           causal: bool, groups: Sequence[tuple[list[int], int]],
+           prefix: PrefixAttention | None = None) -> tuple[Tensor, Tensor]:
     """Every sequence's attention: ``(out (B, H, T, Dv), lse (B, H, T) fp32)``.
 
     ``table`` (B, W) int64 on the host, validated; ``groups``: the shared prefixes
-    ``(members, pages shared)``, each folded in where it holds at least KEY_BLOCK keys."""
+    ``(members, pages shared)``, each taken where it holds at least KEY_BLOCK keys (S0 of
+    them, :func:`prefix_keys`). ``prefix``: ``prefix(members, S0) -> (out (n, H, T, Dv), lse
+    (n, H, T))``, the members' attention over the prefix keys, merged by log-sum-exp with the
+    kernel's over the rest (a matrix product serves the stacked rows faster than the kernel);
+    None: the prefix is folded in (the bits of private sequences)."""
     ext = native.load()
     if ext is None or ext.KEY_BLOCK != KEY_BLOCK:  # the caller asked native.unavailable() first
         raise RuntimeError("internal error: the native paged kernel was routed to but is not built (or was built "
@@ -53,24 +69,29 @@ def attend(q: Tensor, k_pages: Tensor, v_pages: Tensor, table: Tensor, lens: lis
     B, H, T, _ = q.shape
     out = q.new_empty(B, H, T, v_pages.shape[-1])  # (B, H, T, Dv)
     lse = q.new_empty(B, H, T, dtype=torch.float32)  # (B, H, T)
-    grouped: set[int] = set()
-    for members, S0 in folded:
+    parts = [(members, S0) for members, S0 in folded]
+    rest = [b for b in range(B) if b not in {m for members, _ in folded for m in members}]
+    parts += [(rest, 0)] if rest else []
+    for members, S0 in parts:
         index = torch.tensor(members)
-        state = _prefix_state(ext, q.index_select(0, index), k_pages, v_pages, table[members[0]:members[0] + 1],
-                              S0, scale)
-        o, s = _call(ext, f"sequences {members} past their {S0} shared keys", q.index_select(0, index), k_pages,
-                     v_pages, table.index_select(0, index), lens_t.index_select(0, index), scale, causal, S0, state)
-        out.index_copy_(0, index, o)
-        lse.index_copy_(0, index, s)
-        grouped.update(members)
-    rest = [b for b in range(B) if b not in grouped]
-    if rest:
-        index = torch.tensor(rest)
-        o, s = _call(ext, f"sequences {rest}", q.index_select(0, index), k_pages, v_pages,
-                     table.index_select(0, index), lens_t.index_select(0, index), scale, causal)
+        q_m = q.index_select(0, index)  # (n, H, T, D)
+        merged = prefix(members, S0) if S0 and prefix is not None else None  # (n, H, T, Dv), (n, H, T)
+        state = _prefix_state(ext, q_m, k_pages, v_pages, table[members[0]:members[0] + 1], S0, scale) \
+            if S0 and prefix is None else None
+        what = f"sequences {members}" + (f" past their {S0} shared keys" if S0 else "")
+        o, s = _call(ext, what, q_m, k_pages, v_pages, table.index_select(0, index), lens_t.index_select(0, index),
+                     scale, causal, S0, state)
+        if merged is not None:
+            o, s = _merged(merged, (o, s))
         out.index_copy_(0, index, o)
         lse.index_copy_(0, index, s)
     return out, lse
+
+
+def _merged(first: tuple[Tensor, Tensor], second: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Two parts over disjoint keys merged by log-sum-exp: ``(out, lse fp32)``."""
+    out, lse = merge_attentions([first[0], second[0].to(first[0].dtype)], [first[1], second[1]])
+    return out, lse.float()
 
 
 def _prefix_state(ext: Any, q: Tensor, k_pages: Tensor, v_pages: Tensor, table: Tensor, S0: int,
