@@ -137,19 +137,7 @@ def paged_attention(
     shareable = window is None and alibi_slopes is None and share_prefix is not False
     groups = _prefix_groups(table, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
         if shareable else []
-    lse: Tensor | None
-    if native_refusal(q, k_pages, v_pages, options) is None:
-        pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
-
-        def prefix(members: list[int], keys: int) -> tuple[Tensor, Tensor]:
-            pages = table[members[0], :-(-keys // P)].tolist()
-            return _stacked_prefix(q, pools, pages, members, keys, options)
-
-        out, lse = paged_native.attend(q, k_pages, v_pages, table, lens, _scale(options, q), options.is_causal,
-                                       groups, prefix)  # (B, H, T, Dv), (B, H, T)
-    else:
-        pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
-        out, lse = _attend_sequences(q, pools, _rows(table, lens, P), lens, groups, options, return_lse)
+    out, lse = _attend_all(q, k_pages, v_pages, table, lens, groups, options, return_lse)  # (B, H, T, Dv), (B, H, T)
     if trace.ACTIVE:
         trace.record("paged attention", out, f"{B} sequences of {T} queries over their pages ({P} keys a page); "
                      + (f"{len(groups)} shared prefixes attended once" if groups else "no shared prefix"))
@@ -194,6 +182,24 @@ def _valid_scale(scale: object) -> bool:
 
 def _scale(options: _Options, q: Tensor) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if options.scale is None else float(options.scale)
+
+
+def _attend_all(q: Tensor, k_pages: Tensor, v_pages: Tensor, table: Tensor, lens: list[int],
+                groups: list[tuple[list[int], int]], options: _Options,
+                return_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """The native kernel where :func:`native_refusal` finds nothing against it, else each
+    sequence apart: ``(out (B, H, T, Dv), lse (B, H, T) or None)``."""
+    P = k_pages.shape[2]
+    pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
+    if native_refusal(q, k_pages, v_pages, options) is not None:
+        return _attend_sequences(q, pools, _rows(table, lens, P), lens, groups, options, return_lse)
+
+    def prefix(members: list[int], keys: int) -> tuple[Tensor, Tensor]:
+        pages = table[members[0], :-(-keys // P)].tolist()
+        return _stacked_prefix(q, pools, pages, members, keys, options)
+
+    return paged_native.attend(q, k_pages, v_pages, table, lens, _scale(options, q), options.is_causal, groups,
+                               prefix)
 
 
 def _attend_sequences(q: Tensor, pools: tuple[Tensor, Tensor], tables: list[list[int]], lens: list[int],
