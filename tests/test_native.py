@@ -73,3 +73,18 @@ def test_the_extension_name_changes_with_the_torch_version(monkeypatch):
     tag = native._cpu_tag()
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert native._cpu_tag() != tag and len(tag) == 12
+
+
+def test_the_ninja_of_a_virtual_environment_that_is_not_activated_is_found(monkeypatch):
+    """torch runs ninja from PATH: where it is not there, the ninja package's own bin is put first."""
+    import sys
+    import types
+
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR="/venv/bin"))
+    monkeypatch.setenv("PATH", "/usr/bin")
+    native._ninja_on_path()
+    assert native.os.environ["PATH"] == "/venv/bin:/usr/bin"
+    monkeypatch.setattr(native.shutil, "which", lambda name: "/usr/bin/ninja")
+    native._ninja_on_path()  # found on PATH: left as it is
+    assert native.os.environ["PATH"] == "/venv/bin:/usr/bin"

@@ -15,9 +15,11 @@ pure-PyTorch path; a warning says so once per process.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import platform
+import shutil
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -53,8 +55,22 @@ def _cpu_tag() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the ninja package (a dependency) puts it in the
+    environment's bin, which is not on PATH where the environment was not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        ninja = importlib.import_module("ninja")
+    except ImportError:
+        return  # torch's build then says that ninja is missing: the fallback's reason
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension  # imported on first use: it is slow to import
+
+    _ninja_on_path()
 
     name = f"headwise_paged_{_cpu_tag()}"
     logger.info("loading headwise's native paged kernel %s (built once per CPU and torch, about a minute)", name)
