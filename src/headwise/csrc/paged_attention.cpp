@@ -87,6 +87,33 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
+// dot() of q with four keys at once: the same lane sums and the same tree for each key (its
+// levels run on the four keys' lanes packed together), so each result has dot()'s bits.
+inline void dot4(const float* q, const float* const* k, int64_t D, float* out) {
+  Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES) {
+    const Lanes x = load(q + d);
+    a0 += x * load(k[0] + d), a1 += x * load(k[1] + d), a2 += x * load(k[2] + d), a3 += x * load(k[3] + d);
+  }
+  // w = 8: lanes l and l + 8 of each key; two keys a vector
+  const Lanes b01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                    __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const Lanes b23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                    __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // w = 4: four lanes a key
+  const Lanes c = __builtin_shufflevector(b01, b23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                  __builtin_shufflevector(b01, b23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  // w = 2, then w = 1
+  const Lanes8 e = __builtin_shufflevector(c, c, 0, 1, 4, 5, 8, 9, 12, 13) +
+                   __builtin_shufflevector(c, c, 2, 3, 6, 7, 10, 11, 14, 15);
+  const Lanes4 f = __builtin_shufflevector(e, e, 0, 2, 4, 6) + __builtin_shufflevector(e, e, 1, 3, 5, 7);
+  float s[4] = {f[0], f[1], f[2], f[3]};
+  for (; d < D; ++d)
+    for (int i = 0; i < 4; ++i) s[i] += q[d] * k[i][d];
+  std::memcpy(out, s, sizeof(s));
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
@@ -148,7 +175,10 @@ inline void add_values(float* acc, float alpha, const float* p, const float* con
 inline void fold_block(const float* q, const float* const* keys, const float* const* values, int64_t live,
                        float scale, int64_t D, int64_t Dv, Row row) {
   float s[KEY_BLOCK];
-  for (int64_t j = 0; j < KEY_BLOCK; ++j) s[j] = j < live ? dot(q, keys[j], D) * scale : NEG_INF;
+  int64_t j = 0;
+  for (; j + 4 <= live; j += 4) dot4(q, keys + j, D, s + j);
+  for (; j < live; ++j) s[j] = dot(q, keys[j], D);
+  for (j = 0; j < KEY_BLOCK; ++j) s[j] = j < live ? s[j] * scale : NEG_INF;
   float top[KEY_BLOCK];
   std::memcpy(top, s, sizeof(s));
   for (int64_t w = KEY_BLOCK / 2; w > 0; w /= 2)
