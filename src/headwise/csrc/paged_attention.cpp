@@ -154,26 +154,36 @@ struct Row {
   float* acc;
 };
 
-// acc = acc * alpha + p[0] v[0] + p[1] v[1] + ... (in this order for every element), over the
-// live keys only: a key past the row's last is never read, so NaN there cannot leak. LANES
-// elements at a time, kept in registers across the keys.
-inline void add_values(float* acc, float alpha, const float* p, const float* const* values, int64_t live, int64_t Dv) {
+// For each of R rows: acc = acc * alpha + p[0] v[0] + p[1] v[1] + ... (in this order for every
+// element, whatever R), over the live keys only: a key past the rows' last is never read, so NaN
+// there cannot leak. LANES elements at a time, kept in registers across the keys; each value
+// row is loaded once for the R rows (the query heads of one kv head at one position).
+template <int R>
+inline void add_values(float* const* acc, const float* alpha, const float (*p)[KEY_BLOCK],
+                       const float* const* values, int64_t live, int64_t Dv) {
   int64_t d0 = 0;
   for (; d0 + LANES <= Dv; d0 += LANES) {
-    Lanes a = load(acc + d0) * alpha;
-    for (int64_t j = 0; j < live; ++j) a += p[j] * load(values[j] + d0);
-    store(acc + d0, a);
+    Lanes a[R];
+    for (int r = 0; r < R; ++r) a[r] = load(acc[r] + d0) * alpha[r];
+    for (int64_t j = 0; j < live; ++j) {
+      const Lanes v = load(values[j] + d0);
+      for (int r = 0; r < R; ++r) a[r] += p[r][j] * v;
+    }
+    for (int r = 0; r < R; ++r) store(acc[r] + d0, a[r]);
   }
-  for (; d0 < Dv; ++d0) {
-    float a = acc[d0] * alpha;
-    for (int64_t j = 0; j < live; ++j) a += p[j] * values[j][d0];
-    acc[d0] = a;
-  }
+  for (; d0 < Dv; ++d0)
+    for (int r = 0; r < R; ++r) {
+      float a = acc[r][d0] * alpha[r];
+      for (int64_t j = 0; j < live; ++j) a += p[r][j] * values[j][d0];
+      acc[r][d0] = a;
+    }
 }
 
-// Fold one block of keys (live: the first ``live`` of KEY_BLOCK) into a row's state.
-inline void fold_block(const float* q, const float* const* keys, const float* const* values, int64_t live,
-                       float scale, int64_t D, int64_t Dv, Row row) {
+// The scores of one block of keys (live: the first ``live`` of KEY_BLOCK) for one row, its
+// weights ``p`` (zero past ``live``), and the row's new max and sum; returns the factor
+// alpha = exp(m_old - m_new) its output is to be scaled by before the block's values add.
+inline float softmax_block(const float* q, const float* const* keys, int64_t live, float scale, int64_t D, Row row,
+                           float* p) {
   float s[KEY_BLOCK];
   int64_t j = 0;
   for (; j + 4 <= live; j += 4) dot4(q, keys + j, D, s + j);
@@ -182,20 +192,40 @@ inline void fold_block(const float* q, const float* const* keys, const float* co
   float top[KEY_BLOCK];
   std::memcpy(top, s, sizeof(s));
   for (int64_t w = KEY_BLOCK / 2; w > 0; w /= 2)
-    for (int64_t j = 0; j < w; ++j) top[j] = top[j] < top[j + w] ? top[j + w] : top[j];
+    for (int64_t i = 0; i < w; ++i) top[i] = top[i] < top[i + w] ? top[i + w] : top[i];
   const float m_old = *row.m;
   const float m_new = m_old < top[0] ? top[0] : m_old;
   const float alpha = m_old == NEG_INF ? 0.0f : exp_nonpositive(m_old - m_new);
-  float p[KEY_BLOCK];
-  for (int64_t j = 0; j < KEY_BLOCK; ++j) p[j] = exp_nonpositive(s[j] - m_new);
-  for (int64_t j = 0; j < KEY_BLOCK; ++j) p[j] = j < live ? p[j] : 0.0f;
+  for (j = 0; j < KEY_BLOCK; ++j) p[j] = exp_nonpositive(s[j] - m_new);
+  for (j = 0; j < KEY_BLOCK; ++j) p[j] = j < live ? p[j] : 0.0f;
   float sum[KEY_BLOCK];
-  std::memcpy(sum, p, sizeof(p));
+  std::memcpy(sum, p, sizeof(sum));
   for (int64_t w = KEY_BLOCK / 2; w > 0; w /= 2)
-    for (int64_t j = 0; j < w; ++j) sum[j] += sum[j + w];
+    for (int64_t i = 0; i < w; ++i) sum[i] += sum[i + w];
   *row.l = *row.l * alpha + sum[0];
   *row.m = m_new;
-  add_values(row.acc, alpha, p, values, live, Dv);
+  return alpha;
+}
+
+constexpr int VALUE_ROWS = 4;  // rows whose values one pass over a block's value rows adds
+
+// Fold one block of keys into rows i .. i + R - 1 of a task (R <= VALUE_ROWS), which see the
+// same ``live`` keys of it.
+inline void fold_rows(const float* q, int64_t D, int64_t Dv, float scale, const float* const* keys,
+                      const float* const* values, int64_t live, int R, float* m, float* l, float* acc) {
+  float p[VALUE_ROWS][KEY_BLOCK];
+  float alpha[VALUE_ROWS];
+  float* accs[VALUE_ROWS];
+  for (int r = 0; r < R; ++r) {
+    alpha[r] = softmax_block(q + r * D, keys, live, scale, D, Row{m + r, l + r, acc + r * Dv}, p[r]);
+    accs[r] = acc + r * Dv;
+  }
+  switch (R) {
+    case 1: add_values<1>(accs, alpha, p, values, live, Dv); break;
+    case 2: add_values<2>(accs, alpha, p, values, live, Dv); break;
+    case 3: add_values<3>(accs, alpha, p, values, live, Dv); break;
+    default: add_values<4>(accs, alpha, p, values, live, Dv); break;
+  }
 }
 
 struct Problem {
@@ -241,11 +271,13 @@ void run_task(const Problem& pr, const Task& task, const scalar_t* q, const Pool
     const int64_t count = std::min(KEY_BLOCK, last - j0);
     kp.block(pages, task.h, j0, count, buf.k_tile.data(), keys);
     vp.block(pages, task.h, j0, count, buf.v_tile.data(), values);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n;) {  // runs of up to VALUE_ROWS rows that see the same keys of the block
       const int64_t live = std::min(count, end[i] - j0);
+      int R = 1;
+      while (R < VALUE_ROWS && i + R < n && std::min(count, end[i + R] - j0) == live) ++R;
       if (live > 0)
-        fold_block(&buf.q[i * D], keys, values, live, pr.scale, D, Dv,
-                   Row{&buf.m[i], &buf.l[i], &buf.acc[i * Dv]});
+        fold_rows(&buf.q[i * D], D, Dv, pr.scale, keys, values, live, R, &buf.m[i], &buf.l[i], &buf.acc[i * Dv]);
+      i += R;
     }
   }
   for (int64_t i = 0; i < n; ++i) {
