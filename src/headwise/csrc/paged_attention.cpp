@@ -412,6 +412,8 @@ int64_t first_bad_page(const at::Tensor& table, const std::vector<int64_t>& lens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("first_bad_page", &first_bad_page, "the first page id of a block table outside the pool, or -1");
-  m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU, fp32 / bf16)");
+  // The GIL is released while the kernel runs: a server's other Python threads go on.
+  m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU, fp32 / bf16)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.attr("KEY_BLOCK") = KEY_BLOCK;
 }
