@@ -128,6 +128,8 @@ def one_sequence_ways(dtype, T: int):
         place(k_pages, pages, k)
         place(v_pages, pages, v)
         results[f"P={P} {order}"] = paged_attention(q, k_pages, v_pages, torch.tensor([pages]), [L], return_lse=True)
+    # a contiguous (B, Hkv, L, D) cache is a pool of B pages of L keys, table [[0], [1], ...] (issue 37's route)
+    results["a contiguous cache"] = paged_attention(q, k, v, torch.tensor([[0]]), [L], return_lse=True)
     # in a batch, third of five, the others of other lengths on interleaved pages
     others = [40, 300, 7, 90]
     k_pages, v_pages, table, _, _ = churned_pool([*others[:2], L, *others[2:]], Hkv, 16, dtype, gen)
