@@ -50,8 +50,9 @@ __all__ = ["paged_attention", "SHARED_PREFIX_MIN_KEYS", "NATIVE_MAX_QUERIES"]
 SHARED_PREFIX_MIN_KEYS = 1024
 # The native kernel serves steps of at most this many new queries per sequence (decoding,
 # speculative verification, short chunks). A longer prefill chunk runs the per-sequence
-# kernels, whose matrix products beat the native kernel's dot products from about T = 32 on a
-# 2-core AMD EPYC, fp32 (benchmarks/paged.py, "prefill chunk" rows).
+# kernels, whose matrix products beat the native kernel's dot products from about T = 32 (a
+# first placing on a busy 2-core AMD EPYC, fp32; benchmarks/paged.py's "prefill chunk" rows
+# measure it).
 NATIVE_MAX_QUERIES = 32
 
 
