@@ -107,6 +107,18 @@ def test_paged_benchmark_pairs_each_target_with_its_baseline():
                                              "ragged batch step"]
     assert all(value > 0 for _, value, _ in rows)
     assert rows[2][1] == 1.0  # 32 + 3 x 16 tokens in pages of 16: every slot holds a unique token
+    users = [paged.shuffled_step_target(2, 40, 4, 2, 8, repeats=1),
+             *paged.module_pool_target(2, 32, 32, 4, 2, repeats=1, later=3),
+             *paged.shared_target(3, 32, 16, 32, 4, 2, repeats=1, churn=True),
+             paged.ragged_target([8, 24, 40], 32, 4, 2, repeats=1, churn=True),
+             *paged.prefill_chunk_rows(2, 40, 4, 2, 8, [2, 40], repeats=1)]
+    assert [name for name, _, _ in users] == ["shuffled decode step", "module pool, first", "module pool, later",
+                                              "shared prefix, churned", "ragged batch, churned", "prefill chunk T=2",
+                                              "prefill chunk T=40"]
+    assert all(value > 0 for _, value, _ in users)
+    cache = paged.paged_cache(paged.module(32, 4, 2), [40, 70], 2, churn=True)
+    pages = [cache.pages(s) for s in cache.sequences[-2:]]
+    assert any(p != list(range(p[0], p[0] + len(p))) for p in pages)  # the churned pool scatters them
 
 
 def test_pieces_benchmark_pairs_weights_and_the_lse_with_the_plain_forward():
