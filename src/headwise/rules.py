@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from headwise import intervals
 from headwise.evaluate import (
     MaskMod,
     ScoreMod,
@@ -47,6 +48,7 @@ from headwise.evaluate import (
     mask_tile_states,
 )
 from headwise.masks import AlignedCausal, Combined, Document, MaskRule, ScoreRule, TileMap, and_masks
+from headwise.symbolic import trace
 from headwise.tiles import Bounds, as_4d, states
 
 __all__ = ["Rules", "SoftCap", "Alibi", "Shifted", "ShiftedScore", "Composed", "combine_rules", "knows_tiles",
@@ -208,7 +210,8 @@ class Shifted(MaskRule):
         return self.mod(b, h, q_idx + self.offset, kv_idx)
 
     def tile_states(self, bounds, B, H):
-        return evaluated_tile_states(self, bounds, B, H)
+        traced = intervals.tile_states(self, bounds, B, H)  # the function with q_idx + offset, traced
+        return traced if traced is not None else evaluated_tile_states(self, bounds, B, H)
 
     def __repr__(self) -> str:
         return f"{getattr(self.mod, '__name__', None) or self.mod!r} (queries from position {self.offset})"
@@ -261,13 +264,15 @@ def combine_rules(module_rule: Any, call_rule: Any, *, score: bool) -> Any:
 
 
 def knows_tiles(mod: Any) -> bool:
-    """Whether a mask_mod's tiles come from its bounds (a helper, a tile map, and/or of those)
-    rather than from evaluating every pair."""
+    """Whether a mask_mod's tiles come from its bounds (a helper, a tile map, a plain function
+    the tracer reads, and/or of those) rather than from evaluating every pair."""
     if isinstance(mod, TileMap):
         return True
     if isinstance(mod, Combined):
         return all(knows_tiles(m) for m in mod.mods)
-    return isinstance(mod, MaskRule) and not isinstance(mod, Shifted)
+    if isinstance(mod, MaskRule) and not isinstance(mod, Shifted):
+        return True
+    return trace(mod) is not None
 
 
 def document_lengths(rules: Rules, B: int, S: int, Sk: int) -> tuple[tuple[int, ...], ...] | None:
