@@ -68,8 +68,12 @@ class _Tables:
         more than one row, t's extremes."""
         mins, maxs, whole = self._table(t)
         K, R, L = mins.shape
-        lo, hi = torch.broadcast_tensors(*col)
-        r = torch.zeros_like(lo) if row is None else row[0].expand_as(lo)
+        if row is None:
+            lo, hi = torch.broadcast_tensors(*col)
+            r = torch.zeros_like(lo)
+        else:
+            r, r_hi, lo, hi = torch.broadcast_tensors(*row, *col)
+            row = (r, r_hi)
         k = torch.frexp((hi - lo + 1).double())[1].long() - 1  # floor(log2(hi - lo + 1))
         base = (k * R + r) * L
         second = hi - (1 << k) + 1

@@ -135,11 +135,11 @@ def _where(cond: Any, a: Any, b: Any) -> Node:
     return _node("where", (c, x, y), dtype)
 
 
-def _clamp(x: Any, lo: Any = None, hi: Any = None) -> Node:
+def _clamp(x: Any, min: Any = None, max: Any = None) -> Node:  # noqa: A002 - torch.clamp's keywords
     node = _operand(x)
     if node.dtype == torch.bool:
         raise _opaque("clamp of a bool")
-    for op, bound in (("max", lo), ("min", hi)):  # torch.clamp: min(max(x, lo), hi)
+    for op, bound in (("max", min), ("min", max)):  # torch.clamp: min(max(x, lo), hi)
         if bound is not None:
             node = _node(op, (node, _operand(bound)), node.dtype)
     return node
@@ -217,7 +217,9 @@ class Sym(Tensor):
             if prop in ("device", "dtype", "is_cuda"):
                 return {"device": sym.device_, "dtype": sym.node.dtype, "is_cuda": sym.device_.type == "cuda"}[prop]
             raise _opaque(f"reading .{prop}")
-        device = next(a.device_ for a in (*args, *(kwargs or {}).values()) if isinstance(a, Sym))
+        flat = [*args, *(kwargs or {}).values()]
+        flat += [a for t in flat if isinstance(t, tuple) for a in t]  # t[i, j]: the indices of a tuple
+        device = next(a.device_ for a in flat if isinstance(a, Sym))
         return Sym(_record(name, tuple(args), dict(kwargs or {})), device)
 
     @classmethod
@@ -240,8 +242,8 @@ def trace(mod: Any, device: torch.device | None = None) -> Node | None:
         return None
     if _state.opaque:
         return None
-    if isinstance(out, bool):
-        return _operand(out)
+    if isinstance(out, bool) or (type(out) is Tensor and out.dim() == 0 and out.dtype == torch.bool):
+        return _operand(out)  # the same answer for every pair
     if not isinstance(out, Sym) or out.node.dtype != torch.bool:
         return None
     return out.node
