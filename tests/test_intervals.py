@@ -43,7 +43,9 @@ def integers(draw, depth: int, tensors: dict):
         return lambda b, h, q, kv: t[torch.clamp(b, max=t.shape[0] - 1), at(b, h, q, kv)]
     if op in ("floordiv", "mod"):
         c = draw(st.integers(1, 7)) * (draw(st.sampled_from([1, -1])) if op == "floordiv" else 1)
-        return (lambda b, h, q, kv: x(b, h, q, kv) // c) if op == "floordiv" else (lambda b, h, q, kv: x(b, h, q, kv) % c)
+        if op == "floordiv":
+            return lambda b, h, q, kv: x(b, h, q, kv) // c
+        return lambda b, h, q, kv: x(b, h, q, kv) % c
     if op == "abs":
         return lambda b, h, q, kv: torch.abs(torch.as_tensor(x(b, h, q, kv)))
     if op == "clamp":
