@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headwise import intervals
+from headwise import intervals, symbolic
 from headwise.evaluate import evaluated_tile_states, mask_tile_states
 from headwise.tiles import Bounds
 
@@ -109,7 +109,7 @@ def test_document_causal_tiles_are_exact_at_any_length(S, docs):
 @pytest.mark.parametrize("large", [False, True], ids=["compared-by-value", "compared-by-version"])
 def test_a_captured_tensor_changed_in_place_is_a_cache_miss(large, monkeypatch):
     if large:  # every captured tensor counts as large: identity and version counter, not a copy
-        monkeypatch.setattr(intervals, "_COPY_MAX", 0)
+        monkeypatch.setattr(symbolic, "COPY_MAX", 0)
     doc = torch.tensor([0] * 40 + [1] * 40 + [2] * 48)
     mod, bounds = _doc_causal(doc), Bounds(128, 128, 16, 16)
     first = intervals.tile_states(mod, bounds, 1, 1)

@@ -140,6 +140,6 @@ def test_on_the_document_path_another_documents_nan_reaches_nothing(backend, sma
     out = headwise.attention(q, k, v, mask_mod=rule, backend=backend)
     assert torch.isfinite(out[:, :, :7]).all()
     gq, gk, gv = torch.autograd.grad(out[:, :, :7].sum(), (q, k, v))
-    assert torch.isfinite(gq[:, :, :7]).all() and torch.isfinite(gk[:, :, :7]).all() and torch.isfinite(gv[:, :, :7]).all()
+    assert all(torch.isfinite(g[:, :, :7]).all() for g in (gq, gk, gv))
     clean = headwise.attention(q, k.detach()[:, :, :7], v.detach()[:, :, :7], mask_mod=rule, backend="matmul")
     torch.testing.assert_close(out[:, :, :7], clean[:, :, :7])

@@ -18,25 +18,20 @@ of one tile, nq / nk the tiles along S / Sk, n cells.
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from headwise.symbolic import LIMIT, Node, Opaque, _walk, captured, replay, signature, trace
+from headwise.symbolic import LIMIT, Memo, Node, Opaque, _walk, captured, replay, signature, trace
 from headwise.tiles import EMPTY, FULL, PARTIAL, Bounds
 
-__all__ = ["tile_states", "classify", "Bounded"]
+__all__ = ["tile_states", "traced_states", "classify", "Bounded"]
 
 _SPLIT = 8  # sub-tiles per side when a tile is split
 _EXACT_AREA = 256  # cells of at most this many pairs are evaluated pair by pair
 _CHUNK_PAIRS = 1 << 22  # pairs evaluated at once
 _CHUNK_CELLS = 1 << 15  # cells split at once
-_COPY_MAX = 1 << 20  # captured tensors up to this many elements are compared by value; larger by identity + version
-_CACHE: OrderedDict[tuple, tuple[list, Tensor]] = OrderedDict()
-_CACHE_SIZE = 32
 
 Bounded = tuple[Tensor, Tensor]  # (lo, hi) int64
 
@@ -280,43 +275,32 @@ def _grid_states(root: Node, bounds: Bounds, B: int, H: int) -> Tensor:
     return states
 
 
-def _fingerprint(tensors: list[Tensor]) -> list:
-    """What the cache compares of the captured tensors: a copy of the values of a small one, the
-    identity and version counter of a large one."""
-    return [t.detach().clone() if t.numel() <= _COPY_MAX else (weakref.ref(t), t._version) for t in tensors]
+_MEMO = Memo(32)
 
 
-def _same(prints: list, tensors: list[Tensor]) -> bool:
-    for p, t in zip(prints, tensors, strict=True):
-        if isinstance(p, Tensor):
-            if not torch.equal(p, t):
-                return False
-        elif p[0]() is not t or p[1] != t._version:
-            return False
-    return True
-
-
-def tile_states(mod: Any, bounds: Bounds, B: int, H: int) -> Tensor | None:
-    """Exact int8 (B|1, H|1, nq, nk) tile states of a plain mask_mod, by tracing it; None where
-    it is opaque (the caller evaluates every pair). Cached (see the module docstring)."""
+def traced_states(root: Node, bounds: Bounds, B: int, H: int) -> Tensor | None:
+    """Exact int8 (B|1, H|1, nq, nk) tile states of a traced rule; None where the bounds show
+    it may index out of range or overflow (the caller evaluates every pair). Cached (see the
+    module docstring)."""
     device = bounds.device if bounds.device is not None else torch.device("cpu")
-    root = trace(mod, device)
-    if root is None or bounds.S == 0 or bounds.Sk == 0:
+    if bounds.S == 0 or bounds.Sk == 0:
         return None
     tensors = captured(root)
     if any(t.device != device for t in tensors):
         return None
     key = (signature(root, tensors), B if 0 in root.leaves else 1, H if 1 in root.leaves else 1,
            bounds.S, bounds.Sk, bounds.bq, bounds.bk, str(device))
-    hit = _CACHE.get(key)
-    if hit is not None and _same(hit[0], tensors):
-        _CACHE.move_to_end(key)
-        return hit[1]
-    try:
-        states = _grid_states(root, bounds, B, H)
-    except Opaque:
-        return None
-    _CACHE[key] = (_fingerprint(tensors), states)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    found, states = _MEMO.get(key, tensors)
+    if not found:
+        try:
+            states = _grid_states(root, bounds, B, H)
+        except Opaque:
+            states = None
+        _MEMO.put(key, tensors, states)
     return states
+
+
+def tile_states(mod: Any, bounds: Bounds, B: int, H: int) -> Tensor | None:
+    """:func:`traced_states` of a plain mask_mod, traced here; None where it is opaque."""
+    root = trace(mod, bounds.device)
+    return None if root is None else traced_states(root, bounds, B, H)

@@ -21,11 +21,12 @@ import torch
 from torch import Tensor
 
 from headwise import intervals
+from headwise.evaluate import evaluated_tile_states
 from headwise.masks import AlignedCausal, Combined, Document, MaskRule, TileMap
-from headwise.symbolic import Node, replay, trace
+from headwise.symbolic import Memo, Node, captured, replay, signature, trace
 from headwise.tiles import EMPTY, Bounds
 
-__all__ = ["Recognised", "recognise"]
+__all__ = ["Recognised", "Traced", "read", "recognise"]
 
 _PROOF_TILE = 128  # the tiles the proof classifies (cached with them)
 
@@ -91,28 +92,67 @@ def _plain(mod: Any) -> bool:
     return not isinstance(mod, (MaskRule, TileMap))
 
 
-def recognise(mod: Any, B: int, H: int, S: int, Sk: int, device: torch.device) -> Recognised | None:
-    """The helpers equal to the plain mask_mod ``mod`` on the (B, H, S, Sk) grid, proven (see
-    the module docstring); None where ``mod`` is a helper already, is opaque, depends on the
-    head, S != Sk, or no candidate is proven."""
-    if (mod is None or not _plain(mod) or S != Sk or S < 1 or device.type == "meta"
-            or torch.compiler.is_compiling()):
-        return None
-    root = trace(mod, device)
-    if root is None or 1 in root.leaves:
-        return None
+class Traced(MaskRule):
+    """A plain mask_mod and its graph, traced once for one call: its tiles come from the graph
+    (:func:`headwise.intervals.traced_states`), its values from the function itself."""
+
+    def __init__(self, mod: Any, root: Node):
+        self.mod, self.root = mod, root
+        self.__name__ = getattr(mod, "__name__", None) or repr(mod)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.mod(b, h, q_idx, kv_idx)
+
+    def tile_states(self, bounds, B, H):
+        states = intervals.traced_states(self.root, bounds, B, H)
+        return states if states is not None else evaluated_tile_states(self.mod, bounds, B, H)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+_PROOFS = Memo(32)
+
+
+def _prove(root: Node, B: int, S: int, device: torch.device) -> tuple | None:
+    """The candidate helpers, where ``rule != candidate`` has only empty tiles; else None."""
     try:
         parts = _propose(root, B, S, device)
     except (IndexError, RuntimeError):  # the probes ran the rule where it raises: left to the plain path
         return None
     if parts is None:
         return None
-    candidate = Combined(parts, True)
-
-    def differs(b, h, q_idx, kv_idx):
-        return mod(b, h, q_idx, kv_idx) ^ candidate(b, h, q_idx, kv_idx)
-
-    states = intervals.tile_states(differs, Bounds(S, Sk, _PROOF_TILE, _PROOF_TILE, device), B, H)
-    if states is None or not bool((states == EMPTY).all()):
+    other = trace(Combined(parts, True), device)
+    if other is None:  # pragma: no cover - the helpers are traced
         return None
-    return Recognised(mod, parts)
+    differs = Node("xor", (root, other), torch.bool, root.leaves | other.leaves)
+    states = intervals.traced_states(differs, Bounds(S, S, _PROOF_TILE, _PROOF_TILE, device), B, 1)
+    return parts if states is not None and bool((states == EMPTY).all()) else None
+
+
+def read(mod: Any, B: int, H: int, S: int, Sk: int, device: torch.device) -> MaskRule | None:
+    """A plain mask_mod for one (B, H, S, Sk) call: :class:`Recognised` where it is proven equal
+    to helpers, else :class:`Traced` where the tracer reads it; None where ``mod`` is no plain
+    function (or None), is opaque, or the call is on the meta device or under torch.compile."""
+    if mod is None or not _plain(mod) or device.type == "meta" or torch.compiler.is_compiling():
+        return None
+    root = trace(mod, device)
+    if root is None:
+        return None
+    parts = None
+    if S == Sk and S >= 1 and 1 not in root.leaves:  # a document rule is the same for every head
+        tensors = captured(root)
+        key = (signature(root, tensors), B if 0 in root.leaves else 1, S, str(device))
+        found, parts = _PROOFS.get(key, tensors)
+        if not found:
+            parts = _prove(root, B, S, device)
+            _PROOFS.put(key, tensors, parts)
+    return Traced(mod, root) if parts is None else Recognised(mod, parts)
+
+
+def recognise(mod: Any, B: int, H: int, S: int, Sk: int, device: torch.device) -> Recognised | None:
+    """The helpers equal to the plain mask_mod ``mod`` on the (B, H, S, Sk) grid, proven (see
+    the module docstring); None where ``mod`` is a helper already, is opaque, depends on the
+    head, S != Sk, or no candidate is proven."""
+    found = read(mod, B, H, S, Sk, device)
+    return found if isinstance(found, Recognised) else None

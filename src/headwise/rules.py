@@ -48,7 +48,6 @@ from headwise.evaluate import (
     mask_tile_states,
 )
 from headwise.masks import AlignedCausal, Combined, Document, MaskRule, ScoreRule, TileMap, and_masks
-from headwise.symbolic import trace
 from headwise.tiles import Bounds, as_4d, states
 
 __all__ = ["Rules", "SoftCap", "Alibi", "Shifted", "ShiftedScore", "Composed", "combine_rules", "knows_tiles",
@@ -264,15 +263,14 @@ def combine_rules(module_rule: Any, call_rule: Any, *, score: bool) -> Any:
 
 
 def knows_tiles(mod: Any) -> bool:
-    """Whether a mask_mod's tiles come from its bounds (a helper, a tile map, a plain function
-    the tracer reads, and/or of those) rather than from evaluating every pair."""
+    """Whether a mask_mod's tiles come from its bounds (a helper, a tile map, a traced plain
+    function (:class:`headwise.recognise.Traced`), and/or of those) rather than from evaluating
+    every pair."""
     if isinstance(mod, TileMap):
         return True
     if isinstance(mod, Combined):
         return all(knows_tiles(m) for m in mod.mods)
-    if isinstance(mod, MaskRule) and not isinstance(mod, Shifted):
-        return True
-    return trace(mod) is not None
+    return isinstance(mod, MaskRule) and not isinstance(mod, Shifted)
 
 
 def document_lengths(rules: Rules, B: int, S: int, Sk: int) -> tuple[tuple[int, ...], ...] | None:

@@ -19,12 +19,14 @@ Legend: B batch, H query heads, S query length, Sk key length.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Node", "Opaque", "Sym", "trace", "replay", "captured", "signature"]
+__all__ = ["Node", "Opaque", "Sym", "trace", "replay", "captured", "signature", "Memo"]
 
 LIMIT = 1 << 31  # |values| the graph may reach: beyond it int32 (and the bounds' products) could wrap
 
@@ -320,3 +322,37 @@ _REPLAY: dict[str, Any] = {
     "and": torch.logical_and, "or": torch.logical_or, "xor": torch.logical_xor, "not": torch.logical_not,
     "where": torch.where,
 }
+
+
+COPY_MAX = 1 << 20  # captured tensors up to this many elements are compared by value; larger by identity + version
+
+
+class Memo:
+    """Results per graph :func:`signature` (and whatever else the key holds) that are served only
+    while the captured tensors hold what they held: a small one compared by value (a copy is
+    kept), a large one by identity and version counter (``tensor._version``, which every
+    in-place op bumps). The least recently used of more than ``size`` keys is dropped."""
+
+    def __init__(self, size: int):
+        self.size, self.items = size, OrderedDict[tuple, tuple[list, Any]]()
+
+    def get(self, key: tuple, tensors: list[Tensor]) -> tuple[bool, Any]:
+        """(True, the result) where the key is known and its tensors unchanged; (False, None) otherwise."""
+        hit = self.items.get(key)
+        if hit is None or not all(_unchanged(p, t) for p, t in zip(hit[0], tensors, strict=True)):
+            return False, None
+        self.items.move_to_end(key)
+        return True, hit[1]
+
+    def put(self, key: tuple, tensors: list[Tensor], value: Any) -> None:
+        prints = [t.detach().clone() if t.numel() <= COPY_MAX else (weakref.ref(t), t._version) for t in tensors]
+        self.items[key] = (prints, value)
+        self.items.move_to_end(key)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+
+def _unchanged(print_: Any, t: Tensor) -> bool:
+    if isinstance(print_, Tensor):
+        return print_.dtype == t.dtype and torch.equal(print_, t)
+    return print_[0]() is t and print_[1] == t._version
