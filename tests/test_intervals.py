@@ -205,3 +205,17 @@ def test_a_proven_tile_holds_for_every_pair(name):
     exact = evaluated_tile_states(EDGES[name], bounds, 2, 3).expand(2, 3, -1, -1)
     lo, hi = lo.expand_as(exact), hi.expand_as(exact)
     assert (exact[lo == 1] == 2).all() and (exact[hi == 0] == 0).all()
+
+
+def test_values_past_the_int32_range_are_left_to_the_function():
+    mod = lambda b, h, q, kv: (q * 100_000) * (kv * 100_000) > 5  # noqa: E731 - products past 2^31
+    bounds = Bounds(40, 40, 8, 8)
+    assert intervals.tile_states(mod, bounds, 1, 1) is None
+    assert torch.equal(mask_tile_states(mod, bounds, 1, 1), evaluated_tile_states(mod, bounds, 1, 1))
+
+
+def test_an_int32_captured_tensor_keeps_its_meaning():
+    doc = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3] * 4, dtype=torch.int32)
+    mod = lambda b, h, q, kv: (doc[q] + 1 == doc[kv] + 1) & (kv <= q)  # noqa: E731
+    bounds = Bounds(32, 32, 4, 8)
+    assert torch.equal(intervals.tile_states(mod, bounds, 1, 1), evaluated_tile_states(mod, bounds, 1, 1))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Node", "Opaque", "Sym", "trace", "replay", "captured", "signature", "Memo"]
+__all__ = ["Node", "Opaque", "Sym", "trace", "replay", "captured", "signature", "Memo", "forget"]
 
 LIMIT = 1 << 31  # |values| the graph may reach: beyond it int32 (and the bounds' products) could wrap
 
@@ -111,8 +111,9 @@ def _binary(op: str, a: Node, b: Node) -> Node:
     if op in ("floordiv", "mod") and not (b.op == "const" and (b.args[0] > 0 if op == "mod" else b.args[0] != 0)):
         raise _opaque(f"{op} by a non-constant (or zero) divisor")
     dtype = torch.promote_types(a.dtype, b.dtype) if not any(bools) else (b.dtype if bools[0] else a.dtype)
-    if a.op == "const" and b.op != "const" and a.dtype == torch.int64 and not bools[1]:
-        dtype = b.dtype  # a Python int takes the tensor's integer dtype
+    for const, other in ((a, b), (b, a)):
+        if const.op == "const" and other.op != "const" and not any(bools):
+            dtype = other.dtype  # a Python int takes the tensor's integer dtype, as in torch
     return _node(op, (a, b), dtype)
 
 
@@ -335,6 +336,7 @@ class Memo:
 
     def __init__(self, size: int):
         self.size, self.items = size, OrderedDict[tuple, tuple[list, Any]]()
+        _MEMOS.add(self)
 
     def get(self, key: tuple, tensors: list[Tensor]) -> tuple[bool, Any]:
         """(True, the result) where the key is known and its tensors unchanged; (False, None) otherwise."""
@@ -350,6 +352,15 @@ class Memo:
         self.items.move_to_end(key)
         while len(self.items) > self.size:
             self.items.popitem(last=False)
+
+
+_MEMOS: weakref.WeakSet[Memo] = weakref.WeakSet()
+
+
+def forget() -> None:
+    """Empty every :class:`Memo` (a benchmark's first call on new documents, each time)."""
+    for memo in list(_MEMOS):
+        memo.items.clear()
 
 
 def _unchanged(print_: Any, t: Tensor) -> bool:
