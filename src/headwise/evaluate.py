@@ -15,8 +15,8 @@ that broadcasts (per head, per key, a number) is expanded to the grid. As in Fle
 
 A mask_mod's tiles (:mod:`headwise.tiles`) come from the rule itself where it knows them
 (the helpers of :mod:`headwise.masks` read them from the tiles' bounds); a plain function
-is traced (:mod:`headwise.symbolic`) and its tiles classified from their bounds
-(:mod:`headwise.intervals`), or, where the tracer cannot read it, evaluated pair by pair,
+is traced (``headwise.symbolic``) and its tiles classified from their bounds
+(``headwise.intervals``), or, where the tracer cannot read it, evaluated pair by pair,
 a block of rows at a time.
 
 Legend: B batch, H query heads, S query length, Sk key length, bq / bk the rows / columns
@@ -194,7 +194,7 @@ def evaluated_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tenso
 
 def mask_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tensor:
     """int8 (B|1, H|1, nq, nk) tile states of any mask_mod: a rule's own; else, for a plain
-    function the tracer reads, classified from its bounds (:mod:`headwise.intervals`); else
+    function the tracer reads, classified from its bounds (``headwise.intervals``); else
     evaluated pair by pair."""
     own = getattr(mod, "tile_states", None)
     if callable(own):

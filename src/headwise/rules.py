@@ -264,7 +264,7 @@ def combine_rules(module_rule: Any, call_rule: Any, *, score: bool) -> Any:
 
 def knows_tiles(mod: Any) -> bool:
     """Whether a mask_mod's tiles come from its bounds (a helper, a tile map, a traced plain
-    function (:class:`headwise.recognise.Traced`), and/or of those) rather than from evaluating
+    function (``headwise.recognise.Traced``), and/or of those) rather than from evaluating
     every pair."""
     if isinstance(mod, TileMap):
         return True
