@@ -41,22 +41,24 @@ class _Tables:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.made: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self.made: dict[tuple, tuple[Tensor, Tensor, tuple[Tensor, Tensor]]] = {}
 
-    def _table(self, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if id(t) not in self.made:
+    def _table(self, t: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)  # views of the same values share a table
+        if key not in self.made:
             v = t.to(device=self.device, dtype=torch.int64)
             v = v if v.dim() == 2 else v[None]  # (R, L)
-            mins, maxs, width = [v], [v], 1
-            while 2 * width <= v.shape[1]:  # level k holds [i, i + 2^k) for every i (past the end: edge values)
-                a, b = mins[-1], maxs[-1]
-                nxt = torch.cat([a[:, width:], a[:, -1:].expand(-1, width)], 1)
-                mins.append(torch.minimum(a, nxt))
-                nxt = torch.cat([b[:, width:], b[:, -1:].expand(-1, width)], 1)
-                maxs.append(torch.maximum(b, nxt))
-                width *= 2
-            self.made[id(t)] = (torch.stack(mins), torch.stack(maxs), torch.stack([v.amin(), v.amax()]))
-        return self.made[id(t)]
+            R, L = v.shape
+            K = L.bit_length()  # levels: level k holds the extremes of [i, i + 2^k) (past the end: of what is left)
+            mins, maxs = v.new_empty(K, R, L), v.new_empty(K, R, L)  # (K, R, L)
+            mins[0], maxs[0] = v, v
+            for k in range(1, K):
+                w = 1 << (k - 1)
+                torch.minimum(mins[k - 1, :, :L - w], mins[k - 1, :, w:], out=mins[k, :, :L - w])
+                torch.maximum(maxs[k - 1, :, :L - w], maxs[k - 1, :, w:], out=maxs[k, :, :L - w])
+                mins[k, :, L - w:], maxs[k, :, L - w:] = mins[k - 1, :, L - w:], maxs[k - 1, :, L - w:]
+            self.made[key] = (mins, maxs, (v.amin(), v.amax()))
+        return self.made[key]
 
     def range(self, t: Tensor, row: Bounded | None, col: Bounded) -> Bounded:
         """min and max of ``t[row, lo..hi]`` (t 1-D: of ``t[lo..hi]``); over a row range of

@@ -70,10 +70,11 @@ class Node:
     """One op of the graph. ``args`` holds Nodes, Python ints and, for ``index``, the captured
     tensor first; ``leaves`` the index arguments it reads (0 b, 1 h, 2 q_idx, 3 kv_idx)."""
 
-    __slots__ = ("op", "args", "dtype", "leaves")
+    __slots__ = ("op", "args", "dtype", "leaves", "order")
 
     def __init__(self, op: str, args: tuple, dtype: torch.dtype, leaves: frozenset[int]):
         self.op, self.args, self.dtype, self.leaves = op, args, dtype, leaves
+        self.order: list[Node] | None = None  # _walk's answer, once asked (a node never changes)
 
 
 def _integer(dtype: torch.dtype) -> bool:
@@ -254,6 +255,12 @@ def trace(mod: Any, device: torch.device | None = None) -> Node | None:
 
 def _walk(root: Node) -> list[Node]:
     """Every node once, operands before the ops that read them."""
+    if root.order is None:
+        root.order = _topological(root)
+    return root.order
+
+
+def _topological(root: Node) -> list[Node]:
     order: list[Node] = []
     seen: set[int] = set()
     stack: list[tuple[Node, bool]] = [(root, False)]
