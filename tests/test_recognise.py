@@ -68,6 +68,15 @@ def test_what_is_not_proven_is_left_as_given(name):
     assert recognise(NOT_PROVEN[name], B, H, 12, 12, CPU) is None
 
 
+def test_a_tile_map_of_a_plain_rule_is_read_as_its_helpers():
+    from headwise.masks import tile_map
+    from headwise.recognise import read
+
+    mod = PROVEN["document-causal"][0]
+    assert isinstance(read(tile_map(mod, 1, 1, 12, 12, block=(4, 4)), 1, 1, 12, 12, CPU), Recognised)
+    assert read(tile_map(NOT_PROVEN["prefix-lm"], 1, 1, 12, 12), 1, 1, 12, 12, CPU) is None  # the map stays
+
+
 def test_cross_attention_lengths_and_helpers_are_left_as_given():
     assert recognise(PROVEN["causal"][0], B, H, 12, 14, CPU) is None  # S != Sk
     assert recognise(masks.and_masks(masks.causal, masks.document(DOC)), B, H, 12, 12, CPU) is None

@@ -134,6 +134,9 @@ def read(mod: Any, B: int, H: int, S: int, Sk: int, device: torch.device) -> Mas
     """A plain mask_mod for one (B, H, S, Sk) call: :class:`Recognised` where it is proven equal
     to helpers, else :class:`Traced` where the tracer reads it; None where ``mod`` is no plain
     function (or None), is opaque, or the call is on the meta device or under torch.compile."""
+    if isinstance(mod, TileMap):  # its states are there already: only a reading as helpers adds a path
+        found = read(mod.mask_mod, B, H, S, Sk, device)
+        return found if isinstance(found, Recognised) else None
     if mod is None or not _plain(mod) or device.type == "meta" or torch.compiler.is_compiling():
         return None
     root = trace(mod, device)
