@@ -135,8 +135,8 @@ def read(mod: Any, B: int, H: int, S: int, Sk: int, device: torch.device) -> Mas
     to helpers, else :class:`Traced` where the tracer reads it; None where ``mod`` is no plain
     function (or None), is opaque, or the call is on the meta device or under torch.compile."""
     if isinstance(mod, TileMap):  # its states are there already: only a reading as helpers adds a path
-        found = read(mod.mask_mod, B, H, S, Sk, device)
-        return found if isinstance(found, Recognised) else None
+        inner = read(mod.mask_mod, B, H, S, Sk, device)
+        return inner if isinstance(inner, Recognised) else None
     if mod is None or not _plain(mod) or device.type == "meta" or torch.compiler.is_compiling():
         return None
     root = trace(mod, device)
@@ -146,8 +146,8 @@ def read(mod: Any, B: int, H: int, S: int, Sk: int, device: torch.device) -> Mas
     if S == Sk and S >= 1 and 1 not in root.leaves:  # a document rule is the same for every head
         tensors = captured(root)
         key = (signature(root, tensors), B if 0 in root.leaves else 1, S, str(device))
-        found, parts = _PROOFS.get(key, tensors)
-        if not found:
+        known, parts = _PROOFS.get(key, tensors)
+        if not known:
             parts = _prove(root, B, S, device)
             _PROOFS.put(key, tensors, parts)
     return Traced(mod, root) if parts is None else Recognised(mod, parts)
