@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import headwise
 from headwise import masks, policy
@@ -152,3 +154,52 @@ def test_on_the_document_path_another_documents_nan_reaches_nothing(backend, sma
     assert all(torch.isfinite(g[:, :, :7]).all() for g in (gq, gk, gv))
     clean = headwise.attention(q, k.detach()[:, :, :7], v.detach()[:, :, :7], mask_mod=rule, backend="matmul")
     torch.testing.assert_close(out[:, :, :7], clean[:, :, :7])
+
+
+@settings(max_examples=60, deadline=None)
+@given(S=st.integers(1, 40), docs=st.integers(1, 6), seed=st.integers(0, 999), causal=st.booleans(),
+       window=st.one_of(st.none(), st.integers(1, 12)), sort=st.booleans(), flip=st.booleans(),
+       per_row=st.booleans())
+def test_random_document_rules_are_read_only_as_what_they_are(S, docs, seed, causal, window, sort, flip, per_row):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, docs, (2, S), generator=gen)
+    ids = torch.sort(ids, dim=1).values if sort else ids
+    at = torch.randint(0, S, (2,), generator=gen).tolist()
+    window = window if causal else None
+
+    def mod(b, h, q, kv):
+        same = (ids[b, q] == ids[b, kv]) if per_row else (ids[0][q] == ids[0][kv])
+        if causal:
+            same = same & (kv <= q)
+        if window is not None:
+            same = same & (q - kv < window)
+        return same ^ ((q == at[0]) & (kv == at[1])) if flip else same
+
+    read = recognise(mod, 2, 1, S, S, CPU)
+    want = evaluate_mask(mod, 2, 1, (0, S), (0, S), None).expand(2, 1, S, S)
+    if read is not None:  # sound: read as helpers only where they are equal on every pair
+        assert torch.equal(evaluate_mask(read, 2, 1, (0, S), (0, S), None).expand(2, 1, S, S), want)
+    rows = ids[: 2 if per_row else 1]
+    some_rule = causal or any(row.unique().numel() > 1 for row in rows)  # everything allowed: no helper to read
+    if sort and not flip and some_rule:  # complete: the plain forms of the helpers are read
+        assert read is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_key_a_plain_rule_hides_from_every_query_reaches_nothing(backend, small_tiles, ref):
+    """A plain rule that is traced but not read as helpers (prefix-LM with a hidden key): NaN and
+    inf at the key no query may attend reach neither the output nor the gradients."""
+    gen = torch.Generator().manual_seed(5)
+    rule = lambda b, h, q, kv: ((kv < 4) | (kv <= q)) & (kv != 6)  # noqa: E731
+    q = torch.randn(B, H, 12, D, generator=gen, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, 12, D, generator=gen) for _ in range(2))
+    k[:, :, 6], v[:, :, 6] = float("nan"), float("inf")
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+    out = headwise.attention(q, k, v, mask_mod=rule, backend=backend)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    clean_k, clean_v = k.detach().clone(), v.detach().clone()
+    clean_k[:, :, 6], clean_v[:, :, 6] = 0.0, 0.0
+    want, _ = ref(q, clean_k, clean_v, mask_mod=rule)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)
