@@ -332,7 +332,8 @@ _REPLAY: dict[str, Any] = {
 }
 
 
-COPY_MAX = 1 << 20  # captured tensors up to this many elements are compared by value; larger by identity + version
+# captured tensors up to this many elements are compared by value (a copy kept); larger by identity + version
+COPY_MAX = 1 << 17
 
 
 class Memo:
