@@ -26,7 +26,7 @@ from torch import Tensor
 from headwise.symbolic import LIMIT, Memo, Node, Opaque, _walk, captured, replay, signature, trace
 from headwise.tiles import EMPTY, FULL, PARTIAL, Bounds
 
-__all__ = ["tile_states", "traced_states", "classify", "Bounded"]
+__all__ = ["tile_states", "traced_states", "classify"]
 
 _SPLIT = 8  # sub-tiles per side when a tile is split
 _EXACT_AREA = 256  # cells of at most this many pairs are evaluated pair by pair
