@@ -91,11 +91,14 @@ def test_rules_benchmark_pairs_the_rule_with_the_materialised_mask_and_packed_at
     ids, lengths = rules.documents(512, 16)
     assert len(lengths) == 16 and sum(lengths) == 512 and min(lengths) >= 16 and ids.shape == (512,)
     rows = rules.document_causal(256, 2, 16, repeats=1)
-    assert [name for name, _, _ in rows][1:] == ["chunked (tiles skipped)", "sdpa, materialised mask",
-                                                 "packed_attention"]
-    assert rows[0][0] == "auto (varlen)" and "x faster than the materialised mask" in rows[0][2]
+    assert [name for name, _, _ in rows] == ["helpers, auto (varlen)", "plain function, auto (varlen)",
+                                             "plain function, nothing remembered", "plain function, chunked",
+                                             "sdpa, materialised mask", "packed_attention"]
+    assert "x faster than the materialised mask (target >= 4x)" in rows[1][2] and "packed_attention" in rows[1][2]
     assert all(seconds > 0 for _, seconds, _ in rows)
-    (name, seconds, note), = rules.tile_map_time(1024, repeats=1)
+    names = [name for name, _, _ in rules.tile_map_time(1024, repeats=1)]
+    assert names == ["helpers, S = Sk = 1024", "plain function, built", "plain function, remembered"]
+    (_, seconds, note), *_ = rules.tile_map_time(1024, repeats=1)
     assert seconds > 0 and "8 x 8 tiles of 128 x 128" in note
 
 
