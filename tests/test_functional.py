@@ -409,6 +409,14 @@ def test_choose_backend_runs_nothing_and_agrees_with_attention():
     assert choose_backend(q, k, v, backend="einsum").backend == "einsum"
 
 
+def test_choose_backend_takes_return_lse_as_attention_does():
+    q, k, v = qkv()
+    assert choose_backend(q, k, v, return_lse=True).request.return_lse
+    with pytest.raises(ValueError, match="backend 'sdpa' returns the log-sum-exp only from torch's CPU flash kernel, "
+                                         r"without dropout \(device cpu, dropout_p=0.1\)"):
+        choose_backend(q, k, v, dropout_p=0.1, backend="sdpa", return_lse=True)
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "varlen"])  # varlen reads the mask's values
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_every_tensor_is_made_on_the_inputs_device_and_dtype(backend, dtype):

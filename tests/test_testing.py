@@ -212,6 +212,25 @@ def test_a_kernel_without_lse_is_checked_without_it_and_says_so():
     assert report.ok and report.items[-1] == hwt.Item("log-sum-exp", None, "its function takes no return_lse= keyword")
 
 
+def test_a_kernel_that_serves_only_inference_and_no_lse_is_checked_on_what_it_serves():
+    """flex on the CPU refuses gradients and the log-sum-exp but serves the rest: each item is
+    checked without them, says so, and the lse is reported refused (not every item refused)."""
+    from headwise.kernels.registry import Kernel, get_kernel
+
+    def refuses(r):
+        return "no gradients here" if r.requires_grad else "no lse here" if r.return_lse else None
+
+    kernel = Kernel(name="inference_only_demo", fn=get_kernel("matmul").fn, summary="matmul without gradients or lse",
+                    refuses=refuses)
+    report = check_kernel(kernel)
+    served = [i for i in report.items if i.passed]
+    assert report.ok and len(served) >= 12, str(report)
+    assert all(i.detail.endswith("; inference only (refused with gradients); its log-sum-exp refused")
+               for i in served), str(report)
+    assert report.items[-1] == hwt.Item("log-sum-exp", None,
+                                        "refused for every item here (device, dtype, gradients)")
+
+
 def test_refusals_are_reported_not_failed():
     report = check_kernel("sdpa")
     refused = {i.name: i.detail for i in report.refused}
