@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headwise
-from conftest import assert_served, reference_attention
+from conftest import assert_served, contract_backends, reference_attention
 from headwise import attention, available_backends, choose_backend
 from headwise.kernels.registry import get_kernel, kernels
 
 B, H, Hkv, S, Sk, D = 2, 4, 2, 3, 5, 8
-BACKENDS = available_backends()
+BACKENDS = contract_backends()
 WEIGHT_BACKENDS = [n for n in BACKENDS if get_kernel(n).supports_weights]
 
 

@@ -497,4 +497,5 @@ KERNEL = Kernel(
     stages=flex_stages,
     forward_ad=False,  # flex_attention's operator has no forward derivative
     functorch=False,  # a compiled function: no torch.func transforms through it
+    compiles=True,  # seconds per new rule or shape family, on the CPU and the GPU
 )
