@@ -32,8 +32,8 @@ GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="Flex trains and returns its log-sum-exp on a CUDA GPU only")
 if flex.KERNEL.available() is not None:  # pragma: no cover - torch without flex_attention, or compile disabled
     pytest.skip(f"flex cannot run here: {flex.KERNEL.available()}", allow_module_level=True)
-if not GPU and flex._cpu_compiles() is not None:  # pragma: no cover - no AVX2 or no C++ compiler
-    pytest.skip(f"flex cannot run on this CPU: {flex._cpu_compiles()}", allow_module_level=True)
+if not GPU and flex._CPU_COMPILES is not None:  # pragma: no cover - no AVX2 or no C++ compiler
+    pytest.skip(f"flex cannot run on this CPU: {flex._CPU_COMPILES}", allow_module_level=True)
 
 B, H, D = 2, 4, 8
 
@@ -188,9 +188,9 @@ def test_the_block_lists_from_headwise_tiles_list_create_block_masks_blocks(rule
     lists = flex._blocks(None, rules, 1, 1, n, n, torch.device("cpu"), False, backward=True)
     want = create_block_mask(fn, 1, 1, n, n, device="cpu")
     assert lists is not None and all(t is not None for t in lists)
-    partial, full, q_partial, q_full = (_dense(lists[i], lists[i + 1]) for i in (0, 2, 4, 6))  # type: ignore[arg-type]
+    partial, full, q_partial, q_full = (_dense(lists[i], lists[i + 1]) for i in (0, 2, 4, 6))
     their_partial = _dense(want.kv_num_blocks, want.kv_indices)
-    their_full = _dense(want.full_kv_num_blocks, want.full_kv_indices)  # type: ignore[arg-type]
+    their_full = _dense(want.full_kv_num_blocks, want.full_kv_indices)
     assert torch.equal(partial | full, their_partial | their_full)  # the blocks visited
     assert bool((full >= their_full).all()) and bool(full[:-1].eq(their_full[:-1]).all())
     assert torch.equal(q_partial, partial.T) and torch.equal(q_full, full.T)  # backward's lists, per column
@@ -227,6 +227,19 @@ def test_the_kernel_function_returns_one_kernel_result():
                                 scale=1 / math.sqrt(D), need_weights=False)  # headwise's default: the same graph
     assert type(result) is headwise.kernels.KernelResult and result.weights is None and result.lse is None
     close(result.out, reference_attention(q, k, v, is_causal=True).out)
+
+
+def test_flex_runs_inside_a_graph_the_caller_compiles():
+    """Under the caller's torch.compile the kernel calls flex_attention in that graph: the rules'
+    numbers are plain numbers there and the mask is read as given (Flex's CPU template cannot read
+    a tensor made inside the graph)."""
+    q, k, v = inputs(2, 5, 7)
+    mask = make_mask("float 3-D", 5, 7)
+    options = dict(is_causal=True, sinks=torch.linspace(-1, 1, H), softcap=5.0)
+    compiled = torch.compile(lambda q, k, v, mask: headwise.attention(q, k, v, mask, backend="flex", **options))
+    with torch.no_grad():
+        out = compiled(q, k, v, mask)
+    close(out, reference_attention(q, k, v, mask, **options).out)
 
 
 def test_explain_mode_shows_one_fused_flex_stage():
@@ -285,13 +298,11 @@ def test_a_gpu_request_needs_triton_and_head_dims_of_16(monkeypatch):
 
 
 def test_a_cpu_torch_compile_cannot_lower_for_is_named(monkeypatch):
-    flex._cpu_compiles.cache_clear()
     monkeypatch.setattr(flex.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
-    try:
-        assert "needs a C++ compiler on the CPU (g++ or clang++, or $CXX)" in (flex._cpu_compiles() or "")
-    finally:
-        flex._cpu_compiles.cache_clear()
+    assert "needs a C++ compiler on the CPU (g++ or clang++, or $CXX)" in (flex._cpu_compiles() or "")
+    monkeypatch.setattr(flex, "_CPU_COMPILES", "no compiler today")
+    assert flex.KERNEL.why_not(_request()) == "no compiler today"
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     assert "torch.compile is disabled (TORCHDYNAMO_DISABLE is set)" in (flex._available() or "")
 

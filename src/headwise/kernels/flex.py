@@ -69,7 +69,7 @@ _TORCH = torch.__version__.split("+")[0]
 
 
 def _available() -> str | None:
-    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+    if not _HAS_FLEX:
         return f"torch {_TORCH} has no torch.nn.attention.flex_attention (FlexAttention came with torch 2.5)"
     if os.environ.get("TORCHDYNAMO_DISABLE", "0") not in ("", "0"):
         return ("torch.compile is disabled (TORCHDYNAMO_DISABLE is set), and flex_attention uncompiled is an "
@@ -77,9 +77,9 @@ def _available() -> str | None:
     return None
 
 
-@functools.cache
 def _cpu_compiles() -> str | None:
-    """None where torch.compile lowers flex_attention on this CPU, else why not (read once)."""
+    """None where torch.compile lowers flex_attention on this CPU, else why not (read at import:
+    :data:`_CPU_COMPILES`)."""
     avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     if not avx2 or sys.platform == "darwin" or platform.machine().lower() not in ("x86_64", "amd64"):
         return (f"torch.compile lowers flex_attention on the CPU only for x86 CPUs with AVX2, not macOS (this one: "
@@ -92,9 +92,15 @@ def _cpu_compiles() -> str | None:
     return None
 
 
-@functools.cache
+# Read once, at import, as constants: dispatch asks on every new request, also inside a graph the
+# caller compiles, where torch.compile would trace a look-up (or a cache around one) and guard on it.
+_HAS_FLEX = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+_CPU_COMPILES = _cpu_compiles()
+
+
 def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def _refuses(r: Request) -> str | None:
@@ -126,7 +132,7 @@ def _refuses_cpu(gradients: bool, lse: bool) -> str | None:
     if lse:
         return (f"returns no log-sum-exp on the CPU (return_lse, or the weights computed from it): torch {_TORCH}'s "
                 "compiled CPU flex_attention does not output it")
-    return _cpu_compiles()
+    return _CPU_COMPILES
 
 
 def _refuses_call(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: Rules, dropout_p: float,
@@ -154,13 +160,20 @@ def _request_of(q: Tensor, k: Tensor, dropout_p: float) -> Request:
 # ---------------------------------------------------------------- the rules as Flex's two functions
 
 
-@functools.lru_cache(maxsize=256)
-def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-d tensor holding ``value``, one per (value, dtype, device): a number the rules read.
+def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> Any:
+    """A number the rules read, as a 0-d tensor: one per (value, dtype, device), kept.
 
     torch.compile guards on a Python number a closure holds and compiles once per value (each
-    offset Sk - S, each window); a tensor is an input instead. Kept, so that a GPU call does not
-    copy a new one to the device each time."""
+    offset Sk - S, each window); a tensor is an input instead, and kept, a GPU call does not copy
+    a new one to the device each time. Inside a graph the caller compiles, the number itself:
+    Flex's CPU template cannot read a tensor made inside the graph (NoValidChoicesError)."""
+    if torch.compiler.is_compiling():
+        return value
+    return _scalar_tensor(value, dtype, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_tensor(value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.tensor(value, dtype=dtype, device=device)
 
 
@@ -170,9 +183,8 @@ def _mask_mod(mask: Tensor | None, rules: Rules, S: int, Sk: int, sink: bool,
     key (index Sk, where ``sink``) always allowed; None where nothing is masked. ``mask`` is the
     normalised (B|1, H|1, S|1, Sk) mask."""
     parts: list[Callable] = []
-    if mask is not None:
-        keep = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)  # (B|1, H|1, S|1, Sk)
-        parts.append(_lookup(keep))
+    if mask is not None:  # read as it is: a table made here would be one made inside a caller's graph
+        parts.append(_lookup(mask) if mask.dtype == torch.bool else _not_excluded(_lookup(mask)))
     if rules.is_causal or rules.window is not None:
         parts.append(_causal(rules, S, Sk, device))
     if rules.mask_mod is not None:
@@ -182,7 +194,7 @@ def _mask_mod(mask: Tensor | None, rules: Rules, S: int, Sk: int, sink: bool,
     last = _scalar(Sk - 1, torch.int64, device)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        key = torch.minimum(kv_idx, last) if sink else kv_idx  # the sink's index Sk is past every rule's keys
+        key = kv_idx.clamp(max=last) if sink else kv_idx  # the sink's index Sk is past every rule's keys
         allowed = parts[0](b, h, q_idx, key)
         for part in parts[1:]:
             allowed = allowed & part(b, h, q_idx, key)
@@ -198,6 +210,14 @@ def _lookup(table: Tensor) -> Callable:
                      q_idx if table.shape[2] > 1 else 0, kv_idx]
 
     return at
+
+
+def _not_excluded(bias: Callable) -> Callable:
+    """The pairs a float mask does not exclude (its -inf), as a mask_mod."""
+    def allowed(b, h, q_idx, kv_idx):
+        return ~torch.isneginf(bias(b, h, q_idx, kv_idx))
+
+    return allowed
 
 
 def _causal(rules: Rules, S: int, Sk: int, device: torch.device) -> Callable:
@@ -229,7 +249,7 @@ def _score_mod(mask: Tensor | None, rules: Rules, S: int, Sk: int, device: torch
 
     def score_mod(score, b, h, q_idx, kv_idx):
         dtype = score.dtype  # the rules' numbers are float32: the result keeps the score's dtype
-        key = torch.minimum(kv_idx, last) if sinks is not None else kv_idx
+        key = kv_idx.clamp(max=last) if sinks is not None else kv_idx
         if cap is not None:
             score = torch.tanh(score / cap) * cap
         if slopes is not None:
