@@ -85,11 +85,12 @@ def test_flex_meets_the_kernel_contract_on_what_it_serves():
         assert all("inference only" in i.detail for i in report.items if i.passed), str(report)
 
 
-# (mask, causal, query heads per kv head, S == Sk): every mask with and without causal, MHA, GQA
-# and MQA and both length cases each several times, in 8 graphs rather than the product's 48
-GRID = [("none", False, "MQA", True), ("none", True, "GQA", False), ("key padding", False, "GQA", True),
-        ("key padding", True, "MQA", False), ("bool 4-D", False, "MQA", False), ("bool 4-D", True, "MHA", True),
-        ("float 3-D", False, "GQA", False), ("float 3-D", True, "MQA", True)]
+# (mask, causal, query heads per kv head, S == Sk). check_kernel's items hold every mask without
+# causal for MHA at S != Sk, causal alone at S < Sk and S > Sk, and a bool mask with causal for
+# GQA; these add every mask with causal, MQA, and S == Sk. Every value of each axis of masks x
+# causal x (MHA, GQA, MQA) x (S == Sk, S != Sk) is covered, not every combination: 4 graphs, not 48
+GRID = [("key padding", True, "MQA", True), ("bool 4-D", True, "GQA", False), ("float 3-D", True, "MHA", True),
+        ("none", False, "GQA", True)]
 HEADS = {"MHA": H, "GQA": 2, "MQA": 1}
 
 
@@ -287,14 +288,24 @@ def test_what_flex_cannot_run_is_refused_with_the_reason(overrides, reason):
     assert re.search(reason, flex.KERNEL.why_not(_request(**overrides)) or "")
 
 
-def test_a_gpu_request_needs_triton_and_head_dims_of_16(monkeypatch):
+def test_a_gpu_request_needs_triton(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(flex, "_triton_installed", lambda: True)
-    assert flex._refuses(_request(device=cuda, head_dim=16, value_dim=32)) is None
-    assert flex._refuses(_request(device=cuda, head_dim=8)) == ("needs head dims of at least 16 on a GPU (Flex's "
-                                                                "Triton kernel), got D = 8, Dv = 8")
+    assert flex._refuses(_request(device=cuda, head_dim=8, value_dim=32)) is None  # narrow heads: padded to 16
     monkeypatch.setattr(flex, "_triton_installed", lambda: False)
-    assert "needs triton on a GPU" in (flex._refuses(_request(device=cuda, head_dim=16)) or "")
+    assert flex._refuses(_request(device=cuda)) == ("needs triton on a GPU (torch.compile writes Flex's kernel in "
+                                                    "Triton), which is not installed")
+
+
+def test_narrow_heads_widened_for_the_gpu_kernel_change_no_result():
+    """Flex's Triton kernel needs head dims >= 16: narrower q, k, v get zero columns, which change
+    no score, and v's extra output columns are dropped."""
+    q, k, v = inputs(2, 5, 7)
+    v = v[..., :6]  # Dv = 6 != D = 8
+    wide = flex._widened(q, k, v)
+    assert [t.shape[-1] for t in wide] == [16, 16, 16]
+    got = reference_attention(*wide, is_causal=True, scale=D ** -0.5).out[..., :6]
+    torch.testing.assert_close(got, reference_attention(q, k, v, is_causal=True).out)
 
 
 def test_a_cpu_torch_compile_cannot_lower_for_is_named(monkeypatch):

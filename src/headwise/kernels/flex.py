@@ -23,10 +23,13 @@ How the contract maps onto Flex:
   partial block, so a caller of this function itself must do the same.
 * A row that may attend nothing: Flex gives zeros and ``lse = -inf`` (no key is visited, or
   every score is masked).
-* Compiled once per shape family: one ``torch.compile(dynamic=True)`` of a small function
-  around ``flex_attention``; the closures built per call (same code, new tensors) and new
-  sizes reuse its graphs. Each different rule (a new mask_mod or score_mod function, or a
-  different set of the built-in rules) compiles once (seconds on a CPU).
+* Compiled once per shape family: ``torch.compile`` of one small function around
+  ``flex_attention`` (:func:`_flex`), with the sizes of q, k, v and the block lists dynamic;
+  the closures built per call (same code, new tensors) and new sizes reuse its graphs. Each
+  different rule (a new mask_mod or score_mod function, another set of the built-in rules, a
+  new scale), dtype, head count, and on the CPU each size of a tensor a rule reads (the mask,
+  a document's ids), compiles once: seconds on a CPU. Inside a graph the caller compiles,
+  flex_attention is called in that graph.
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim of q and k, Dv head dim of v, nq / nk the 128-row / 128-column blocks along S / Sk.
@@ -60,7 +63,7 @@ Lists = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tens
 
 BLOCK = (128, 128)  # (rows, columns) of one BlockMask block: Flex's default sparse block
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what flex_attention's lowerings take
-GPU_MIN_HEAD_DIM = 16  # Flex's Triton kernel: tl.dot needs head dims of at least 16
+GPU_MIN_HEAD_DIM = 16  # Flex's Triton kernel: tl.dot needs head dims of at least 16 (narrower ones are padded)
 RECOMPILE_LIMIT = 64  # graphs of the one compiled function: rules x shape families x dtypes
 _TORCH = torch.__version__.split("+")[0]
 
@@ -109,18 +112,15 @@ def _refuses(r: Request) -> str | None:
     if r.dropout_p > 0:
         return f"has no dropout (dropout_p={r.dropout_p}): flex_attention applies none"
     if r.device.type == "cuda":
-        return _refuses_gpu(r.head_dim, r.value_dim or r.head_dim)
+        return _refuses_gpu()
     if r.device.type == "cpu":
         return _refuses_cpu(r.requires_grad or r.score_mod_grad, r.return_lse)
     return f"runs on CUDA GPUs and x86 CPUs through torch.compile, got device {str(r.device)!r}"
 
 
-def _refuses_gpu(D: int, Dv: int) -> str | None:
+def _refuses_gpu() -> str | None:
     if not _triton_installed():
         return "needs triton on a GPU (torch.compile writes Flex's kernel in Triton), which is not installed"
-    if min(D, Dv) < GPU_MIN_HEAD_DIM:
-        return (f"needs head dims of at least {GPU_MIN_HEAD_DIM} on a GPU (Flex's Triton kernel), got D = {D}, "
-                f"Dv = {Dv}")
     return None
 
 
@@ -142,7 +142,7 @@ def _refuses_call(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, rules: R
     if q.dtype not in DTYPES or dropout_p > 0:
         return _refuses(_request_of(q, k, dropout_p))
     if q.device.type == "cuda":
-        return _refuses_gpu(q.shape[-1], v.shape[-1])
+        return _refuses_gpu()
     if q.device.type != "cpu":
         return _refuses(_request_of(q, k, dropout_p))
     grad = torch.is_grad_enabled() and any(
@@ -419,6 +419,14 @@ def _dynamic(dynamo: Any, t: Tensor | None, dims: tuple[int, ...]) -> None:
         dynamo.maybe_mark_dynamic(t, list(dims))
 
 
+def _widened(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v with their head dims padded with zeros to at least :data:`GPU_MIN_HEAD_DIM`."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    width = max(D, GPU_MIN_HEAD_DIM)
+    q, k = F.pad(q, (0, width - D)), F.pad(k, (0, width - D))  # (B, H|Hkv, S|Sk, width)
+    return q, k, F.pad(v, (0, max(Dv, GPU_MIN_HEAD_DIM) - Dv))  # (B, Hkv, Sk, max(Dv, 16))
+
+
 def _append_sink_key(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """k (B, Hkv, Sk, D) and v (B, Hkv, Sk, Dv) with one more key and value, zeros: the sink's."""
     return F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))  # (B, Hkv, Sk + 1, D), (B, Hkv, Sk + 1, Dv)
@@ -471,11 +479,15 @@ def flex_attention_kernel(
     sink = rules.sinks is not None
     if sink:
         k, v = _append_sink_key(k, v)
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    Dv = v.shape[-1]
+    if q.device.type == "cuda" and min(q.shape[-1], Dv) < GPU_MIN_HEAD_DIM:
+        q, k, v = _widened(q, k, v)  # zero columns change no score; v's extra output columns are dropped
+    backward = torch.is_grad_enabled() and q.device.type == "cuda"  # any input may learn: sinks, a bias table
     lists = _blocks(attention_mask, rules, B, H, S, Sk, q.device, sink, backward)
     mask_mod = _mask_mod(attention_mask, rules, S, Sk, sink, q.device)
     score_mod = _score_mod(attention_mask, rules, S, Sk, q.device)
     out, lse = _run(q, k, v, score_mod, mask_mod, lists, scale, return_lse)
+    out = out[..., :Dv]  # (B, H, S, Dv)
     return KernelResult(out, None, None if lse is None else lse.to(lse_dtype(q.dtype)))
 
 
