@@ -164,9 +164,9 @@ def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> Any:
     """A number the rules read, as a 0-d tensor: one per (value, dtype, device), kept.
 
     torch.compile guards on a Python number a closure holds and compiles once per value (each
-    offset Sk - S, each window); a tensor is an input instead, and kept, a GPU call does not copy
-    a new one to the device each time. Inside a graph the caller compiles, the number itself:
-    Flex's CPU template cannot read a tensor made inside the graph (NoValidChoicesError)."""
+    offset Sk - S, each window); a tensor is an input instead, and one kept per value spares a GPU
+    call the copy of a new one to the device. Inside a graph the caller compiles, the number
+    itself: Flex's CPU template cannot read a tensor made inside the graph (NoValidChoicesError)."""
     if torch.compiler.is_compiling():
         return value
     return _scalar_tensor(value, dtype, device)
@@ -288,27 +288,33 @@ _RULE_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _NO_RULE = type("_NoRule", (), {})()  # the key of the keyword rules alone (no mask_mod)
 
 
-def _rule_states(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.device) -> Tensor | None:
-    """The rules' block states, int8 (B|1, H|1, nq, nk) (None: no mask rule), kept per (rule, shape).
+def _kept(rules: Rules, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, kept per (the rules' mask_mod object, ``key``) while that object lives.
 
     The memo holds an entry only while its mask_mod object lives (a weak key), so a rule built
     per call is evaluated per call, and a rule kept across calls (a module's, a TileMap) once
     per shape. A rule whose tensors change in place must be a new object, as for a TileMap."""
-    if not (rules.is_causal or rules.window is not None or rules.mask_mod is not None):
-        return None
-    owner = _NO_RULE if rules.mask_mod is None else rules.mask_mod
-    key = (B, H, S, Sk, str(device), rules.is_causal, rules.window, rules.sink_tokens)
     if torch.compiler.is_compiling():
-        return rules.tile_states(B, H, S, Sk, BLOCK, device)
+        return make()
+    owner = _NO_RULE if rules.mask_mod is None else rules.mask_mod
     try:
         memo = _RULE_STATES.setdefault(owner, {})
     except TypeError:  # not weakly referable or not hashable: no memo
-        return rules.tile_states(B, H, S, Sk, BLOCK, device)
+        return make()
+    key = (*key, rules.is_causal, rules.window, rules.sink_tokens)
     if key not in memo:
         if len(memo) >= 64:  # one rule over many shapes: keep the latest
             memo.clear()
-        memo[key] = rules.tile_states(B, H, S, Sk, BLOCK, device)
+        memo[key] = make()
     return memo[key]
+
+
+def _rule_states(rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.device) -> Tensor | None:
+    """The rules' block states, int8 (B|1, H|1, nq, nk) (None: no mask rule), kept per (rule, shape)."""
+    if not (rules.is_causal or rules.window is not None or rules.mask_mod is not None):
+        return None
+    return _kept(rules, ("states", B, H, S, Sk, str(device)),
+                 lambda: rules.tile_states(B, H, S, Sk, BLOCK, device))
 
 
 def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
@@ -342,7 +348,16 @@ def _with_sink_column(states: Tensor, Sk: int) -> Tensor:
 
 def _blocks(mask: Tensor | None, rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.device,
             sink: bool, backward: bool) -> Lists | None:
-    """The call's BlockMask lists (:func:`_block_lists`; None: no block is masked, Flex's default)."""
+    """The call's BlockMask lists (:func:`_block_lists`; None: no block is masked, Flex's default),
+    kept per (rule, shape) where no mask tensor joins the rules."""
+    if mask is None:
+        return _kept(rules, ("lists", B, H, S, Sk, str(device), sink, backward),
+                     lambda: _lists(None, rules, B, H, S, Sk, device, sink, backward))
+    return _lists(mask, rules, B, H, S, Sk, device, sink, backward)
+
+
+def _lists(mask: Tensor | None, rules: Rules, B: int, H: int, S: int, Sk: int, device: torch.device,
+           sink: bool, backward: bool) -> Lists | None:
     states = _rule_states(rules, B, H, S, Sk, device)
     if mask is not None:
         own = _mask_states(mask, S, Sk)
