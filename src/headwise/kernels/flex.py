@@ -57,6 +57,8 @@ from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage, R
 from headwise.rules import Rules
 from headwise.tiles import EMPTY, FULL, PARTIAL
 
+__all__ = ["KERNEL", "flex_attention_kernel"]
+
 # A BlockMask's lists: (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) and, for
 # backward, the same per column (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices) or Nones.
 Lists = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]
