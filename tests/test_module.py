@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from headwise import MultiHeadAttention, available_backends, policy
+from conftest import contract_backends
+from headwise import MultiHeadAttention, policy
 from headwise import trace as headwise_trace
 from headwise.kernels.registry import get_kernel
 from headwise.masks import from_torch_masks
@@ -25,7 +26,7 @@ from headwise.reference import MHSA, MultiHeadAttentionFormal, to_headwise_state
 B, S, Sk, E, H = 2, 5, 3, 16, 4
 # Kernel names for the module: there backend="varlen" is still the deprecated name of packing=True
 # (see test_backend_varlen_is_the_deprecated_name_of_packing_true); the varlen kernel is tested in tests/kernels.
-BACKENDS = [name for name in available_backends() if name != "varlen"]
+BACKENDS = [name for name in contract_backends() if name != "varlen"]
 WEIGHT_BACKENDS = [n for n in BACKENDS if get_kernel(n).supports_weights]
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

@@ -15,12 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import headwise
+from conftest import contract_backends
 from headwise import packing, policy
 from headwise.kernels import buckets
 from headwise.policy import PACK_MIN_PADDING
 
 E, H = 32, 4
-BACKENDS = headwise.available_backends()
+BACKENDS = contract_backends()
 SLOPES = headwise.masks.alibi_slopes(4)
 
 

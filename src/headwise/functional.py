@@ -671,6 +671,7 @@ def choose_backend(
     sink_tokens: int = 0,
     mask_mod: MaskMod | None = None,
     score_mod: ScoreMod | None = None,
+    return_lse: bool = False,
 ) -> Dispatch:
     """Which backend :func:`attention` would run for these arguments, and why.
 
@@ -684,7 +685,8 @@ def choose_backend(
     'sdpa'
     """
     return _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
-                    window, alibi_slopes, softcap, sinks, sink_tokens, mask_mod=mask_mod, score_mod=score_mod)[2]
+                    window, alibi_slopes, softcap, sinks, sink_tokens, mask_mod=mask_mod, score_mod=score_mod,
+                    return_lse=return_lse)[2]
 
 
 def available_backends() -> list[str]:
