@@ -619,7 +619,8 @@ def test_dispatch_of_the_packed_path_in_full(cheap_packing):
     d = mha.dispatch(x, mask)
     assert (d.path, d.backend, dict(d.passed_over)) == ("packed", "sdpa", {"dense path": "pays for 2 padded positions"})
     estimate = policy.estimate_packing(3, 4, E, H, H, [(2, 4, 4, 8), (1, 2, 2, 2)], training=True)
-    assert d.path_reason == f"17% of the batch is padding; forward + backward {estimate}"
+    assert d.path_reason == (f"17% of the batch is padding; forward + backward {estimate}; unit costs built in "
+                             "(HEADWISE_TUNE=off)")
     assert d.reason == ("attention per length bucket (sequences x length): 2 x 4 -> 'sdpa', 1 x 2 -> 'sdpa'; "
                         "projections and the output projection run on the 10 real tokens of 3 x 4")
     assert d.request.batch == 2 and d.request.q_len == d.request.k_len == 4  # the bucket with the most tokens

@@ -174,6 +174,8 @@ def evaluated_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tenso
     """Tile states of a plain mask_mod, evaluating every pair a block of rows at a time:
     int8 (B|1, H|1, nq, nk)."""
     S, Sk, bq, bk = bounds.S, bounds.Sk, bounds.bq, bounds.bk
+    if S == 0 or Sk == 0:  # no pair: no tile in one direction (nothing to evaluate, nothing to pad)
+        return torch.empty((1, 1, -(-S // bq), -(-Sk // bk)), dtype=torch.int8, device=bounds.device)
     step = max(1, _EVAL_PAIRS // max(1, B * H * Sk * bq)) * bq  # rows per evaluation, whole tiles
     parts = []
     for i0 in range(0, S, step):
