@@ -240,7 +240,8 @@ def test_choose_backends_lists_the_native_calls_that_run():
     ({"grad": True}, "gradients are needed: the native kernel has no backward"),
     ({"T": 33}, "T=33 new queries per sequence, above NATIVE_MAX_QUERIES=32: a prefill chunk"),
 ])
-def test_what_the_native_kernel_does_not_serve_runs_the_per_sequence_path_and_says_why(change, why):
+def test_what_the_native_kernel_does_not_serve_runs_the_per_sequence_path_and_says_why(change, why, monkeypatch):
+    monkeypatch.setattr(paged, "NATIVE_MAX_QUERIES", 32)  # below the sequences' lengths, so a longer T fits
     gen = torch.Generator().manual_seed(0)
     dtype = change.pop("dtype", torch.float32)
     k_pages, v_pages, table, keys, values = churned_pool([70, 40, 33], 2, 16, dtype, gen)
