@@ -44,7 +44,8 @@ def _once(fn) -> float:
 def test_auto_grid_pairs_the_modules_and_both_paths():
     auto_grid = _load("auto_grid")
     row = auto_grid.pair(2, 16, 32, 2, 0.4, repeats=1, paths=True, window=1e-4)
-    assert set(row.ratio) == set(row.other) == set(row.path) == {"fwd", "train"}
+    assert set(row.ratio) == set(row.other) == set(row.path) == set(row.linears) == {"fwd", "train"}
+    assert all(ratio > 0 for ratio in row.linears.values())
     assert all(path in ("dense", "packed") for path in row.path.values())
     assert all(ratio > 0 for ratio in (*row.ratio.values(), *row.other.values()))
     assert 0 < row.padding < 1
