@@ -275,6 +275,11 @@ def current() -> Calibration | None:
             logger.warning("headwise: kept the built-in unit costs: %s", e)
             _use(None, f"built in (this machine's measurement was too noisy to keep: {e})")
             return None
+        except Exception as e:  # noqa: BLE001 - a measurement never breaks the call that asked for it
+            logger.warning("headwise: kept the built-in unit costs: the measurement failed (%s: %s)",
+                           type(e).__name__, e)
+            _use(None, f"built in (this machine's measurement failed: {type(e).__name__}: {e})")
+            return None
 
 
 def describe() -> str:
