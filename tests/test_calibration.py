@@ -201,3 +201,20 @@ def test_a_measurement_that_fails_never_breaks_the_call_that_asked(calibrating, 
         assert mha(x, mask).shape == x.shape
     assert "measurement failed: RuntimeError: meta tensors have no data" in mha.dispatch(x, mask).path_reason
     assert "meta tensors have no data" in caplog.text and not calibration.cache_file().exists()
+
+
+def test_a_thread_count_without_costs_goes_back_to_the_built_in_ones(calibrating, monkeypatch):
+    """Measured for one thread count, then asked for another with none stored (cache mode):
+    the built-in costs serve again, as the reason says, not the other count's."""
+    threads = torch.get_num_threads()
+    calibration.current()
+    assert policy.INFERENCE_COSTS == FAST
+    monkeypatch.setenv("HEADWISE_TUNE", "cache")
+    try:
+        torch.set_num_threads(threads + 1)
+        assert calibration.current() is None
+        assert policy.INFERENCE_COSTS == policy.BUILT_IN_INFERENCE_COSTS
+        assert policy.TRAINING_COSTS == policy.BUILT_IN_TRAINING_COSTS
+        assert "built in" in calibration.describe()
+    finally:
+        torch.set_num_threads(threads)

@@ -232,11 +232,18 @@ def calibrate(save: bool = True, timing: object = None) -> Calibration:
 
 
 def _use(calibration: Calibration | None, source: str) -> None:
+    """Serve ``calibration``'s costs (None: the built-in ones, restored where measured ones
+    served before, e.g. for another thread count; costs a caller assigned are left alone)."""
+    previous = _state["calibration"]
     _state.update(key=machine_key(), calibration=calibration, source=source)
-    if calibration is not None and (policy.INFERENCE_COSTS, policy.TRAINING_COSTS) != (
-            calibration.inference, calibration.training):
-        policy.INFERENCE_COSTS = calibration.inference  # each assignment counts a policy GENERATION
-        policy.TRAINING_COSTS = calibration.training
+    if calibration is not None:
+        costs = (calibration.inference, calibration.training)
+    elif previous is not None:
+        costs = (policy.BUILT_IN_INFERENCE_COSTS, policy.BUILT_IN_TRAINING_COSTS)
+    else:
+        return
+    if (policy.INFERENCE_COSTS, policy.TRAINING_COSTS) != costs:
+        policy.INFERENCE_COSTS, policy.TRAINING_COSTS = costs  # each assignment counts a policy GENERATION
 
 
 def current() -> Calibration | None:
