@@ -441,9 +441,28 @@ def group_results(tmp_path_factory):
         if world not in _GROUPS:
             spec = {"cases": cases(), "errors": list(ERROR_CASES) if world > 1 else [],
                     "modules": [f"{m}-{d}" for m in MODULE_CASES for d in ("float64", "float32")]}
-            _GROUPS[world] = launch(world, spec, tmp_path_factory.mktemp(f"world{world}"))
+            _GROUPS[world] = _launch_once(f"world{world}", world, spec, tmp_path_factory)
         return _GROUPS[world]
     return get
+
+
+def _launch_once(name: str, world: int, spec: dict, tmp_path_factory, **options) -> list[dict]:
+    """:func:`launch`, once per test session. Under pytest-xdist each worker holds this module's
+    tests of every world size, and each launched every group again (4 + 4 processes on 2 cores, the
+    suite's largest cost): the first worker to need a group runs it in the session's shared temp
+    folder, the others wait for it and read its results."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return launch(world, spec, tmp_path_factory.mktemp(name), **options)
+    from filelock import FileLock  # torch's own dependency
+
+    shared = tmp_path_factory.getbasetemp().parent / f"distributed-{name}"  # above each worker's
+    shared.mkdir(exist_ok=True)
+    with FileLock(str(shared / "lock")):
+        if not (shared / "done").is_file():  # a launch that failed wrote no marker: the next one retries
+            launch(world, spec, shared, **options)
+            (shared / "done").write_text(json.dumps(spec))
+        assert (shared / "done").read_text() == json.dumps(spec), "the workers' specs of one group differ"
+        return [torch.load(shared / f"out{world}.{r}", weights_only=False) for r in range(world)]
 
 
 def _expected(case: dict, world: int) -> dict:
@@ -822,7 +841,7 @@ SCENARIOS = [*NAN_CASES, *REFUSALS, *(f"module-nan-{m}" for m in MODULE_NAN_CASE
 def scenario_results(tmp_path_factory):
     """Every scenario on one group of 2 ranks, with a short gloo timeout: a hang fails within a minute."""
     spec = {"cases": [], "errors": [], "modules": [], "scenarios": SCENARIOS, "group_timeout_s": 60}
-    return launch(2, spec, tmp_path_factory.mktemp("issue35"), timeout=240)
+    return _launch_once("issue35", 2, spec, tmp_path_factory, timeout=240)
 
 
 @pytest.mark.parametrize("name", list(NAN_CASES))
