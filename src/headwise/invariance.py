@@ -1,0 +1,129 @@
+"""Batch-invariant mode: a sequence's results do not depend on what else is in the batch.
+
+Inside :func:`batch_invariant`, a row's bits are a function of that row's own inputs (its
+tokens, its keys by position) and nothing else: not the batch size, not its position in the
+batch, not the padding around it, not the number of query rows in the call. The field's
+lesson (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025) is that
+kernels change their reduction order with the shapes around a row: a GEMM whose blocking
+follows M, a split-KV decode whose split count follows the batch, a tile that follows the
+query length. So inside the mode:
+
+- the projections run in fixed tiles of :data:`ROW_TILE` rows (:func:`linear`), each tile
+  one GEMM of the same shape, whatever M is: a row's bits never depend on M;
+- attention reduces each row over its keys in blocks of a fixed number of keys at fixed
+  absolute offsets, merged in key order (the native kernel, ``csrc/paged_attention.cpp``).
+
+Legend: M rows, E input features, N output features, R rows a tile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["ROW_TILE", "batch_invariant", "is_batch_invariant", "linear"]
+
+# Rows of one GEMM of the mode's projections. Every tile is one GEMM of R x E by E x N, so
+# a row computes with the same blocking whatever M is; a call of fewer rows pads its tile.
+# Chosen, not swept: a decode step of 8 sequences fills a tile without padding. (The GEMMs
+# of one torch.baddbmm over the tiles each keep the tile's shape; measured bitwise on an AMD
+# EPYC (Zen 5), torch 2.13, fp32 and bf16, R from 1 to 64: tests/test_invariance.py.)
+ROW_TILE = 8
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_enabled: list[bool] = [False]
+
+
+def is_batch_invariant() -> bool:
+    """Whether the batch-invariant mode is on (:func:`batch_invariant`).
+
+    >>> is_batch_invariant()
+    False
+    """
+    return _enabled[-1]
+
+
+class batch_invariant(contextlib.ContextDecorator):  # noqa: N801 (a context manager named as torch names them)
+    """Turn the batch-invariant mode on (or, ``enabled=False``, off) inside a ``with`` block
+    or a decorated function; the mode before it is restored on the way out.
+
+    Args:
+        enabled: the mode inside the block.
+
+    >>> with batch_invariant():
+    ...     is_batch_invariant()
+    True
+    """
+
+    def __init__(self, enabled: bool = True):
+        if not isinstance(enabled, bool):
+            raise TypeError(f"batch_invariant(enabled) takes a bool, got {type(enabled).__name__} {enabled!r}")
+        self.enabled = enabled
+
+    def __enter__(self) -> batch_invariant:
+        _enabled.append(self.enabled)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _enabled.pop()
+
+
+class _TiledLinear(torch.autograd.Function):
+    """``F.linear`` over fixed row tiles: each tile's rows, forward and input gradient, from
+    one GEMM of the tile's shape. The weight's gradient (a sum over every row) is one plain
+    GEMM: the mode promises a row's outputs and input gradients, not the weights' sum."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # (M, E) -> (M, N)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = _tiles(x, lambda t: torch.bmm(t, _expand_t(weight, t.shape[0])))  # (n, R, E) x (n, E, N)
+        return out if bias is None else out + bias  # the bias added per element: a row's own sum
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # (M, N) x (N, E) per tile: a row's gradient from its own tile
+            dx = _tiles(grad, lambda t: torch.bmm(t, weight.expand(t.shape[0], *weight.shape)))
+        if ctx.needs_input_grad[1]:
+            dw = grad.t() @ x  # (N, M) x (M, E) -> (N, E)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = grad.sum(0)  # (N,)
+        return dx, dw, db
+
+
+def _expand_t(weight: Tensor, n: int) -> Tensor:
+    return weight.t().expand(n, weight.shape[1], weight.shape[0])  # (N, E) -> (n, E, N), no copy
+
+
+def _tiles(rows: Tensor, gemm: Callable[[Tensor], Tensor]) -> Tensor:
+    """``gemm`` over ``rows`` (M, K) cut into tiles of ROW_TILE rows (the last one padded
+    with zeros, which change no other row): (M, N)."""
+    M, K = rows.shape
+    R = ROW_TILE
+    n = -(-M // R)
+    if n * R != M:
+        rows = torch.cat([rows, rows.new_zeros(n * R - M, K)])  # (n R, K)
+    out = gemm(rows.reshape(n, R, K))  # (n, R, K) -> (n, R, N)
+    return out.reshape(n * R, out.shape[-1])[:M]  # (M, N)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` whose every row has the same bits whatever the other
+    rows: (.., E) -> (.., N), in tiles of :data:`ROW_TILE` rows.
+
+    >>> x, w = torch.randn(5, 16), torch.randn(8, 16)
+    >>> torch.equal(linear(x, w)[2], linear(x[2:3], w)[0])
+    True
+    """
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        return F.linear(x, weight, bias)  # only the CPU's GEMMs are measured to keep a tile's bits
+    lead = x.shape[:-1]
+    out = _TiledLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, E) -> (M, N)
+    return out.reshape(*lead, weight.shape[0])
