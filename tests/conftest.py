@@ -66,6 +66,17 @@ def reference_attention(q, k, v, attention_mask=None, **kwargs):
     return ref.out, ref.weights
 
 
+def contract_backends() -> list[str]:
+    """:func:`headwise.available_backends` but those that compile on first use (``Kernel.compiles``,
+    "flex": seconds per rule and shape family, and on a CPU inference only). The shared tests run
+    every backend over many shapes and rules, with gradients; a compiling backend is held to the
+    contract in its own file (tests/kernels/test_flex.py), on few shapes."""
+    import headwise
+    from headwise.kernels import get_kernel
+
+    return [name for name in headwise.available_backends() if not get_kernel(name).compiles]
+
+
 def assert_served(backend, q, k, v, mask=None, **kwargs):
     """Fail the calling test if ``backend`` refuses this request: every listed backend serves
     every mask of the contract. Only a kernel that cannot run on this machine (no GPU, no

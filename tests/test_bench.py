@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import headwise
 from headwise import bench
 from headwise.cli import main
 from test_module_oracles import oracle
@@ -142,3 +143,21 @@ def test_bench_warns_on_stderr_naming_the_spread(monkeypatch, capsys):
     assert lines[0].startswith("headwise bench: warning: ") and all(line.startswith("  ") for line in lines[1:])
     assert "medians are not stable within +-5% after 4 repeats" in err[0]
     assert "B=2 S=16 E=32 H=4 headwise auto forward: median +-30% after 4 repeats" in err[0]
+
+
+def test_the_q_k_v_linears_module_computes_what_headwise_does():
+    """The second baseline of benchmarks/auto_grid.py: separate q_proj, k_proj, v_proj and
+    out_proj with headwise's weights, the same outputs and input gradients on a padded batch
+    (padded positions aside: headwise zeroes them)."""
+    from headwise.bench import SDPALinearsModule
+
+    mha = headwise.MultiHeadAttention(32, 4)
+    ref = SDPALinearsModule.like(mha)
+    x = torch.randn(3, 6, 32)
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 4, 2])[:, None]  # (B, S)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours, theirs = mha(x1, mask), ref(x2, mask)
+    torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-5, rtol=1e-5)
+    ours[mask].sum().backward()
+    theirs[mask].sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, atol=1e-5, rtol=1e-5)

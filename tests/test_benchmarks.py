@@ -44,7 +44,8 @@ def _once(fn) -> float:
 def test_auto_grid_pairs_the_modules_and_both_paths():
     auto_grid = _load("auto_grid")
     row = auto_grid.pair(2, 16, 32, 2, 0.4, repeats=1, paths=True, window=1e-4)
-    assert set(row.ratio) == set(row.other) == set(row.path) == {"fwd", "train"}
+    assert set(row.ratio) == set(row.other) == set(row.path) == set(row.linears) == {"fwd", "train"}
+    assert all(ratio > 0 for ratio in row.linears.values())
     assert all(path in ("dense", "packed") for path in row.path.values())
     assert all(ratio > 0 for ratio in (*row.ratio.values(), *row.other.values()))
     assert 0 < row.padding < 1
@@ -91,11 +92,14 @@ def test_rules_benchmark_pairs_the_rule_with_the_materialised_mask_and_packed_at
     ids, lengths = rules.documents(512, 16)
     assert len(lengths) == 16 and sum(lengths) == 512 and min(lengths) >= 16 and ids.shape == (512,)
     rows = rules.document_causal(256, 2, 16, repeats=1)
-    assert [name for name, _, _ in rows][1:] == ["chunked (tiles skipped)", "sdpa, materialised mask",
-                                                 "packed_attention"]
-    assert rows[0][0] == "auto (varlen)" and "x faster than the materialised mask" in rows[0][2]
+    assert [name for name, _, _ in rows] == ["helpers, auto (varlen)", "plain function, auto (varlen)",
+                                             "plain function, nothing remembered", "plain function, chunked",
+                                             "sdpa, materialised mask", "packed_attention"]
+    assert "x faster than the materialised mask (target >= 4x)" in rows[1][2] and "packed_attention" in rows[1][2]
     assert all(seconds > 0 for _, seconds, _ in rows)
-    (name, seconds, note), = rules.tile_map_time(1024, repeats=1)
+    names = [name for name, _, _ in rules.tile_map_time(1024, repeats=1)]
+    assert names == ["helpers, S = Sk = 1024", "plain function, built", "plain function, remembered"]
+    (_, seconds, note), *_ = rules.tile_map_time(1024, repeats=1)
     assert seconds > 0 and "8 x 8 tiles of 128 x 128" in note
 
 
@@ -107,6 +111,18 @@ def test_paged_benchmark_pairs_each_target_with_its_baseline():
                                              "ragged batch step"]
     assert all(value > 0 for _, value, _ in rows)
     assert rows[2][1] == 1.0  # 32 + 3 x 16 tokens in pages of 16: every slot holds a unique token
+    users = [paged.shuffled_step_target(2, 40, 4, 2, 8, repeats=1),
+             *paged.module_pool_target(2, 32, 32, 4, 2, repeats=1, later=3),
+             *paged.shared_target(3, 32, 16, 32, 4, 2, repeats=1, churn=True),
+             paged.ragged_target([8, 24, 40], 32, 4, 2, repeats=1, churn=True),
+             *paged.prefill_chunk_rows(2, 40, 4, 2, 8, [2, 40], repeats=1)]
+    assert [name for name, _, _ in users] == ["shuffled decode step", "module pool, first", "module pool, later",
+                                              "shared prefix, churned", "ragged batch, churned", "prefill chunk T=2",
+                                              "prefill chunk T=40"]
+    assert all(value > 0 for _, value, _ in users)
+    cache = paged.paged_cache(paged.module(32, 4, 2), [40, 70], 2, churn=True)
+    pages = [cache.pages(s) for s in cache.sequences[-2:]]
+    assert any(p != list(range(p[0], p[0] + len(p))) for p in pages)  # the churned pool scatters them
 
 
 def test_pieces_benchmark_pairs_weights_and_the_lse_with_the_plain_forward():

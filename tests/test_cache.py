@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import headwise
+from conftest import contract_backends
 from headwise.cache import KVCache
 
-BACKENDS = [name for name in headwise.available_backends() if name != "varlen"]  # module: "varlen" = packing=True
+BACKENDS = [name for name in contract_backends() if name != "varlen"]  # module: "varlen" = packing=True
 B, S, E, H = 3, 10, 32, 4
 FEATURES = {
     "plain": {},

@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headwise
-from conftest import assert_served, reference_attention
+from conftest import assert_served, contract_backends, reference_attention
 from headwise import attention, available_backends, choose_backend
 from headwise.kernels.registry import get_kernel, kernels
 
 B, H, Hkv, S, Sk, D = 2, 4, 2, 3, 5, 8
-BACKENDS = available_backends()
+BACKENDS = contract_backends()
 WEIGHT_BACKENDS = [n for n in BACKENDS if get_kernel(n).supports_weights]
 
 
@@ -407,6 +407,14 @@ def test_choose_backend_runs_nothing_and_agrees_with_attention():
     assert d.backend == "sdpa"  # the weights come from its log-sum-exp
     assert d.request.return_lse and d.request.q_len == S and d.request.k_len == Sk
     assert choose_backend(q, k, v, backend="einsum").backend == "einsum"
+
+
+def test_choose_backend_takes_return_lse_as_attention_does():
+    q, k, v = qkv()
+    assert choose_backend(q, k, v, return_lse=True).request.return_lse
+    with pytest.raises(ValueError, match="backend 'sdpa' returns the log-sum-exp only from torch's CPU flash kernel, "
+                                         r"without dropout \(device cpu, dropout_p=0.1\)"):
+        choose_backend(q, k, v, dropout_p=0.1, backend="sdpa", return_lse=True)
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "varlen"])  # varlen reads the mask's values

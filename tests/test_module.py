@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from headwise import MultiHeadAttention, available_backends, policy
+from conftest import contract_backends
+from headwise import MultiHeadAttention, policy
 from headwise import trace as headwise_trace
 from headwise.kernels.registry import get_kernel
 from headwise.masks import from_torch_masks
@@ -25,7 +26,7 @@ from headwise.reference import MHSA, MultiHeadAttentionFormal, to_headwise_state
 B, S, Sk, E, H = 2, 5, 3, 16, 4
 # Kernel names for the module: there backend="varlen" is still the deprecated name of packing=True
 # (see test_backend_varlen_is_the_deprecated_name_of_packing_true); the varlen kernel is tested in tests/kernels.
-BACKENDS = [name for name in available_backends() if name != "varlen"]
+BACKENDS = [name for name in contract_backends() if name != "varlen"]
 WEIGHT_BACKENDS = [n for n in BACKENDS if get_kernel(n).supports_weights]
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -618,7 +619,8 @@ def test_dispatch_of_the_packed_path_in_full(cheap_packing):
     d = mha.dispatch(x, mask)
     assert (d.path, d.backend, dict(d.passed_over)) == ("packed", "sdpa", {"dense path": "pays for 2 padded positions"})
     estimate = policy.estimate_packing(3, 4, E, H, H, [(2, 4, 4, 8), (1, 2, 2, 2)], training=True)
-    assert d.path_reason == f"17% of the batch is padding; forward + backward {estimate}"
+    assert d.path_reason == (f"17% of the batch is padding; forward + backward {estimate}; unit costs built in "
+                             "(HEADWISE_TUNE=off)")
     assert d.reason == ("attention per length bucket (sequences x length): 2 x 4 -> 'sdpa', 1 x 2 -> 'sdpa'; "
                         "projections and the output projection run on the 10 real tokens of 3 x 4")
     assert d.request.batch == 2 and d.request.q_len == d.request.k_len == 4  # the bucket with the most tokens

@@ -21,11 +21,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import headwise
-from headwise import attention, available_backends, packed_attention
+from conftest import contract_backends
+from headwise import attention, packed_attention
 from headwise.kernels.triton import support
 
 NAN, INF = float("nan"), float("inf")
-BACKENDS = available_backends() + ["auto"]
+BACKENDS = contract_backends() + ["auto"]
 TEXTBOOK = ["matmul", "einsum", "einops", "bmm"]
 B, H, Hkv, S, Sk, D = 2, 4, 2, 5, 6, 8
 

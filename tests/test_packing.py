@@ -15,12 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import headwise
+from conftest import contract_backends
 from headwise import packing, policy
 from headwise.kernels import buckets
 from headwise.policy import PACK_MIN_PADDING
 
 E, H = 32, 4
-BACKENDS = headwise.available_backends()
+BACKENDS = contract_backends()
 SLOPES = headwise.masks.alibi_slopes(4)
 
 
@@ -473,13 +474,15 @@ def test_auto_packs_only_when_the_estimate_says_it_pays(monkeypatch):
     assert not estimate.packs
     with torch.no_grad():  # inference: the forward's costs
         d = mha.dispatch(x, heavy)
-    assert (d.path, d.path_reason) == ("dense", f"50% of the batch is padding, but forward {estimate}")
+    assert (d.path, d.path_reason) == ("dense", f"50% of the batch is padding, but forward {estimate}; unit costs "
+                                                "built in (HEADWISE_TUNE=off)")
     cheap = policy.Costs(call_us=0.0, pack_us=0.0, bucket_us=0.0, gemm_ps=1.0, attn_ps=1.0, copy_ps=0.0)
     monkeypatch.setattr(policy, "INFERENCE_COSTS", cheap)
     estimate = policy.estimate_packing(4, 10, E, H, H, buckets)
     with torch.no_grad():
         d = mha.dispatch(x, heavy)
-    assert (d.path, d.path_reason) == ("packed", f"50% of the batch is padding; forward {estimate}")
+    assert (d.path, d.path_reason) == ("packed", f"50% of the batch is padding; forward {estimate}; unit costs "
+                                                 "built in (HEADWISE_TUNE=off)")
     # with gradients the training costs price it
     monkeypatch.setattr(policy, "TRAINING_COSTS", policy.Costs(1e6, 1e6, 1e6, 1.0, 1.0, 1.0))
     assert mha.plan(x, heavy).why.startswith("50% of the batch is padding, but forward + backward")

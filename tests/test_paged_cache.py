@@ -307,3 +307,39 @@ def test_a_batched_step_takes_the_pages_of_steps_one_at_a_time(seed):
         ref, _ = reference_attention(q[b:b + 1], keys_of(apart, s)[None], keys_of(apart, s, apart.v_pages)[None],
                                      is_causal=True)
         torch.testing.assert_close(out[b:b + 1], ref, rtol=0, atol=1e-12)
+
+
+def test_the_block_table_follows_every_change_of_pages_and_callers_get_their_own_copy():
+    """block_table keeps the last table until a page changes (a decode step takes a page once
+    in P steps): each change below must show in the next table."""
+    cache = headwise.PagedKVCache(num_pages=12, page_size=2, kv_heads=1, head_dim=2)
+    a, b = cache.add(), cache.add()
+
+    def rows(seqs):
+        return [[p for p in row if p >= 0] for row in cache.block_table(seqs).tolist()]
+
+    def expect(seqs):
+        assert rows(seqs) == [cache.pages(s) for s in seqs]
+
+    step(cache, [a, b], 3)
+    expect([a, b])
+    table = cache.block_table([a, b])
+    table.fill_(99)  # the caller's copy
+    expect([a, b])
+    step(cache, [a, b], 1)  # within the last pages: the same table
+    expect([a, b])
+    step(cache, [a, b], 1)  # a new page each
+    expect([a, b])
+    c = cache.fork(a)
+    step(cache, [c], 1)  # a fresh page for c only (a's last page is full)
+    expect([a, b, c])
+    d = cache.fork(c)
+    saved = cache.savepoint([d])
+    step(cache, [d], 1)  # copy on write of the shared partial page
+    expect([c, d])
+    cache.rollback(saved)
+    expect([c, d])
+    cache.free(b)
+    e = cache.add()
+    step(cache, [e], 5)
+    expect([a, c, d, e])

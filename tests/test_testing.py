@@ -142,6 +142,8 @@ def test_every_builtin_kernel_meets_the_contract(name, interpreter):
 
     if name == "triton" and not TRITON:
         pytest.skip("triton is not installed; pip install 'headwise[triton]'")
+    if get_kernel(name).compiles:  # a graph per item: seconds each, so one file runs it (on CPU and GPU)
+        pytest.skip(f"{name} compiles per rule and shape: tests/kernels/test_{name}.py runs check_kernel({name!r})")
     device = "cuda" if name == "triton" and torch.cuda.is_available() else "cpu"
     if get_kernel(name).available() is not None:
         pytest.skip(f"{name}: {get_kernel(name).available()}")
@@ -210,6 +212,25 @@ def test_a_kernel_without_lse_is_checked_without_it_and_says_so():
 
     report = check_kernel(no_lse)
     assert report.ok and report.items[-1] == hwt.Item("log-sum-exp", None, "its function takes no return_lse= keyword")
+
+
+def test_a_kernel_that_serves_only_inference_and_no_lse_is_checked_on_what_it_serves():
+    """flex on the CPU refuses gradients and the log-sum-exp but serves the rest: each item is
+    checked without them, says so, and the lse is reported refused (not every item refused)."""
+    from headwise.kernels.registry import Kernel, get_kernel
+
+    def refuses(r):
+        return "no gradients here" if r.requires_grad else "no lse here" if r.return_lse else None
+
+    kernel = Kernel(name="inference_only_demo", fn=get_kernel("matmul").fn, summary="matmul without gradients or lse",
+                    refuses=refuses)
+    report = check_kernel(kernel)
+    served = [i for i in report.items if i.passed]
+    assert report.ok and len(served) >= 12, str(report)
+    assert all(i.detail.endswith("; inference only (refused with gradients); its log-sum-exp refused")
+               for i in served), str(report)
+    assert report.items[-1] == hwt.Item("log-sum-exp", None,
+                                        "refused for every item here (device, dtype, gradients)")
 
 
 def test_refusals_are_reported_not_failed():

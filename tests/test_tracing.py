@@ -12,10 +12,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import headwise
+from conftest import contract_backends
 from headwise import tracing as trace_module
 from headwise.kernels import registry
 
-BACKENDS = headwise.available_backends()
+BACKENDS = contract_backends()
 MODULE_STAGES = ["input", "q projection", "k projection", "v projection", "split heads q",
                  "split heads k, v"]
 TEXTBOOK_STAGES = ["scaling", "scores", "mask", "softmax", "dropout", "weighted sum"]

@@ -4,10 +4,10 @@
 
 Beyond ``twine check`` (which reads the metadata's rendering): the version in both file
 names and in the metadata is ``headwise.__version__``; the wheel holds every module of
-``src/headwise``, ``py.typed``, the license and the ``headwise`` command, and nothing else
-of the repository; its metadata has the classifiers, URLs, license and dependencies;
-the sdist holds the sources, the tests, the docs and the changelog. Prints one line per
-check and exits 1 when one fails.
+``src/headwise``, ``py.typed``, the C++ sources of ``csrc/`` (built on first use), the license
+and the ``headwise`` command, and nothing else of the repository; its metadata has the
+classifiers, URLs, license and dependencies; the sdist holds the sources, the tests, the
+docs and the changelog. Prints one line per check and exits 1 when one fails.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def check_wheel(path: Path, version: str) -> list[str]:
         entry_points = wheel.read(f"{info}/entry_points.txt").decode() if f"{info}/entry_points.txt" in names else ""
     modules = {f"headwise/{p.relative_to(PACKAGE).as_posix()}" for p in PACKAGE.rglob("*.py")}
     problems += [f"wheel lacks {m}" for m in sorted(modules - names)]
-    for needed in ("headwise/py.typed", f"{info}/licenses/LICENSE"):
+    sources = [f"headwise/{p.relative_to(PACKAGE).as_posix()}" for p in PACKAGE.glob("csrc/*.cpp")]
+    for needed in ("headwise/py.typed", f"{info}/licenses/LICENSE", *sources):
         if needed not in names:
             problems.append(f"wheel lacks {needed}")
     strays = sorted(n for n in names if not n.startswith(("headwise/", f"{info}/")))
@@ -57,7 +58,8 @@ def check_wheel(path: Path, version: str) -> list[str]:
     urls = {u.split(",", 1)[0] for u in metadata.get_all("Project-URL") or []}
     problems += [f"wheel metadata lacks the {u} URL" for u in ("Documentation", "Source", "Changelog") if u not in urls]
     requires = " ".join(metadata.get_all("Requires-Dist") or [])
-    problems += [f"wheel does not require {d}" for d in ("torch", "numpy", "einops", "rich") if d not in requires]
+    needed = ("torch", "numpy", "einops", "rich", "ninja")
+    problems += [f"wheel does not require {d}" for d in needed if d not in requires]
     if "headwise = headwise.cli:main" not in entry_points:
         problems.append("wheel has no headwise = headwise.cli:main console script")
     return problems

@@ -63,6 +63,34 @@ class SDPAModule(nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, S, E))  # (B, S, E)
 
 
+class SDPALinearsModule(nn.Module):
+    """The plain module people write with separate projections, as transformers and torchtune
+    lay them out: ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` ``nn.Linear``, then
+    ``F.scaled_dot_product_attention``. :meth:`like` gives it a headwise module's weights."""
+
+    def __init__(self, E: int, H: int):
+        super().__init__()
+        self.H = H
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        B, S, E = x.shape
+        q, k, v = (p(x).unflatten(-1, (self.H, -1)).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))  # 3 x (B, S, E) -> (B, H, S, D)
+        attn_mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, S), True = attend
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, S, D)
+        return self.out_proj(o.transpose(1, 2).reshape(B, S, E))  # (B, S, E)
+
+    @classmethod
+    def like(cls, mha: headwise.MultiHeadAttention) -> SDPALinearsModule:
+        """One with ``mha``'s four projections (the same names, so its state dict loads as is)."""
+        out = cls(mha.embed_dim, mha.num_heads)
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                getattr(out, name).load_state_dict(getattr(mha, name).state_dict())
+        return out
+
+
 def copy_weights(target: SDPAModule | SDPADecoder, mha: headwise.MultiHeadAttention) -> None:
     """Copy ``mha``'s weights into a minimal module with one fused ``qkv`` and an ``out``
     ``nn.Linear``: q, k and v stacked as (3E, E) rows."""

@@ -67,11 +67,11 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     for name, kwargs in rows:
         mha = headwise.MultiHeadAttention(E, H, **kwargs).eval()
         mha.load_state_dict(to_headwise_state_dict(reference))
-        with torch.no_grad():
+        with torch.no_grad():  # the dispatch of this call: without gradients (flex serves the CPU only so)
             out = mha(x, mask)
+            d = mha.dispatch(x, mask)
         real = mask.bool()  # padded positions: ours are zeros, the document's are unused values
         diff = (out[real] - expected[real]).abs().max().item()
-        d = mha.dispatch(x, mask)
         note = f"{d.path} path, kernel {d.backend!r}" if name in ("auto", "packing=True") else ""
         zeros = "yes" if bool((out[~real] == 0).all()) else "no"
         table.add_row(name, str(tuple(out.shape)), f"{diff:.2e}", zeros, note)

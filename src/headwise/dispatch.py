@@ -66,6 +66,7 @@ _COST = {
     "triton": "fused on CUDA for masks, windows and ALiBi; SDPA's flash kernel is kept for the plain cases",
     "sdpa": "PyTorch's fused kernel, unfused when it cannot fuse the request",
     "chunked": "a Python loop over tiles: slower than a fused kernel, its gain is O(S) memory",
+    "flex": "torch's compiled flex_attention: seconds to compile per rule and shape family, not ranked until measured",
     "matmul": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",
     "einsum": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",
     "einops": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",

@@ -15,7 +15,9 @@ that broadcasts (per head, per key, a number) is expanded to the grid. As in Fle
 
 A mask_mod's tiles (:mod:`headwise.tiles`) come from the rule itself where it knows them
 (the helpers of :mod:`headwise.masks` read them from the tiles' bounds); a plain function
-is evaluated pair by pair, a block of rows at a time.
+is traced (``headwise.symbolic``) and its tiles classified from their bounds
+(``headwise.intervals``), or, where the tracer cannot read it, evaluated pair by pair,
+a block of rows at a time.
 
 Legend: B batch, H query heads, S query length, Sk key length, bq / bk the rows / columns
 of one tile, nq / nk the tiles along S / Sk.
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from headwise import intervals
 from headwise.tiles import EMPTY, FULL, PARTIAL, Bounds, as_4d
 
 __all__ = ["MaskMod", "ScoreMod", "grid", "grid_at", "evaluate_mask", "evaluate_score", "evaluate_score_at",
@@ -171,6 +174,8 @@ def evaluated_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tenso
     """Tile states of a plain mask_mod, evaluating every pair a block of rows at a time:
     int8 (B|1, H|1, nq, nk)."""
     S, Sk, bq, bk = bounds.S, bounds.Sk, bounds.bq, bounds.bk
+    if S == 0 or Sk == 0:  # no pair: no tile in one direction (nothing to evaluate, nothing to pad)
+        return torch.empty((1, 1, -(-S // bq), -(-Sk // bk)), dtype=torch.int8, device=bounds.device)
     step = max(1, _EVAL_PAIRS // max(1, B * H * Sk * bq)) * bq  # rows per evaluation, whole tiles
     parts = []
     for i0 in range(0, S, step):
@@ -190,8 +195,11 @@ def evaluated_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tenso
 
 
 def mask_tile_states(mod: MaskMod, bounds: Bounds, B: int, H: int) -> Tensor:
-    """int8 (B|1, H|1, nq, nk) tile states of any mask_mod: a rule's own, else evaluated."""
+    """int8 (B|1, H|1, nq, nk) tile states of any mask_mod: a rule's own; else, for a plain
+    function the tracer reads, classified from its bounds (``headwise.intervals``); else
+    evaluated pair by pair."""
     own = getattr(mod, "tile_states", None)
     if callable(own):
         return own(bounds, B, H)
-    return evaluated_tile_states(mod, bounds, B, H)
+    traced = intervals.tile_states(mod, bounds, B, H)
+    return traced if traced is not None else evaluated_tile_states(mod, bounds, B, H)

@@ -68,6 +68,7 @@ from headwise.kernels.registry import (
 )
 from headwise.mask_contract import check_mask_values, hide_excluded
 from headwise.masks import Document, TileMap, _canonical, and_masks, is_block_mask, normalize_mask
+from headwise.recognise import read as read_rule
 from headwise.rules import Rules, check_functions, document_lengths, from_block_mask, knows_tiles, score_mod_needs_grad
 from headwise.weights import Selection, weights_from_lse
 from headwise.weights import select as select_weights
@@ -292,6 +293,8 @@ def _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backen
         attention_mask = None
     if isinstance(mask_mod, Document):
         mask_mod.check(S, k.shape[2], B)
+    traced = read_rule(mask_mod, B, H, S, k.shape[2], q.device)  # a plain function: traced once, perhaps helpers
+    mask_mod = mask_mod if traced is None else traced
     mask = normalize_mask(attention_mask, batch=B, heads=H, q_len=S, k_len=k.shape[2],
                           device=q.device, dtype=q.dtype)
     rules = Rules(is_causal=_effective_causal(is_causal, window, S), window=window, sink_tokens=sink_tokens,
@@ -668,6 +671,7 @@ def choose_backend(
     sink_tokens: int = 0,
     mask_mod: MaskMod | None = None,
     score_mod: ScoreMod | None = None,
+    return_lse: bool = False,
 ) -> Dispatch:
     """Which backend :func:`attention` would run for these arguments, and why.
 
@@ -681,7 +685,8 @@ def choose_backend(
     'sdpa'
     """
     return _prepare(q, k, v, attention_mask, is_causal, dropout_p, need_weights, backend,
-                    window, alibi_slopes, softcap, sinks, sink_tokens, mask_mod=mask_mod, score_mod=score_mod)[2]
+                    window, alibi_slopes, softcap, sinks, sink_tokens, mask_mod=mask_mod, score_mod=score_mod,
+                    return_lse=return_lse)[2]
 
 
 def available_backends() -> list[str]:

@@ -1,12 +1,18 @@
 """Paged attention: each sequence's keys and values live in fixed-size pages of one pool.
 
 A sequence's first ``seq_lens[b]`` keys are the pages ``block_table[b, 0], block_table[b, 1],
-...`` read in order, ``page_size`` keys a page, the last page possibly partial. Nothing is
-gathered into a padded (B, Hkv, max_len, D) copy: each sequence attends its own keys, as a
-view of the pool where its pages are one run of consecutive ids (and the pool is laid out
-(Hkv, num_pages, page_size, D) in memory, as :class:`headwise.PagedKVCache` keeps it), else
-through one ``index_select`` of exactly its pages. Slots past ``seq_lens[b]`` and pages no
-sequence reads are never read, so they may hold anything, NaN included.
+...`` read in order, ``page_size`` keys a page, the last page possibly partial. Slots past
+``seq_lens[b]`` and pages no sequence reads are never read, so they may hold anything, NaN
+included. Two paths, chosen by :func:`native_refusal` (which says why):
+
+- the native CPU kernel (:mod:`headwise.paged_native`), for fp32 / bf16 CPU tensors without
+  gradients, window, ALiBi, soft-capping or sinks, at most :data:`NATIVE_MAX_QUERIES` new
+  queries per sequence and ``backend="auto"``: every sequence at once, each key read through
+  the block table, wherever its page lies;
+- otherwise each sequence on its own through :func:`headwise.attention`'s kernels, its keys a
+  view of the pool where its pages are one run of consecutive ids (and the pool is laid out
+  (Hkv, num_pages, page_size, D) in memory, as :class:`headwise.PagedKVCache` keeps it), else
+  one ``index_select`` of exactly its pages.
 
 Shared prefixes (cascade attention): sequences whose block tables begin with the same pages
 (forks of one prompt) attend those pages once, all their queries stacked as one query block
@@ -19,26 +25,36 @@ N pages in the pool, P page size, L a sequence's keys, D head dim of q and k, Dv
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import cast
 
 import torch
 from torch import Tensor
 
+from headwise import native, paged_native
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch
 from headwise.functional import _prepare, attend
 from headwise.pieces import merge_attentions
 
-__all__ = ["paged_attention", "SHARED_PREFIX_MIN_KEYS"]
+__all__ = ["paged_attention", "SHARED_PREFIX_MIN_KEYS", "NATIVE_MAX_QUERIES"]
 
 # share_prefix="auto" attends a shared prefix once where that saves reading at least this
 # many keys per kv head, (sequences - 1) x prefix keys: below it, the extra prefix call and
 # the merge cost more than the reads they save (benchmarks/paged.py measures both ways).
 SHARED_PREFIX_MIN_KEYS = 1024
+# The native kernel serves steps of at most this many new queries per sequence (decoding,
+# speculative verification, short chunks). A longer prefill chunk runs the per-sequence
+# kernels, whose matrix products catch up with the native kernel's dot products as T grows:
+# benchmarks/paged.py's "prefill chunk" rows (B=4, 1,024 keys, shuffled pages, fp32, 2 threads,
+# a quiet 2-core AMD EPYC, torch 2.13), native / per-sequence time: 0.36x at T = 8, 0.70x at
+# T = 32, 1.00x at T = 128.
+NATIVE_MAX_QUERIES = 64
 
 
 @dataclass(frozen=True)
@@ -113,22 +129,79 @@ def paged_attention(
     >>> out.shape
     torch.Size([2, 4, 1, 16])
     """
-    lens, tables = _check(q, k_pages, v_pages, block_table, seq_lens, share_prefix)
+    lens, table = _check(q, k_pages, v_pages, block_table, seq_lens, share_prefix)
     options = _Options(bool(is_causal), scale, backend, window, alibi_slopes, softcap, sinks, sink_tokens)
     if trace.ACTIVE:
         trace.begin_call()
     B, T, P = q.shape[0], q.shape[2], k_pages.shape[2]
     if B == 0 or T == 0:  # no query: the empty result, after headwise.attention's checks
         return _empty(q, k_pages, v_pages, options, return_lse)
-    pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
     shareable = window is None and alibi_slopes is None and share_prefix is not False
-    groups = shared_prefixes(tables, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
+    groups = _prefix_groups(table, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
         if shareable else []
-    out, lse = _attend_sequences(q, pools, tables, lens, groups, options, return_lse)  # (B, H, T, Dv), (B, H, T)
+    out, lse = _attend_all(q, k_pages, v_pages, table, lens, groups, options, return_lse)  # (B, H, T, Dv), (B, H, T)
     if trace.ACTIVE:
         trace.record("paged attention", out, f"{B} sequences of {T} queries over their pages ({P} keys a page); "
                      + (f"{len(groups)} shared prefixes attended once" if groups else "no shared prefix"))
-    return out if lse is None else (out, lse)
+    return out if not return_lse else (out, cast(Tensor, lse))
+
+
+def native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor, options: _Options, *, build: bool = True) -> str | None:
+    """Why the native kernel (:mod:`headwise.paged_native`) does not serve this call, in words
+    (None: it serves); the PyTorch path then runs, and makes headwise.attention's checks.
+    ``build``: build the extension if not tried yet (False: report it as to be built)."""
+    o = options
+    unsupported = [name for name, on in (("window", o.window is not None), ("alibi_slopes", o.alibi_slopes is not None),
+                                         ("softcap", o.softcap is not None), ("sinks", o.sinks is not None),
+                                         ("sink_tokens", bool(o.sink_tokens))) if on]
+    tensors = (q, k_pages, v_pages)
+    if o.backend != "auto":
+        return f"backend={o.backend!r} was asked for by name: the per-sequence path runs it"
+    if unsupported:
+        return f"{', '.join(unsupported)}: the native kernel applies none of them; the per-sequence kernels do"
+    if q.shape[2] > NATIVE_MAX_QUERIES:
+        return (f"T={q.shape[2]} new queries per sequence, above NATIVE_MAX_QUERIES={NATIVE_MAX_QUERIES}: a prefill "
+                "chunk, where the per-sequence kernels' matrix products are faster")
+    if any(type(t) is not Tensor for t in tensors) or any(t.device.type != "cpu" for t in tensors):
+        return f"tensors on {q.device} (or a tensor subclass): the native kernel runs on plain CPU tensors"
+    if not q.dtype == k_pages.dtype == v_pages.dtype or q.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtypes {q.dtype}, {k_pages.dtype}, {v_pages.dtype}: the native kernel takes fp32 or bf16, all alike"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "gradients are needed: the native kernel has no backward"
+    if torch._C._functorch.maybe_current_level() is not None:
+        return "inside a torch.func transform: the native kernel is opaque to it"
+    if q.shape[-1] != k_pages.shape[-1] or k_pages.shape[1] == 0 or q.shape[1] % k_pages.shape[1] \
+            or not _valid_scale(o.scale):
+        return "shapes or a scale that headwise.attention refuses: the per-sequence path says why"
+    why = (None if native.load() is not None else native.unavailable()) if build else native.unavailable()
+    return None if why is None else f"the native extension is not available: {why}"
+
+
+def _valid_scale(scale: object) -> bool:
+    return scale is None or (isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+                             and math.isfinite(float(scale)))
+
+
+def _scale(options: _Options, q: Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if options.scale is None else float(options.scale)
+
+
+def _attend_all(q: Tensor, k_pages: Tensor, v_pages: Tensor, table: Tensor, lens: list[int],
+                groups: list[tuple[list[int], int]], options: _Options,
+                return_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """The native kernel where :func:`native_refusal` finds nothing against it, else each
+    sequence apart: ``(out (B, H, T, Dv), lse (B, H, T) or None)``."""
+    P = k_pages.shape[2]
+    pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
+    if native_refusal(q, k_pages, v_pages, options) is not None:
+        return _attend_sequences(q, pools, _rows(table, lens, P), lens, groups, options, return_lse)
+
+    def prefix(members: list[int], keys: int) -> tuple[Tensor, Tensor]:
+        pages = table[members[0], :-(-keys // P)].tolist()
+        return _stacked_prefix(q, pools, pages, members, keys, options)
+
+    return paged_native.attend(q, k_pages, v_pages, table, lens, _scale(options, q), options.is_causal, groups,
+                               prefix)
 
 
 def _attend_sequences(q: Tensor, pools: tuple[Tensor, Tensor], tables: list[list[int]], lens: list[int],
@@ -196,14 +269,7 @@ def _attend_shared(q: Tensor, pools: tuple[Tensor, Tensor], tables: list[list[in
     _, H, T, D = q.shape
     Hkv, _, P, _ = pools[0].shape
     n, G = len(members), H // Hkv
-    index = torch.tensor(members, device=q.device)
-    rows = q.index_select(0, index).reshape(n, Hkv, G, T, D)  # (n, H, T, D) -> (n, Hkv, G, T, D)
-    rows = rows.permute(1, 2, 0, 3, 4).reshape(1, Hkv, G * n * T, D)  # -> (Hkv, G, n, T, D) -> (1, Hkv, G*n*T, D)
-    prefix = _keys(pools, tables[members[0]][:shared], 0, shared * P)
-    # Every prefix key precedes every query of every member: nothing causal to mask there.
-    out_p, lse_p = _attend_lse(rows, prefix, options, is_causal=False)  # (1, Hkv, G*n*T, Dv), (1, Hkv, G*n*T)
-    out_p = out_p.reshape(Hkv, G, n, T, -1).permute(2, 0, 1, 3, 4).reshape(n, H, T, -1)  # -> (n, H, T, Dv)
-    lse_p = lse_p.reshape(Hkv, G, n, T).permute(2, 0, 1, 3).reshape(n, H, T)  # -> (n, H, T)
+    out_p, lse_p = _stacked_prefix(q, pools, tables[members[0]][:shared], members, shared * P, options)
     suffixes = [_attend_lse(q[b:b + 1], _keys(pools, tables[b], shared, lens[b]), options)
                 for b in members]  # each (1, H, T, Dv), (1, H, T): bottom-right causal over its own keys
     outs, lses = [out_p, torch.cat([o for o, _ in suffixes])], [lse_p, torch.cat([s for _, s in suffixes])]
@@ -214,6 +280,25 @@ def _attend_shared(q: Tensor, pools: tuple[Tensor, Tensor], tables: list[list[in
         trace.record("shared prefix", out_p, f"{n} sequences attend their {shared * P} shared prefix keys once "
                      f"({G * n * T} rows a kv head), their suffixes apart; merged by log-sum-exp")
     return merge_attentions(outs, lses)
+
+
+def _stacked_prefix(q: Tensor, pools: tuple[Tensor, Tensor], pages: list[int], members: list[int], keys: int,
+                    options: _Options) -> tuple[Tensor, Tensor]:
+    """The members' attention over the first ``keys`` keys of their shared ``pages``, their
+    query heads of a kv head and all their queries folded into one block of rows per kv head,
+    (1, Hkv, G*n*T, D): one pass over the prefix keys, as a matrix product. ``(out (n, H, T,
+    Dv), lse (n, H, T))``, without the sinks."""
+    _, H, T, D = q.shape
+    Hkv = pools[0].shape[0]
+    n, G = len(members), H // Hkv
+    index = torch.tensor(members, device=q.device)
+    rows = q.index_select(0, index).reshape(n, Hkv, G, T, D)  # (n, H, T, D) -> (n, Hkv, G, T, D)
+    rows = rows.permute(1, 2, 0, 3, 4).reshape(1, Hkv, G * n * T, D)  # -> (Hkv, G, n, T, D) -> (1, Hkv, G*n*T, D)
+    # Every prefix key precedes every query of every member: nothing causal to mask there.
+    out_p, lse_p = _attend_lse(rows, _keys(pools, pages, 0, keys), options, is_causal=False)  # (1, Hkv, G*n*T, ..)
+    out_p = out_p.reshape(Hkv, G, n, T, -1).permute(2, 0, 1, 3, 4).reshape(n, H, T, -1)  # -> (n, H, T, Dv)
+    lse_p = lse_p.reshape(Hkv, G, n, T).permute(2, 0, 1, 3).reshape(n, H, T)  # -> (n, H, T)
+    return out_p, lse_p
 
 
 def _keys(pools: tuple[Tensor, Tensor], pages: list[int], first: int, end: int) -> tuple[Tensor, Tensor]:
@@ -257,6 +342,7 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
     shareable = window is None and alibi_slopes is None and share_prefix is not False
     groups = shared_prefixes(tables, lens, T, P, 1 if share_prefix is True else SHARED_PREFIX_MIN_KEYS) \
         if shareable and T else []
+    why_not = native_refusal(q, k_pages, v_pages, options, build=False) if B and T else "no query"
 
     def call(what: str, heads: int, rows: int, keys: int, causal: bool, lse: bool, with_sinks: bool):
         q_b = torch.zeros((), dtype=q.dtype, device=q.device, requires_grad=q.requires_grad).expand(1, heads, rows, D)
@@ -264,8 +350,13 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
         d = _prepare(q_b, k_b, v_b, None, causal, 0.0, False, options.backend, options.window, options.alibi_slopes,
                      options.softcap, options.sinks if with_sinks else None, options.sink_tokens, options.scale,
                      return_lse=lse)[2]
+        if why_not is not None:
+            d = replace(d, passed_over={**d.passed_over, paged_native.KERNEL: why_not})
         return what, rows, keys, d
 
+    if why_not is None:
+        return _native_calls(q, lens, groups, P, lambda members, keys: call(
+            f"the shared prefix of sequences {members}", Hkv, H // Hkv * len(members) * T, keys, False, True, False))
     calls, grouped = [], set()
     for members, shared in groups:
         G, n = H // Hkv, len(members)
@@ -275,6 +366,35 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
         grouped.update(members)
     calls += [call(f"sequence {b}", H, T, lens[b], options.is_causal, return_lse, True)
               for b in range(B) if b not in grouped and T]
+    return calls
+
+
+def _native_calls(q: Tensor, lens: list[int], groups: list[tuple[list[int], int]], P: int,
+                  prefix_call: Callable[[list[int], int], tuple[str, int, int, Dispatch]],
+                  ) -> list[tuple[str, int, int, Dispatch]]:
+    """The calls of :func:`paged_native.attend`, in its order: for each shared prefix of at
+    least KEY_BLOCK keys, the members' stacked rows over it (``prefix_call``, a matrix product)
+    and the kernel for the members past it; then the kernel for the other sequences."""
+    B, H, T, _ = q.shape
+    built = "" if native.load_state() == "built" else " (built on first use, about a minute)"
+    reason = (f"the native CPU kernel{built}: each (sequence, kv head) reads its keys through the block table, in "
+              f"blocks of {paged_native.KEY_BLOCK} keys at fixed offsets, with no gathered copy")
+    passed = MappingProxyType({"per-sequence kernels": "the PyTorch path gathers each sequence's pages (an "
+                                                       "index_select where they are not one run) and calls a kernel "
+                                                       "per sequence"})
+    d = Dispatch(paged_native.KERNEL, reason, passed)
+    calls, grouped = [], set()
+    for members, shared in groups:
+        S0 = paged_native.prefix_keys(shared, P)
+        if S0:
+            calls.append(prefix_call(members, S0))
+            calls.append((f"sequences {members} past their {S0} shared keys", H * len(members) * T,
+                          max(lens[b] for b in members) - S0, d))
+            grouped.update(members)
+    rest = [b for b in range(B) if b not in grouped]
+    if rest:
+        calls.append(("every sequence over its own pages" if len(rest) == B else f"sequences {rest}",
+                      H * T * len(rest), max(lens[b] for b in rest), d))
     return calls
 
 
@@ -306,9 +426,9 @@ def shared_prefixes(tables: list[list[int]], lens: list[int], T: int, P: int,
 
 
 def _check(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor | Sequence[int],
-           share_prefix: bool | str) -> tuple[list[int], list[list[int]]]:
+           share_prefix: bool | str) -> tuple[list[int], Tensor]:
     """Check the pools and tables (the options are :func:`headwise.attention`'s to check):
-    ``(lengths, pages read per sequence)``."""
+    ``(lengths, the table as a (B, max_pages) int64 host tensor)``."""
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
@@ -334,20 +454,56 @@ def _check(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq
         raise ValueError(f"block_table must be (B, max_pages) = ({B}, max_pages), one row per sequence of q, got "
                          f"{tuple(block_table.shape)}")
     N, P = k_pages.shape[0], k_pages.shape[2]
-    rows = block_table.tolist()
-    tables = []
+    W = block_table.shape[1]
     for b, L in enumerate(lens):
-        if not T <= L <= len(rows[b]) * P:
-            raise ValueError(f"seq_lens[{b}] = {L} must lie in T..max_pages * page_size = {T}..{len(rows[b]) * P}: "
+        if not T <= L <= W * P:
+            raise ValueError(f"seq_lens[{b}] = {L} must lie in T..max_pages * page_size = {T}..{W * P}: "
                              "a sequence holds its T new keys, in at most the pages its block_table row names")
-        pages = rows[b][:-(-L // P)]
-        bad = [p for p in pages if not 0 <= p < N]
-        if bad:
-            where = f"outside the pool's 0..{N - 1}" if N else "but the pool (k_pages, v_pages) has no pages"
-            raise ValueError(f"block_table[{b}] names page {bad[0]} among the {len(pages)} pages its {L} keys fill, "
-                             f"{where}")
-        tables.append(pages)
-    return lens, tables
+    table = block_table.to(device="cpu", dtype=torch.int64).contiguous()  # (B, W): a host copy only where needed
+    first_bad = _first_bad_page(table, lens, P, N)
+    if first_bad is not None:
+        b, i = first_bad
+        where = f"outside the pool's 0..{N - 1}" if N else "but the pool (k_pages, v_pages) has no pages"
+        raise ValueError(f"block_table[{b}] names page {int(table[b, i])} among the {-(-lens[b] // P)} pages its "
+                         f"{lens[b]} keys fill, {where}")
+    return lens, table
+
+
+def _first_bad_page(table: Tensor, lens: list[int], P: int, N: int) -> tuple[int, int] | None:
+    """``(b, i)`` of the first page id among those the sequences read that is outside the pool
+    of N pages, None where there is none (the native extension's loop where it is built)."""
+    ext = native.loaded()
+    if ext is not None:
+        flat = ext.first_bad_page(table, lens, P, N)
+        return None if flat < 0 else divmod(flat, table.shape[1])
+    need = torch.tensor([-(-L // P) for L in lens], dtype=torch.int64)  # (B,) pages each sequence fills
+    bad = (torch.arange(table.shape[1])[None, :] < need[:, None]) & ((table < 0) | (table >= N))  # (B, W)
+    return tuple(int(x) for x in bad.nonzero()[0]) if bad.any() else None  # type: ignore[return-value]
+
+
+def _rows(table: Tensor, lens: list[int], P: int) -> list[list[int]]:
+    """The pages each sequence reads, as lists (the per-sequence path's form of the table)."""
+    return [row[:-(-L // P)] for row, L in zip(table.tolist(), lens, strict=True)]
+
+
+def _prefix_groups(table: Tensor, lens: list[int], T: int, P: int, min_keys: int) -> list[tuple[list[int], int]]:
+    """:func:`shared_prefixes` of a (B, W) table tensor, reading as rows only the sequences
+    whose first page another sequence also begins with (a decode step of private sequences
+    reads one column)."""
+    if table.shape[1] == 0:
+        return []
+    firsts = table[:, 0].tolist()
+    counts: dict[int, int] = defaultdict(int)
+    for b, first in enumerate(firsts):
+        if (lens[b] - T) // P >= 1:
+            counts[first] += 1
+    if all(c < 2 for c in counts.values()):
+        return []
+    shared = [b for b, first in enumerate(firsts) if counts.get(first, 0) > 1]
+    rows: list[list[int]] = [[first] for first in firsts]
+    for b, row in zip(shared, table[shared].tolist(), strict=True):
+        rows[b] = row[:-(-lens[b] // P)]
+    return shared_prefixes(rows, lens, T, P, min_keys)
 
 
 def _lengths(seq_lens: Tensor | Sequence[int], B: int) -> list[int]:

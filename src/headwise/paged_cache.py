@@ -87,6 +87,8 @@ class PagedKVCache:
         self._pages: dict[int, list[int]] = {}  # sequence -> its pages, in order
         self._lens: dict[int, int] = {}  # sequence -> its keys
         self._next = 0
+        self._layout = 0  # counts changes of any sequence's pages: what a memo of block tables reads
+        self._table_memo: tuple[tuple[int, ...], int, Tensor] | None = None
 
     @classmethod
     def for_module(cls, mha: Layer, num_pages: int, page_size: int = 16) -> PagedKVCache:
@@ -149,6 +151,7 @@ class PagedKVCache:
             self._refs[p] += 1
         new = self.add()
         self._pages[new], self._lens[new] = list(pages), self._lens[seq]
+        self._layout += 1
         return new
 
     def free(self, seq: int) -> None:
@@ -159,12 +162,22 @@ class PagedKVCache:
                 self._free[p] = 1
                 self._free_count += 1
         del self._lens[seq]
+        self._layout += 1
 
     def block_table(self, seqs: list[int] | tuple[int, ...]) -> Tensor:
-        """(B, max_pages) int64 page ids of ``seqs`` on the host, -1 past each one's pages."""
+        """(B, max_pages) int64 page ids of ``seqs`` on the host, -1 past each one's pages.
+
+        A decode step takes a new page once in P steps: the table of the last ``seqs`` is kept
+        until a page of any sequence changes, and each call returns a copy of it."""
+        key = tuple(seqs)
+        memo = self._table_memo
+        if memo is not None and memo[0] == key and memo[1] == self._layout:
+            return memo[2].clone()
         rows = [self._pages[self._known(s)] for s in seqs]
         width = max((len(r) for r in rows), default=0)
-        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), width)
+        table = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), width)
+        self._table_memo = (key, self._layout, table)
+        return table.clone()
 
     def seq_lens(self, seqs: list[int] | tuple[int, ...]) -> Tensor:
         """(B,) int64 lengths of ``seqs`` on the host."""
@@ -193,6 +206,7 @@ class PagedKVCache:
         self._free[:] = free
         self._pages.update({s: list(p) for s, p in pages.items()})
         self._lens.update(lens)
+        self._layout += 1
 
     def append(self, seqs: list[int] | tuple[int, ...], k: Tensor, v: Tensor) -> None:
         """Append T keys and values to each of ``seqs`` (T = 0, or no sequence: nothing changes).
@@ -308,6 +322,7 @@ class PagedKVCache:
         self._free[p] = 0
         self._free_count -= 1
         self._refs[p] = 1
+        self._layout += 1  # a sequence's pages are about to change (a new page, or a copy on write)
         return p
 
     def _largest_gap(self) -> tuple[int, int]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from headwise import intervals
 from headwise.evaluate import (
     MaskMod,
     ScoreMod,
@@ -208,7 +209,8 @@ class Shifted(MaskRule):
         return self.mod(b, h, q_idx + self.offset, kv_idx)
 
     def tile_states(self, bounds, B, H):
-        return evaluated_tile_states(self, bounds, B, H)
+        traced = intervals.tile_states(self, bounds, B, H)  # the function with q_idx + offset, traced
+        return traced if traced is not None else evaluated_tile_states(self, bounds, B, H)
 
     def __repr__(self) -> str:
         return f"{getattr(self.mod, '__name__', None) or self.mod!r} (queries from position {self.offset})"
@@ -261,8 +263,9 @@ def combine_rules(module_rule: Any, call_rule: Any, *, score: bool) -> Any:
 
 
 def knows_tiles(mod: Any) -> bool:
-    """Whether a mask_mod's tiles come from its bounds (a helper, a tile map, and/or of those)
-    rather than from evaluating every pair."""
+    """Whether a mask_mod's tiles come from its bounds (a helper, a tile map, a traced plain
+    function (``headwise.recognise.Traced``), and/or of those) rather than from evaluating
+    every pair."""
     if isinstance(mod, TileMap):
         return True
     if isinstance(mod, Combined):

@@ -376,9 +376,37 @@ def _gradient_problems(leaves: list[Tensor], masters: list[Tensor], sinks: tuple
     return problems
 
 
+def _admit(name: str, q: Tensor, k: Tensor, v: Tensor, mask: Any, options: dict,
+           with_lse: bool) -> tuple[str | None, bool, bool, str]:
+    """Whether backend ``name`` serves a case: ``(refusal, with_lse, gradients, note)``.
+
+    A kernel that refuses the case with gradients but serves it without (one that runs only
+    inference there) is checked without them, and one that serves the case but not its
+    log-sum-exp is checked without the lse; ``note`` says which."""
+    import headwise
+
+    def refusal(lse: bool, grad: bool) -> str | None:
+        with torch.set_grad_enabled(grad):
+            try:
+                headwise.choose_backend(q, k, v, mask, backend=name, return_lse=lse, **options)
+            except ValueError as error:
+                return str(error).split("\n")[0][:160]
+        return None
+
+    why, grad, note = refusal(False, True), True, ""
+    if why is not None:
+        if refusal(False, False) is not None:
+            return why, with_lse, True, ""
+        grad, note = False, "; inference only (refused with gradients)"
+    if with_lse and refusal(True, grad) is not None:
+        with_lse, note = False, note + "; its log-sum-exp refused"
+    return None, with_lse, grad, note
+
+
 def _run_case(name: str, case: _Case, dtype: torch.dtype, device: torch.device, with_lse: bool,
-              gen: torch.Generator) -> Item:
-    """One item: the call through headwise.attention against the oracle, outputs and gradients."""
+              gen: torch.Generator) -> tuple[Item, bool]:
+    """One item: the call through headwise.attention against the oracle, outputs and gradients;
+    and whether its log-sum-exp was checked."""
     import headwise
 
     tol = {torch.float64: 1e-8, torch.float32: 2e-4}.get(dtype, 3e-2)
@@ -389,14 +417,14 @@ def _run_case(name: str, case: _Case, dtype: torch.dtype, device: torch.device, 
     mask = case.mask
     if isinstance(mask, Tensor):
         mask = mask.to(device, dtype) if mask.is_floating_point() else mask.to(device)
+    refusal, with_lse, grad, note = _admit(name, q, k, v, mask, options, with_lse)
+    if refusal is not None:
+        return Item(case.name, None, refusal), False
     try:
-        headwise.choose_backend(q, k, v, mask, backend=name, **options)
-    except ValueError as refusal:
-        return Item(case.name, None, str(refusal).split("\n")[0][:160])
-    try:
-        result: Any = headwise.attention(q, k, v, mask, backend=name, return_lse=with_lse, **options)
+        with torch.set_grad_enabled(grad):
+            result: Any = headwise.attention(q, k, v, mask, backend=name, return_lse=with_lse, **options)
     except Exception as error:  # noqa: BLE001 - the report says what the kernel raised
-        return Item(case.name, False, f"raised {type(error).__name__}: {error}"[:200])
+        return Item(case.name, False, f"raised {type(error).__name__}: {error}"[:200]), with_lse
     out, lse = result if with_lse else (result, None)
     masters = [t.clone().requires_grad_() for t in (case.q, case.k, case.v)]
     sinks = case.options.get("sinks")
@@ -413,12 +441,13 @@ def _run_case(name: str, case: _Case, dtype: torch.dtype, device: torch.device, 
         try:
             out.backward(dout.to(device, out.dtype))
         except Exception as error:  # noqa: BLE001
-            return Item(case.name, False, f"backward raised {type(error).__name__}: {error}"[:200])
+            return Item(case.name, False, f"backward raised {type(error).__name__}: {error}"[:200]), with_lse
         pair = None if ref_sinks is None else (options["sinks"], ref_sinks)
         problems += _gradient_problems([q, k, v], masters, pair, tol)
     if case.dead is not None and bool(out[case.dead.to(device)].ne(0).any()):
         problems.append("a row that attends nothing is not zeros")
-    return Item(case.name, not problems, "; ".join(problems) or f"within {tol:g} of the float64 oracle")
+    detail = "; ".join(problems) or f"within {tol:g} of the float64 oracle"
+    return Item(case.name, not problems, detail + note), with_lse
 
 
 def check_kernel(kernel: str | Callable | Any, *, dtype: torch.dtype = torch.float32,
@@ -464,10 +493,15 @@ def check_kernel(kernel: str | Callable | Any, *, dtype: torch.dtype = torch.flo
         with_lse = takes(get_kernel(name).fn, "return_lse")
         gen = torch.Generator().manual_seed(seed)
         report = KernelReport(name)
+        checked = 0  # items whose log-sum-exp was checked
         for case in _cases(gen):
-            report.items.append(_run_case(name, case, dtype, torch.device(device), with_lse, gen))
+            item, lse = _run_case(name, case, dtype, torch.device(device), with_lse, gen)
+            report.items.append(item)
+            checked += lse
         if not with_lse:
             report.items.append(Item("log-sum-exp", None, "its function takes no return_lse= keyword"))
+        elif not checked:
+            report.items.append(Item("log-sum-exp", None, "refused for every item here (device, dtype, gradients)"))
         return report
     finally:
         if added is not None:

@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import headwise
-from conftest import assert_served, reference_attention
+from conftest import assert_served, contract_backends, reference_attention
 from headwise import policy
 
-BACKENDS = headwise.available_backends()
+BACKENDS = contract_backends()
 B, D = 3, 8
 SHAPES = [(5, 5), (3, 7), (7, 3)]  # (S, Sk): square, fewer queries (decode-like), more queries
 HEADS = [(4, 4), (4, 2), (4, 1)]  # (H, Hkv): MHA, GQA, MQA

@@ -101,6 +101,8 @@ def test_every_builtin_kernel_returns_one_kernel_result_with_lse_only_when_asked
     kernel = kernels.BUILTIN[name]
     if kernel.available() is not None:
         pytest.skip(f"{name} cannot run here: {kernel.available()}")
+    if kernel.compiles:  # float16/32 only, and a graph per call here: its own file checks its KernelResult
+        pytest.skip(f"{name} compiles per rule and shape: tests/kernels/test_{name}.py checks its results")
     q, k, v, mask = _direct_inputs()
     if name == "triton":  # fp32 and Dv == D only
         q, k, v = q.float(), k.float(), k.float()

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import headwise
-from conftest import reference_attention
+from conftest import contract_backends, reference_attention
 from headwise import policy
 from headwise.kernels import get_kernel
 
-BACKENDS = headwise.available_backends()
+BACKENDS = contract_backends()
 B, H, D = 3, 4, 8
 FEATURES = {"softcap": {"softcap": 2.0}, "sinks": {"sinks": True}, "both": {"softcap": 2.0, "sinks": True}}
 # (S, Sk, Hkv, mask form, causal, window, alibi): every mask holds a row with nothing to attend

@@ -360,3 +360,44 @@ def test_dispatch_refuses_what_a_paged_step_refuses():
                                              r"\[0\], pages of 4\) but has 2 of 2"):
             mha.dispatch(torch.randn(1, 9, E, dtype=torch.float64), cache=cache)
     assert mha.dispatch(x, cache=cache.batch([a])).path == "paged"  # gradients on: served (backward says no)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batched_steps_on_interleaved_pages_run_the_native_kernel_and_equal_the_full_forward(dtype, monkeypatch):
+    """fp32 / bf16 on the CPU: the module's steps run headwise.paged_native's kernel (dispatch
+    says so) over pages that batched steps interleave, forks of a 40-token prompt sharing it
+    (32 keys attended once), and give each sequence's full forward."""
+    from headwise import native, paged, paged_native
+
+    if native.load() is None:
+        pytest.skip(f"no native extension: {native.unavailable()}")
+    monkeypatch.setattr(paged, "SHARED_PREFIX_MIN_KEYS", 1)
+    mha = headwise.MultiHeadAttention(E, 4, num_kv_heads=2, rope=True, is_causal=True, dtype=dtype).eval()
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=96, page_size=4)
+    cache.k_pages.fill_(float("nan"))
+    cache.v_pages.fill_(float("nan"))
+    xs = [torch.randn(1, n, E, dtype=dtype) for n in (40, 9, 40, 40)]
+    xs[2][:, :40], xs[3][:, :40] = xs[0][:, :40], xs[0][:, :40]
+    a, b = cache.add(), cache.add()
+    with torch.no_grad():
+        mha(xs[0][:, :40], cache=cache.batch([a]))
+        mha(xs[1][:, :5], cache=cache.batch([b]))
+        seqs = [a, b, cache.fork(a), cache.fork(a)]
+        tails = torch.randn(4, 6, E, dtype=dtype)
+        x = torch.cat([tails[:, :1], tails[:, 1:2]], dim=1)  # T = 2, then decode steps
+        d = mha.dispatch(x, cache=cache.batch(seqs))
+        # the stacked prefix rows are a matrix product (the call with the most scores), the rest the kernel's
+        assert d.backend == "sdpa" and f"-> {paged_native.KERNEL!r}" in d.reason and "shared prefix" in d.reason
+        with headwise.trace() as t:
+            steps = [mha(x, cache=cache.batch(seqs))]
+        assert [s.note.split("'")[1] for s in t.stages if s.name == "kernel"] == ["sdpa", paged_native.KERNEL,
+                                                                                  paged_native.KERNEL]
+        steps += [mha(tails[:, i:i + 1], cache=cache.batch(seqs)) for i in range(2, 6)]
+        assert any(cache.pages(s) != list(range(cache.pages(s)[0], cache.pages(s)[0] + len(cache.pages(s))))
+                   for s in seqs)  # the pages interleave
+        for i, (s, start) in enumerate(zip(seqs, (40, 5, 40, 40), strict=True)):
+            prompt = xs[1][:, :5] if s == b else xs[0][:, :40]
+            full = mha(torch.cat([prompt, tails[i:i + 1]], dim=1), is_causal=True)[:, start:]
+            got = torch.cat([y[i:i + 1] for y in steps], dim=1)
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, full, rtol=0, atol=1e-5 if dtype == torch.float32 else 3e-2)

@@ -248,6 +248,9 @@ class Kernel:
         functorch: its function runs inside ``torch.func`` transforms (``grad``, ``vmap``);
             False for one built on an ``autograd.Function`` without ``setup_context`` or on
             reads of values.
+        compiles: its first call for a new rule or shape family compiles (torch.compile: seconds),
+            later calls reuse the graph: a measurement of its speed must call it once first, and
+            it pays off only where calls repeat.
     """
 
     name: str
@@ -261,6 +264,7 @@ class Kernel:
     stages: StagesFn | None = None
     forward_ad: bool = True
     functorch: bool = True
+    compiles: bool = False
 
     def why_not(self, request: Request) -> str | None:
         """None if this kernel can serve ``request``, else a short reason."""
@@ -389,6 +393,7 @@ def register(
     stages: StagesFn | None = None,
     forward_ad: bool = True,
     functorch: bool = True,
+    compiles: bool = False,
 ) -> Callable[[KernelFn], KernelFn]:
     """Decorator: register your own ``fn`` as backend ``name`` (the arguments are :class:`Kernel`'s).
 
@@ -413,6 +418,7 @@ def register(
             stages=stages,
             forward_ad=forward_ad,
             functorch=functorch,
+            compiles=compiles,
         ))
         return fn
 

@@ -1,0 +1,119 @@
+"""headwise's native CPU kernels (``csrc/*.cpp``): built just in time on first use, or not at all.
+
+:func:`load` compiles ``csrc/paged_attention.cpp`` with ``torch.utils.cpp_extension.load`` the
+first time a kernel needs it (about a minute; torch caches the build in its extensions
+directory, ``TORCH_EXTENSIONS_DIR``, and a file lock there lets concurrent processes build it
+once). The build targets this CPU (``-march=native``), so the extension's name carries a tag
+of the CPU, the torch version and the flags: a cache directory shared between machines never
+serves another CPU's build.
+
+Where it cannot be built (no compiler, ``HEADWISE_NO_EXTENSION=1``, any build error),
+:func:`load` returns None, :func:`unavailable` says why, and the callers run their
+pure-PyTorch path; a warning says so once per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+import platform
+import shutil
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["load", "loaded", "load_state", "unavailable", "DISABLE_VARIABLE"]
+
+logger = logging.getLogger(__name__)
+
+DISABLE_VARIABLE = "HEADWISE_NO_EXTENSION"  # set to 1: never build, always the pure-PyTorch paths
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+# No -ffast-math: the kernel's bits must not depend on how the compiler vectorises (issue 37);
+# no FMA contraction, so a vectorised lane and a scalar one round alike.
+# -fopenmp: at::parallel_for is OpenMP in torch's Linux builds, compiled into the caller (without
+# it, one thread); the extension then shares torch's libgomp, so torch.set_num_threads holds.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+_state: dict[str, object] = {}  # "module": the loaded extension, or "why": why the build failed
+_warned: set[str] = set()
+
+
+def _cpu_tag() -> str:
+    """A short hash of what a -march=native build depends on: the CPU, torch, the flags."""
+    cpu = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu += "".join(line for line in info if line.startswith(("model name", "flags")))[:8192]
+    except OSError:
+        pass
+    text = "|".join([cpu, torch.__version__, " ".join(FLAGS + LDFLAGS)])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the ninja package (a dependency) puts it in the
+    environment's bin, which is not on PATH where the environment was not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        ninja = importlib.import_module("ninja")
+    except ImportError:
+        return  # torch's build then says that ninja is missing: the fallback's reason
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension  # imported on first use: it is slow to import
+
+    _ninja_on_path()
+
+    name = f"headwise_paged_{_cpu_tag()}"
+    logger.info("loading headwise's native paged kernel %s (built once per CPU and torch, about a minute)", name)
+    with warnings.catch_warnings():  # torch warns about the compiler's ABI; the build either works or raises
+        warnings.simplefilter("ignore")
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+                                   verbose=False)
+
+
+def load() -> ModuleType | None:
+    """The compiled extension, built on the first call (None where it cannot be: see :func:`unavailable`)."""
+    why = unavailable()
+    if why is None:
+        if "module" in _state:
+            return _state["module"]  # type: ignore[return-value]
+        try:
+            _state["module"] = _build()
+            return _state["module"]  # type: ignore[return-value]
+        except Exception as error:  # no compiler, no ninja, a compile error: the PyTorch path serves
+            why = _state["why"] = f"building {SOURCE.name} failed ({type(error).__name__}: {str(error).strip()[-300:]})"
+    if why not in _warned:  # once per reason and process
+        _warned.add(why)
+        logger.warning("headwise's native paged kernel is not available: %s; the pure-PyTorch path serves", why)
+        warnings.warn(f"headwise's native paged kernel is not available: {why}; paged attention runs its slower "
+                      "pure-PyTorch path", RuntimeWarning, stacklevel=3)
+    return None
+
+
+def loaded() -> ModuleType | None:
+    """The extension if it is built and allowed; never builds, never warns."""
+    return _state.get("module") if unavailable() is None else None  # type: ignore[return-value]
+
+
+def unavailable() -> str | None:
+    """Why the extension cannot serve (None: it is built, or not tried yet and allowed)."""
+    if os.environ.get(DISABLE_VARIABLE, "") not in ("", "0"):
+        return f"{DISABLE_VARIABLE}={os.environ[DISABLE_VARIABLE]} is set"
+    why = _state.get("why")
+    return None if why is None else str(why)
+
+
+def load_state() -> str:
+    """``"built"``, ``"unavailable"`` or ``"not tried"``: what :func:`load` has done so far."""
+    if unavailable() is not None:
+        return "unavailable"
+    return "built" if "module" in _state else "not tried"
