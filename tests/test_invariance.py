@@ -109,3 +109,18 @@ def test_the_tiled_linear_is_f_linear_with_its_gradients():
 def test_an_empty_batch_gives_an_empty_result():
     x, w, b = _rows(torch.float32, M=0)
     assert invariance.linear(x, w, b).shape == (0, N)
+
+
+def test_the_module_outside_and_then_inside_the_mode_takes_the_modes_path():
+    """A signature remembered outside the mode (the fused op, one GEMM over the q, k, v rows)
+    is not reused inside it: the memo keys on the mode."""
+    import headwise
+
+    mha = headwise.MultiHeadAttention(64, 4).eval()
+    x = torch.randn(5, 9, 64)
+    with torch.no_grad():
+        mha(x)
+        mha(x)  # remembered: the fused path
+        with batch_invariant():
+            assert mha.plan(x).path == "dense"
+            assert torch.equal(mha(x)[2], mha(x[2:3])[0])
