@@ -186,3 +186,35 @@ def test_headwise_tune_on_a_noisy_machine_stores_nothing_and_says_why(calibratin
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["headwise tune: copy_ps: time against work fits with R^2 0.42"]
     assert not calibration.cache_file().exists()
+
+
+def test_a_measurement_that_fails_never_breaks_the_call_that_asked(calibrating, monkeypatch, caplog):
+    """Whatever the measurement raises (a default device or dtype it did not expect, say), the
+    module's call runs on the built-in costs and the reason says so."""
+    def broken(timing=None):
+        raise RuntimeError("meta tensors have no data")
+
+    monkeypatch.setattr(calibration, "_measure", [broken])
+    mha = headwise.MultiHeadAttention(64, 4).eval()
+    x, mask = _padded_batch()
+    with torch.no_grad():
+        assert mha(x, mask).shape == x.shape
+    assert "measurement failed: RuntimeError: meta tensors have no data" in mha.dispatch(x, mask).path_reason
+    assert "meta tensors have no data" in caplog.text and not calibration.cache_file().exists()
+
+
+def test_a_thread_count_without_costs_goes_back_to_the_built_in_ones(calibrating, monkeypatch):
+    """Measured for one thread count, then asked for another with none stored (cache mode):
+    the built-in costs serve again, as the reason says, not the other count's."""
+    threads = torch.get_num_threads()
+    calibration.current()
+    assert policy.INFERENCE_COSTS == FAST
+    monkeypatch.setenv("HEADWISE_TUNE", "cache")
+    try:
+        torch.set_num_threads(threads + 1)
+        assert calibration.current() is None
+        assert policy.INFERENCE_COSTS == policy.BUILT_IN_INFERENCE_COSTS
+        assert policy.TRAINING_COSTS == policy.BUILT_IN_TRAINING_COSTS
+        assert "built in" in calibration.describe()
+    finally:
+        torch.set_num_threads(threads)

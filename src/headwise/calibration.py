@@ -177,7 +177,9 @@ def store(calibration: Calibration) -> Path:
 
 
 _lock = threading.RLock()
-_state: dict = {"key": None, "calibration": None, "source": "built in", "measuring": False}
+# "threads": the thread count whose costs are in use (None: none loaded yet); the CPU and the
+# torch version do not change within a process, so it is the one part of machine_key() to watch.
+_state: dict = {"threads": None, "calibration": None, "source": "built in", "measuring": False}
 _measure: list[Callable[[Any], tuple[policy.Costs, policy.Costs]]] = []
 
 
@@ -185,12 +187,6 @@ def measure_with(fn: Callable[[Any], tuple[policy.Costs, policy.Costs]]) -> None
     """Register the measurement (:func:`headwise.tune.measure`; the package does this at
     import, so that this low layer never imports the module it measures)."""
     _measure[:] = [fn]
-
-
-def measure_and_store(timing: object = None) -> Calibration:
-    """:func:`calibrate` with a timing for the measurement (:class:`headwise.tune.Timing`;
-    None: its default), stored: what ``headwise tune`` runs."""
-    return calibrate(save=True, timing=timing)
 
 
 def calibrate(save: bool = True, timing: object = None) -> Calibration:
@@ -232,11 +228,18 @@ def calibrate(save: bool = True, timing: object = None) -> Calibration:
 
 
 def _use(calibration: Calibration | None, source: str) -> None:
-    _state.update(key=machine_key(), calibration=calibration, source=source)
-    if calibration is not None and (policy.INFERENCE_COSTS, policy.TRAINING_COSTS) != (
-            calibration.inference, calibration.training):
-        policy.INFERENCE_COSTS = calibration.inference  # each assignment counts a policy GENERATION
-        policy.TRAINING_COSTS = calibration.training
+    """Serve ``calibration``'s costs (None: the built-in ones, restored where measured ones
+    served before, e.g. for another thread count; costs a caller assigned are left alone)."""
+    previous = _state["calibration"]
+    _state.update(threads=torch.get_num_threads(), calibration=calibration, source=source)
+    if calibration is not None:
+        costs = (calibration.inference, calibration.training)
+    elif previous is not None:
+        costs = (policy.BUILT_IN_INFERENCE_COSTS, policy.BUILT_IN_TRAINING_COSTS)
+    else:
+        return
+    if (policy.INFERENCE_COSTS, policy.TRAINING_COSTS) != costs:
+        policy.INFERENCE_COSTS, policy.TRAINING_COSTS = costs  # each assignment counts a policy GENERATION
 
 
 def current() -> Calibration | None:
@@ -245,19 +248,19 @@ def current() -> Calibration | None:
     costs serve (``off``, ``cache`` without an entry, under torch.compile or a torch.func
     transform, where no measurement may run).
 
-    Cheap after the first call (a dictionary look-up and the thread count): the module and
-    dispatch call it before every decision that reads the costs.
+    Cheap after the first call (the thread count compared with the one loaded): the module
+    and dispatch call it before every decision that reads the costs.
     """
     if torch.compiler.is_compiling() or _state["measuring"]:  # no file or timing in a trace; the measurement's calls
         return _state["calibration"]
-    key = machine_key()
-    if _state["key"] == key:
+    if _state["threads"] == torch.get_num_threads():
         return _state["calibration"]
     if policy.functorch_active() or policy.forward_ad_active():
         return _state["calibration"]  # no timing inside a transform
     with _lock:
-        if _state["key"] == key:
+        if _state["threads"] == torch.get_num_threads():
             return _state["calibration"]
+        key = machine_key()
         chosen = mode()
         if chosen == "off":
             _use(None, "built in (HEADWISE_TUNE=off)")
@@ -275,6 +278,11 @@ def current() -> Calibration | None:
             logger.warning("headwise: kept the built-in unit costs: %s", e)
             _use(None, f"built in (this machine's measurement was too noisy to keep: {e})")
             return None
+        except Exception as e:  # noqa: BLE001 - a measurement never breaks the call that asked for it
+            logger.warning("headwise: kept the built-in unit costs: the measurement failed (%s: %s)",
+                           type(e).__name__, e)
+            _use(None, f"built in (this machine's measurement failed: {type(e).__name__}: {e})")
+            return None
 
 
 def describe() -> str:
@@ -283,12 +291,12 @@ def describe() -> str:
     >>> describe().startswith("unit costs")
     True
     """
-    return f"unit costs {_state['source']}" if _state["key"] is not None else "unit costs built in (not yet loaded)"
+    return f"unit costs {_state['source']}" if _state["threads"] is not None else "unit costs built in (not yet loaded)"
 
 
 def forget() -> None:
     """Drop this process's calibration: the next decision loads or measures again, and the
     built-in costs are restored until then (for tests and ``headwise tune``)."""
-    _state.update(key=None, calibration=None, source="built in", measuring=False)
+    _state.update(threads=None, calibration=None, source="built in", measuring=False)
     policy.INFERENCE_COSTS = policy.BUILT_IN_INFERENCE_COSTS
     policy.TRAINING_COSTS = policy.BUILT_IN_TRAINING_COSTS

@@ -443,7 +443,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             return 1
     else:
         try:
-            found = calibration.measure_and_store(tune.Timing(repeats=args.repeats))
+            found = calibration.calibrate(timing=tune.Timing(repeats=args.repeats))
         except calibration.MeasurementError as e:  # a busy machine: say so, store nothing
             print(f"headwise tune: {e}", file=sys.stderr)
             return 1
