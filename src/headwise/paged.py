@@ -36,7 +36,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from headwise import native, paged_native
+from headwise import invariance, native, paged_native
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch
 from headwise.functional import _prepare, attend
@@ -155,11 +155,12 @@ def native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor, options: _Option
                                          ("softcap", o.softcap is not None), ("sinks", o.sinks is not None),
                                          ("sink_tokens", bool(o.sink_tokens))) if on]
     tensors = (q, k_pages, v_pages)
-    if o.backend != "auto":
+    invariant = invariance.is_batch_invariant()  # the mode: the native kernel for every T, or a refusal
+    if o.backend != "auto" and not (invariant and o.backend == "invariant"):
         return f"backend={o.backend!r} was asked for by name: the per-sequence path runs it"
     if unsupported:
         return f"{', '.join(unsupported)}: the native kernel applies none of them; the per-sequence kernels do"
-    if q.shape[2] > NATIVE_MAX_QUERIES:
+    if q.shape[2] > NATIVE_MAX_QUERIES and not invariant:
         return (f"T={q.shape[2]} new queries per sequence, above NATIVE_MAX_QUERIES={NATIVE_MAX_QUERIES}: a prefill "
                 "chunk, where the per-sequence kernels' matrix products are faster")
     if any(type(t) is not Tensor for t in tensors) or any(t.device.type != "cpu" for t in tensors):
@@ -193,8 +194,15 @@ def _attend_all(q: Tensor, k_pages: Tensor, v_pages: Tensor, table: Tensor, lens
     sequence apart: ``(out (B, H, T, Dv), lse (B, H, T) or None)``."""
     P = k_pages.shape[2]
     pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
-    if native_refusal(q, k_pages, v_pages, options) is not None:
+    refused = native_refusal(q, k_pages, v_pages, options)
+    if refused is not None and invariance.is_batch_invariant():
+        raise ValueError(f"inside headwise.batch_invariant() paged attention runs only through the native kernel "
+                         f"(fixed key blocks whatever the pages' order), which cannot serve this call: {refused}; "
+                         "attend outside the mode (with headwise.batch_invariant(False): ...)")
+    if refused is not None:
         return _attend_sequences(q, pools, _rows(table, lens, P), lens, groups, options, return_lse)
+    if invariance.is_batch_invariant():  # a shared prefix folded in: the bits of private sequences
+        return paged_native.attend(q, k_pages, v_pages, table, lens, _scale(options, q), options.is_causal, groups)
 
     def prefix(members: list[int], keys: int) -> tuple[Tensor, Tensor]:
         pages = table[members[0], :-(-keys // P)].tolist()
