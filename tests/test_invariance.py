@@ -124,3 +124,205 @@ def test_the_module_outside_and_then_inside_the_mode_takes_the_modes_path():
         with batch_invariant():
             assert mha.plan(x).path == "dense"
             assert torch.equal(mha(x)[2], mha(x[2:3])[0])
+
+
+# --- the module and the functional API inside the mode --------------------------------------
+# Each sequence's rows, forward and input gradients, compared with torch.equal against the
+# sequence run alone: the mode's promise, across the layouts the issue names.
+
+EMB, HEADS, KV_HEADS = 64, 4, 2
+
+
+def _module(dtype, **kwargs):
+    import headwise
+
+    torch.manual_seed(0)
+    return headwise.MultiHeadAttention(EMB, HEADS, num_kv_heads=KV_HEADS, is_causal=True, **kwargs).to(dtype).eval()
+
+
+def _forward_and_grad(mha, x, mask, upstream):
+    """(out, x's gradient) for the loss ``(out * upstream).sum()``."""
+    x = x.detach().clone().requires_grad_()
+    out = mha(x) if mask is None else mha(x, attention_mask=mask)
+    (out * upstream).sum().backward()
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_sequence_keeps_its_bits_however_the_module_batches_and_pads_it(dtype):
+    import headwise
+
+    S, n, at = 24, 13, 2
+    xs = torch.randn(4, S, EMB).to(dtype)
+    lens = torch.tensor([S, 20, n, 5])
+    right = torch.arange(S)[None] < lens[:, None]  # (B, S) right padding
+    left_x = torch.zeros_like(xs)
+    for b, m in enumerate(lens.tolist()):
+        left_x[b, S - m:] = xs[b, :m]
+    left = torch.arange(S)[None] >= (S - lens)[:, None]
+    g = torch.randn(n, EMB).to(dtype)  # the loss's gradient at the sequence's outputs; zero elsewhere
+    g_right, g_left = torch.zeros_like(xs), torch.zeros_like(xs)
+    g_right[at, :n], g_left[at, S - n:] = g, g
+    results = {}
+    with headwise.batch_invariant():
+        for packing in (False, True):
+            mha = _module(dtype, packing=packing)
+            out, grad = _forward_and_grad(mha, xs[at:at + 1, :n], None, g[None])
+            results[f"batch of 1, packing={packing}"] = (out[0], grad[0])
+            out, grad = _forward_and_grad(mha, xs, right, g_right)
+            results[f"right, packing={packing}"] = (out[at, :n], grad[at, :n])
+            out, grad = _forward_and_grad(mha, left_x, left, g_left)
+            results[f"left, packing={packing}"] = (out[at, S - n:], grad[at, S - n:])
+    want_out, want_grad = results["batch of 1, packing=False"]
+    for layout, (out, grad) in results.items():
+        assert torch.equal(out, want_out), layout
+        assert torch.equal(grad, want_grad), layout
+
+
+def test_outside_the_mode_some_layout_changes_a_bit_or_the_test_above_would_prove_nothing():
+    S, n, at = 24, 13, 2
+    xs = torch.randn(4, S, EMB)
+    lens = torch.tensor([S, 20, n, 5])
+    right = torch.arange(S)[None] < lens[:, None]
+    with torch.no_grad():
+        mha = _module(torch.float32, packing=False)
+        alone = mha(xs[at:at + 1, :n])[0]
+        batched = mha(xs, attention_mask=right)[at, :n]
+        mha.packing = True
+        packed = mha(xs, attention_mask=right)[at, :n]
+    assert not (torch.equal(alone, batched) and torch.equal(alone, packed))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cached_generation_gives_the_bits_of_one_prefill(dtype):
+    """Dynamic and static caches, prefilled in one call or in chunks, then decoded a token at
+    a time, alone or in a batch of three: every step's rows equal the teacher-forced prefill's."""
+    import headwise
+
+    mha = _module(dtype)
+    x = torch.randn(3, 40, EMB).to(dtype)
+    with headwise.batch_invariant(), torch.no_grad():
+        full = mha(x[:1])  # (1, 40, E)
+        for static in (False, True):
+            for B in (1, 3):
+                cache = mha.new_cache(B, 48, static=static)
+                steps = [mha(x[:B, :10], cache=cache), mha(x[:B, 10:23], cache=cache)]
+                steps += [mha(x[:B, t:t + 1], cache=cache) for t in range(23, 40)]
+                assert torch.equal(torch.cat(steps, 1)[:1], full), (static, B)
+
+
+def _churned_pool(mha, dtype):
+    """A PagedKVCache after requests came and went: its free pages out of order."""
+    import headwise
+
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=96, page_size=4)
+    cache.k_pages.normal_(), cache.v_pages.normal_()  # stale values in the free pages
+    others = [cache.add() for _ in range(5)]
+    with torch.no_grad():
+        for t in range(6):  # interleaved appends: each sequence's pages alternate with the others'
+            mha(torch.randn(5, 3, EMB).to(dtype), cache=cache.batch(others))
+    for seq in others[::2]:
+        cache.free(seq)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_generation_gives_the_bits_of_one_prefill_wherever_the_pages_lie(dtype):
+    """Shuffled pages, a batch of three, and a shared prefix (forks of one prompt): each
+    sequence's steps equal its own teacher-forced prefill."""
+    import headwise
+
+    mha = _module(dtype)
+    x = torch.randn(3, 36, EMB).to(dtype)
+    with headwise.batch_invariant(), torch.no_grad():
+        full = mha(x)  # (3, 36, E): each row alone in the mode (the batch changes no bit)
+        cache = _churned_pool(mha, dtype)
+        seqs = [cache.add() for _ in range(2)]
+        steps = [mha(x[:2, :9], cache=cache.batch(seqs))]
+        steps += [mha(x[:2, t:t + 1], cache=cache.batch(seqs)) for t in range(9, 36)]
+        assert torch.equal(torch.cat(steps, 1), full[:2])
+        # a shared prompt: seqs[0]'s first 12 tokens forked, each fork continued with its own tokens
+        cache = _churned_pool(mha, dtype)
+        root = cache.add()
+        mha(x[:1, :12], cache=cache.batch([root]))
+        forks = [root, cache.fork(root)]
+        own = torch.stack([x[0, 12:], x[2, 12:]])  # (2, 24, E)
+        steps = [mha(own[:, t:t + 1], cache=cache.batch(forks)) for t in range(24)]
+        second = torch.cat([x[:1, :12], own[1:]], 1)
+        assert torch.equal(torch.cat(steps, 1)[0], full[0, 12:])
+        assert torch.equal(torch.cat(steps, 1)[1], mha(second)[0, 12:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_attention_gives_the_bits_of_padded_attention(dtype):
+    import headwise
+
+    gen = torch.Generator().manual_seed(1)
+    lens = [7, 33, 20]
+    q = torch.randn(sum(lens), 4, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(sum(lens), 2, 16, generator=gen).to(dtype) for _ in range(2))
+    cu = torch.tensor([0, 7, 40, 60])
+    with headwise.batch_invariant():
+        packed = headwise.packed_attention(q, k, v, cu, cu, is_causal=True)
+        for b, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+            alone = headwise.attention(*(t[a:e].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)
+            assert torch.equal(packed[a:e], alone[0].transpose(0, 1)), b
+
+
+def test_inside_the_mode_what_cannot_keep_the_promise_is_refused_with_the_remedy():
+    import headwise
+
+    q = k = v = torch.randn(1, 2, 6, 8)
+    with headwise.batch_invariant():
+        with pytest.raises(ValueError, match=r"backend 'sdpa' cannot keep headwise.batch_invariant\(\)'s promise"):
+            headwise.attention(q, k, v, backend="sdpa")
+        with pytest.raises(ValueError, match=r"no kernel keeps the promise for this call: backend 'invariant' applies "
+                                             r"no a window.*batch_invariant\(False\)"):
+            headwise.attention(q, k, v, window=3)
+        pages = torch.randn(4, 2, 4, 8)
+        with pytest.raises(ValueError, match=r"paged attention runs only through the native kernel.*backend='sdpa' "
+                                             "was asked for by name"):
+            headwise.paged_attention(q[:, :, :1], pages, pages, torch.tensor([[0, 1]]), torch.tensor([6]),
+                                     backend="sdpa")
+    assert headwise.attention(q, k, v, window=3).shape == (1, 2, 6, 8)  # outside the mode: served
+
+
+def test_a_call_remembered_outside_the_mode_is_not_reused_inside_it():
+    import headwise
+
+    q = k = v = torch.randn(1, 2, 6, 8)
+    headwise.attention(q, k, v)
+    headwise.attention(q, k, v)  # remembered: sdpa
+    with headwise.batch_invariant():
+        with headwise.trace() as t:
+            headwise.attention(q, k, v)
+    assert any("backend 'invariant'" in stage.note for stage in t.stages)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_gives_the_bits_of_contiguous_attention_whatever_the_pages_order_and_size(dtype):
+    import headwise
+
+    gen = torch.Generator().manual_seed(2)
+    lens, T = [45, 70, 9], 3
+    keys = [torch.randn(2, n, 16, generator=gen).to(dtype) for n in lens]  # (Hkv, L, D) per sequence
+    values = [torch.randn(2, n, 16, generator=gen).to(dtype) for n in lens]
+    q = torch.randn(3, 4, T, 16, generator=gen).to(dtype)
+    with headwise.batch_invariant():
+        want = [headwise.attention(q[b:b + 1], keys[b][None], values[b][None], is_causal=True) for b in range(3)]
+        for P in (1, 4, 16):
+            W = max(-(-n // P) for n in lens)
+            N = 3 * W + 5
+            order = torch.randperm(N, generator=gen)  # pages handed out in a shuffled order
+            k_pages, v_pages = torch.randn(N, 2, P, 16).to(dtype), torch.randn(N, 2, P, 16).to(dtype)  # stale values
+            table = torch.zeros(3, W, dtype=torch.int64)
+            for b, n in enumerate(lens):
+                for i in range(-(-n // P)):
+                    page = int(order[b * W + i])
+                    table[b, i] = page
+                    rows = slice(i * P, min(n, (i + 1) * P))
+                    k_pages[page, :, :rows.stop - rows.start] = keys[b][:, rows]
+                    v_pages[page, :, :rows.stop - rows.start] = values[b][:, rows]
+            out = headwise.paged_attention(q, k_pages, v_pages, table, torch.tensor(lens))
+            for b in range(3):
+                assert torch.equal(out[b:b + 1], want[b]), (P, b)

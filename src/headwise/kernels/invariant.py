@@ -13,8 +13,8 @@ rows. :func:`headwise.batch_invariant` routes every attention here.
 What it takes: fp32 or bf16 CPU tensors, GQA, Dv != D, the causal rule (bottom-right) and
 a bool mask shared by the heads under which each query attends one run of keys from its
 row's first key: key padding on the right or the left, causal or not, or a static cache's
-mask of written slots (a hole, a window or a per-head mask is refused). No other mask, window, ALiBi, soft-capping, sinks, rules as functions or
-dropout (refused with the reason).
+mask of written slots (a hole, a window or a per-head mask is refused). No window, ALiBi,
+soft-capping, sinks, rules as functions or dropout (refused with the reason).
 
 Legend: B batch, H query heads, Hkv key/value heads, S query length, Sk key length,
 D head dim of q and k, Dv of v.
