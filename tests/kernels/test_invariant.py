@@ -160,7 +160,8 @@ def test_a_per_query_mask_gives_the_bits_of_its_causal_and_padding_form():
     q, k, v = _qkv(2, S, Sk, torch.float32, seed=5)
     j = torch.arange(Sk)
     written = j[None] < torch.tensor([50, 30])[:, None]  # (B, Sk)
-    per_query = written[:, None, None, :] & (j <= torch.arange(S)[:, None] + torch.tensor([38, 18])[:, None, None])[:, None]
+    last = torch.arange(S)[:, None] + torch.tensor([38, 18])[:, None, None]  # (B, S, 1): query i's last key
+    per_query = written[:, None, None, :] & (j <= last)[:, None]  # (B, 1, S, Sk)
     a, _ = _run(q, k, v, per_query, False)
     b_, _ = _run(q[:1], k[:1, :, :50], v[:1, :, :50], None, True)  # row 0: 50 keys, its 12 queries last
     assert torch.equal(a[:1], b_)
