@@ -326,3 +326,15 @@ def test_paged_attention_gives_the_bits_of_contiguous_attention_whatever_the_pag
             out = headwise.paged_attention(q, k_pages, v_pages, table, torch.tensor(lens))
             for b in range(3):
                 assert torch.equal(out[b:b + 1], want[b]), (P, b)
+
+
+def test_the_linear_layer_is_nn_linear_outside_the_mode_and_tiled_inside():
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(E, N)
+    layer = invariance.Linear(E, N)
+    layer.load_state_dict(plain.state_dict())
+    x = torch.randn(300, E)
+    assert torch.equal(layer(x), plain(x))
+    with batch_invariant():
+        assert torch.equal(layer(x), invariance.linear(x, plain.weight, plain.bias))
+        assert all(torch.equal(layer(x[:M])[7], layer(x[7:8])[0]) for M in (8, 9, 64, 300))

@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["ROW_TILE", "batch_invariant", "is_batch_invariant", "linear"]
+__all__ = ["ROW_TILE", "Linear", "batch_invariant", "is_batch_invariant", "linear"]
 
 # Rows of one GEMM of the mode's projections. Every tile is one GEMM of R x E by E x N, so
 # a row computes with the same blocking whatever M is; a call of fewer rows pads its tile.
@@ -127,3 +127,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     lead = x.shape[:-1]
     out = _TiledLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)  # (M, E) -> (M, N)
     return out.reshape(*lead, weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose rows keep their bits inside :func:`batch_invariant` (:func:`linear`);
+    outside it, exactly ``nn.Linear``. The same parameters and state dict: a drop-in for the
+    layers of a model around headwise's attention (an MLP, the output layer), so that the
+    whole model keeps a sequence's bits whatever the batch.
+
+    >>> layer = Linear(16, 8)
+    >>> x = torch.randn(5, 16)
+    >>> with batch_invariant():
+    ...     torch.equal(layer(x)[2], layer(x[2:3])[0])
+    True
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if is_batch_invariant():
+            return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
