@@ -12,8 +12,8 @@ from conftest import run_example
 def test_quick_run_gives_the_trainer_the_samplers_bits_inside_the_mode_only():
     run = run_example("same_bits.py", "--quick")
     assert run.returncode == 0, run.stderr[-3000:]
-    inside = re.search(r"inside headwise.batch_invariant\(\): .* bit for bit: (\w+) \(max \|difference\| ([\d.e+-]+)\); "
-                       r"log-probabilities equal: (\w+)", run.stdout)
+    inside = re.search(r"inside headwise.batch_invariant\(\): .* bit for bit: (\w+) "
+                       r"\(max \|difference\| ([\d.e+-]+)\); log-probabilities equal: (\w+)", run.stdout)
     outside = re.search(r"outside the mode: .* bit for bit: (\w+)", run.stdout)
     assert inside and outside, run.stdout
     assert inside.group(1) == "True" and float(inside.group(2)) == 0.0 and inside.group(3) == "True", run.stdout
