@@ -219,7 +219,7 @@ def _churned_pool(mha, dtype):
     cache.k_pages.normal_(), cache.v_pages.normal_()  # stale values in the free pages
     others = [cache.add() for _ in range(5)]
     with torch.no_grad():
-        for t in range(6):  # interleaved appends: each sequence's pages alternate with the others'
+        for _ in range(6):  # interleaved appends: each sequence's pages alternate with the others'
             mha(torch.randn(5, 3, EMB).to(dtype), cache=cache.batch(others))
     for seq in others[::2]:
         cache.free(seq)
