@@ -293,9 +293,8 @@ def test_a_call_remembered_outside_the_mode_is_not_reused_inside_it():
     q = k = v = torch.randn(1, 2, 6, 8)
     headwise.attention(q, k, v)
     headwise.attention(q, k, v)  # remembered: sdpa
-    with headwise.batch_invariant():
-        with headwise.trace() as t:
-            headwise.attention(q, k, v)
+    with headwise.batch_invariant(), headwise.trace() as t:
+        headwise.attention(q, k, v)
     assert any("backend 'invariant'" in stage.note for stage in t.stages)
 
 
