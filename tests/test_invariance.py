@@ -337,3 +337,13 @@ def test_the_linear_layer_is_nn_linear_outside_the_mode_and_tiled_inside():
     with batch_invariant():
         assert torch.equal(layer(x), invariance.linear(x, plain.weight, plain.bias))
         assert all(torch.equal(layer(x[:M])[7], layer(x[7:8])[0]) for M in (8, 9, 64, 300))
+
+
+def test_context_parallelism_is_refused_inside_the_mode_with_the_remedy():
+    import headwise
+    from headwise.distributed import ContextParallel
+
+    mha = headwise.MultiHeadAttention(EMB, HEADS, context_parallel=ContextParallel())
+    with headwise.batch_invariant(), pytest.raises(ValueError, match=r"context_parallel=.* cannot keep "
+                                                   r"headwise.batch_invariant\(\)'s promise.*batch_invariant\(False\)"):
+        mha(torch.randn(1, 8, EMB))
