@@ -347,3 +347,19 @@ def test_context_parallelism_is_refused_inside_the_mode_with_the_remedy():
     with headwise.batch_invariant(), pytest.raises(ValueError, match=r"context_parallel=.* cannot keep "
                                                    r"headwise.batch_invariant\(\)'s promise.*batch_invariant\(False\)"):
         mha(torch.randn(1, 8, EMB))
+
+
+def test_a_paged_steps_report_inside_the_mode_names_the_folded_prefix():
+    import headwise
+
+    mha = _module(torch.float32)
+    from headwise.paged import SHARED_PREFIX_MIN_KEYS
+
+    cache = headwise.PagedKVCache.for_module(mha, num_pages=SHARED_PREFIX_MIN_KEYS // 8 + 8, page_size=8)
+    root = cache.add()
+    with torch.no_grad():
+        mha(torch.randn(1, SHARED_PREFIX_MIN_KEYS + 8, EMB), cache=cache.batch([root]))
+    seqs = [root, cache.fork(root)]
+    with headwise.batch_invariant():
+        report = str(mha.dispatch(torch.randn(2, 1, EMB), cache=cache.batch(seqs)))
+    assert "one pass folded into each member's state" in report and "native_paged" in report

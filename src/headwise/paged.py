@@ -362,6 +362,8 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
             d = replace(d, passed_over={**d.passed_over, paged_native.KERNEL: why_not})
         return what, rows, keys, d
 
+    if why_not is None and invariance.is_batch_invariant():  # the prefix folded into the kernel: no matrix product
+        return _native_calls(q, lens, groups, P, None)
     if why_not is None:
         return _native_calls(q, lens, groups, P, lambda members, keys: call(
             f"the shared prefix of sequences {members}", Hkv, H // Hkv * len(members) * T, keys, False, True, False))
@@ -378,10 +380,11 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
 
 
 def _native_calls(q: Tensor, lens: list[int], groups: list[tuple[list[int], int]], P: int,
-                  prefix_call: Callable[[list[int], int], tuple[str, int, int, Dispatch]],
+                  prefix_call: Callable[[list[int], int], tuple[str, int, int, Dispatch]] | None,
                   ) -> list[tuple[str, int, int, Dispatch]]:
     """The calls of :func:`paged_native.attend`, in its order: for each shared prefix of at
-    least KEY_BLOCK keys, the members' stacked rows over it (``prefix_call``, a matrix product)
+    least KEY_BLOCK keys, the members' stacked rows over it (``prefix_call``, a matrix product;
+    None: the kernel's one pass folded into each member's call, the batch-invariant mode's way)
     and the kernel for the members past it; then the kernel for the other sequences."""
     B, H, T, _ = q.shape
     built = "" if native.load_state() == "built" else " (built on first use, about a minute)"
@@ -395,7 +398,9 @@ def _native_calls(q: Tensor, lens: list[int], groups: list[tuple[list[int], int]
     for members, shared in groups:
         S0 = paged_native.prefix_keys(shared, P)
         if S0:
-            calls.append(prefix_call(members, S0))
+            calls.append(prefix_call(members, S0) if prefix_call is not None else (
+                f"the shared prefix of sequences {members}, one pass folded into each member's state",
+                H * len(members) * T, S0, d))
             calls.append((f"sequences {members} past their {S0} shared keys", H * len(members) * T,
                           max(lens[b] for b in members) - S0, d))
             grouped.update(members)
