@@ -277,7 +277,7 @@ def test_inside_the_mode_what_cannot_keep_the_promise_is_refused_with_the_remedy
         with pytest.raises(ValueError, match=r"backend 'sdpa' cannot keep headwise.batch_invariant\(\)'s promise"):
             headwise.attention(q, k, v, backend="sdpa")
         with pytest.raises(ValueError, match=r"no kernel keeps the promise for this call: backend 'invariant' applies "
-                                             r"no a window.*batch_invariant\(False\)"):
+                                             r"no window.*batch_invariant\(False\)"):
             headwise.attention(q, k, v, window=3)
         pages = torch.randn(4, 2, 4, 8)
         with pytest.raises(ValueError, match=r"paged attention runs only through the native kernel.*backend='sdpa' "

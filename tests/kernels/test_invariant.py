@@ -180,7 +180,7 @@ def test_a_hole_in_the_padding_is_refused_with_the_row():
 
 def test_what_the_kernel_cannot_apply_is_refused_by_name():
     q, k, v = _qkv(1, 4, 4, torch.float32)
-    with pytest.raises(ValueError, match=r"backend 'invariant' applies no a window, soft-capping"):
+    with pytest.raises(ValueError, match=r"backend 'invariant' applies no window, soft-capping"):
         attention(q, k, v, window=2, softcap=30.0, backend="invariant")
     with pytest.raises(ValueError, match="takes fp32 or bf16, not torch.float64"):
         attention(q.double(), k.double(), v.double(), backend="invariant")
@@ -202,3 +202,15 @@ def test_inside_the_mode_auto_picks_it_and_says_why():
     assert chosen.backend == "invariant" and "fixed by key positions alone" in chosen.reason
     assert "cannot keep headwise.batch_invariant()'s promise" in chosen.passed_over["sdpa"]
     assert headwise.choose_backend(q, k, v, is_causal=True).backend == "sdpa"  # outside: as fast as before
+
+
+def test_the_contract_holds_wherever_it_serves_and_it_refuses_only_masks_beyond_runs():
+    from headwise.testing import check_kernel
+
+    report = check_kernel("invariant")
+    assert not [i for i in report.items if not i.passed and not i.detail.startswith("backend")], str(report)
+    served = {i.name for i in report.items if i.passed}
+    assert {"no mask", "key padding (B, Sk)"} <= served, str(report)
+    for item in report.items:
+        if item.name not in served:  # refused: a mask or rule the kernel says it does not apply
+            assert "backend 'invariant'" in item.detail, str(report)

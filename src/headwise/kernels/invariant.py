@@ -156,12 +156,12 @@ def _refuses(request: Request) -> str | None:
     if request.dtype not in (torch.float32, torch.bfloat16):
         return f"takes fp32 or bf16, not {request.dtype}"
     if request.mask_kind == "float":
-        return "takes a bool key padding mask (True = a real key), not a float mask"
+        return "takes a bool mask (True = may attend), not a float mask"
     if request.mask_kind == "bool" and request.mask_shape is not None and request.mask_shape[1] != 1:
         return "takes a mask shared by the heads (B, 1, S, Sk): each query's keys one run from its row's first key"
-    asked = [name for name, given in (("a window", request.window is not None), ("ALiBi", request.alibi),
+    asked = [name for name, given in (("window", request.window is not None), ("ALiBi", request.alibi),
                                       ("soft-capping", request.softcap), ("sinks", request.sinks),
-                                      ("a mask_mod", request.mask_mod), ("a score_mod", request.score_mod),
+                                      ("mask_mod", request.mask_mod), ("score_mod", request.score_mod),
                                       ("dropout", request.dropout_p > 0)) if given]
     if asked:
         return f"applies no {', '.join(asked)} (only causal and key padding)"
