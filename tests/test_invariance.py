@@ -62,7 +62,7 @@ def test_plain_f_linear_is_not_invariant_here_or_the_test_would_prove_nothing(dt
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile", [1, 8, 16])
 def test_a_rows_bits_do_not_depend_on_the_other_rows(dtype, tile, monkeypatch):
-    monkeypatch.setattr(invariance, "ROW_TILE", tile)
+    monkeypatch.setitem(invariance.ROW_TILE, dtype, tile)
     x, w, b = _rows(dtype)
     alone = invariance.linear(x[7:8], w, b)[0]
     for M, at in ((1, 0), (3, 1), (8, 7), (9, 5), (40, 17), (300, 7), (129, 100)):

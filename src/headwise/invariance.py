@@ -28,12 +28,17 @@ from torch import Tensor, nn
 
 __all__ = ["ROW_TILE", "Linear", "batch_invariant", "is_batch_invariant", "linear"]
 
-# Rows of one GEMM of the mode's projections. Every tile is one GEMM of R x E by E x N, so
-# a row computes with the same blocking whatever M is; a call of fewer rows pads its tile.
-# Chosen, not swept: a decode step of 8 sequences fills a tile without padding. (The GEMMs
-# of one torch.baddbmm over the tiles each keep the tile's shape; measured bitwise on an AMD
-# EPYC (Zen 5), torch 2.13, fp32 and bf16, R from 1 to 64: tests/test_invariance.py.)
-ROW_TILE = 8
+# Rows of one GEMM of the mode's projections, per dtype. Every tile is one GEMM of R x E by
+# E x N, so a row computes with the same blocking whatever M is; a call of fewer rows pads
+# its tile. A row's bits depend on R, so R is fixed, never derived from M: a larger R runs a
+# prefill's GEMMs closer to full speed, a smaller one wastes less on a decode step's few rows.
+# fp32's tiles run as one torch.bmm over the tiles (each GEMM of the batch keeps the tile's
+# shape); bf16's as one matrix product each (LOOPED), since torch.bmm over bf16 tiles falls to
+# a slow path on the CPU (15-29x F.linear, AMD EPYC, torch 2.13). Measured bitwise on that
+# machine, fp32 and bf16, R from 1 to 64: tests/test_invariance.py; the figures behind R:
+# benchmarks/invariance.py.
+ROW_TILE: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 32, torch.float64: 8}
+LOOPED: frozenset[torch.dtype] = frozenset({torch.bfloat16})
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _enabled: list[bool] = [False]
@@ -82,7 +87,7 @@ class _TiledLinear(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # (M, E) -> (M, N)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        out = _tiles(x, lambda t: torch.bmm(t, _expand_t(weight, t.shape[0])))  # (n, R, E) x (n, E, N)
+        out = _tiled(x, weight.t())  # (M, E) x (E, N), a tile at a time
         return out if bias is None else out + bias  # the bias added per element: a row's own sum
 
     @staticmethod
@@ -90,7 +95,7 @@ class _TiledLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # (M, N) x (N, E) per tile: a row's gradient from its own tile
-            dx = _tiles(grad, lambda t: torch.bmm(t, weight.expand(t.shape[0], *weight.shape)))
+            dx = _tiled(grad, weight)
         if ctx.needs_input_grad[1]:
             dw = grad.t() @ x  # (N, M) x (M, E) -> (N, E)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -98,25 +103,25 @@ class _TiledLinear(torch.autograd.Function):
         return dx, dw, db
 
 
-def _expand_t(weight: Tensor, n: int) -> Tensor:
-    return weight.t().expand(n, weight.shape[1], weight.shape[0])  # (N, E) -> (n, E, N), no copy
-
-
-def _tiles(rows: Tensor, gemm: Callable[[Tensor], Tensor]) -> Tensor:
-    """``gemm`` over ``rows`` (M, K) cut into tiles of ROW_TILE rows (the last one padded
-    with zeros, which change no other row): (M, N)."""
+def _tiled(rows: Tensor, matrix: Tensor) -> Tensor:
+    """``rows @ matrix``, (M, K) x (K, N) -> (M, N), in tiles of ROW_TILE[dtype] rows (the last
+    one padded with zeros, which change no other row): each tile one GEMM of the same shape."""
     M, K = rows.shape
-    R = ROW_TILE
+    R = ROW_TILE.get(rows.dtype, 8)
     n = -(-M // R)
     if n * R != M:
         rows = torch.cat([rows, rows.new_zeros(n * R - M, K)])  # (n R, K)
-    out = gemm(rows.reshape(n, R, K))  # (n, R, K) -> (n, R, N)
-    return out.reshape(n * R, out.shape[-1])[:M]  # (M, N)
+    N = matrix.shape[1]
+    if rows.dtype in LOOPED and n:
+        out = torch.cat([tile @ matrix for tile in rows.split(R)])  # n x (R, K) x (K, N)
+    else:
+        out = torch.bmm(rows.reshape(n, R, K), matrix.expand(n, K, N))  # (n, R, K) x (n, K, N)
+    return out.reshape(n * R, N)[:M]  # (M, N)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` whose every row has the same bits whatever the other
-    rows: (.., E) -> (.., N), in tiles of :data:`ROW_TILE` rows.
+    rows: (.., E) -> (.., N), in tiles of :data:`ROW_TILE` rows (per dtype).
 
     >>> x, w = torch.randn(5, 16), torch.randn(8, 16)
     >>> torch.equal(linear(x, w)[2], linear(x[2:3], w)[0])
