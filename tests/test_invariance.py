@@ -363,3 +363,33 @@ def test_a_paged_steps_report_inside_the_mode_names_the_folded_prefix():
     with headwise.batch_invariant():
         report = str(mha.dispatch(torch.randn(2, 1, EMB), cache=cache.batch(seqs)))
     assert "one pass folded into each member's state" in report and "native_paged" in report
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_shared_prefix_gives_the_bits_of_private_pages(dtype):
+    """Two sequences whose first five pages are one shared prompt (share_prefix=True attends it
+    once, folded into each member's state) against each on private pages, and against
+    contiguous attention."""
+    import headwise
+
+    gen = torch.Generator().manual_seed(3)
+    P, T = 8, 2
+    k_pages = torch.randn(24, 2, P, 16, generator=gen).to(dtype)
+    v_pages = torch.randn(24, 2, P, 16, generator=gen).to(dtype)
+    table = torch.tensor([[9, 3, 17, 5, 11, 0, 2], [9, 3, 17, 5, 11, 20, 7], [1, 4, 6, 8, 10, 12, 13]])
+    lens = torch.tensor([53, 49, 50])
+    q = torch.randn(3, 4, T, 16, generator=gen).to(dtype)
+    private_k, private_v = k_pages.clone(), v_pages.clone()  # sequence 1 on copies of the shared pages
+    private = table.clone()
+    private[1, :5] = torch.tensor([14, 15, 16, 18, 19])
+    private_k[[14, 15, 16, 18, 19]], private_v[[14, 15, 16, 18, 19]] = k_pages[table[0, :5]], v_pages[table[0, :5]]
+    with headwise.batch_invariant():
+        with headwise.trace() as traced:
+            shared = headwise.paged_attention(q, k_pages, v_pages, table, lens, share_prefix=True)
+        assert any(stage.name == "shared prefix" for stage in traced.stages)  # attended once, folded
+        apart = headwise.paged_attention(q, private_k, private_v, private, lens, share_prefix=False)
+        for b in range(3):
+            keys = torch.cat([k_pages[p] for p in table[b].tolist()], 1)[:, :lens[b]]  # (Hkv, L, D)
+            values = torch.cat([v_pages[p] for p in table[b].tolist()], 1)[:, :lens[b]]
+            want = headwise.attention(q[b:b + 1], keys[None], values[None], is_causal=True)
+            assert torch.equal(shared[b:b + 1], want) and torch.equal(apart[b:b + 1], want), b
