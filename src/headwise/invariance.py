@@ -34,10 +34,12 @@ __all__ = ["ROW_TILE", "Linear", "batch_invariant", "is_batch_invariant", "linea
 # prefill's GEMMs closer to full speed, a smaller one wastes less on a decode step's few rows.
 # fp32's tiles run as one torch.bmm over the tiles (each GEMM of the batch keeps the tile's
 # shape); bf16's as one matrix product each (LOOPED), since torch.bmm over bf16 tiles falls to
-# a slow path on the CPU (15-29x F.linear, AMD EPYC, torch 2.13). Measured bitwise on that
-# machine, fp32 and bf16, R from 1 to 64: tests/test_invariance.py; the figures behind R:
+# a slow path on the CPU (5-30x F.linear, AMD EPYC, torch 2.13). Measured there, 2 threads,
+# E = N = 512, against F.linear: fp32 bmm of 16-row tiles 1.2-1.4x at M = 1,024-4,096 and
+# 1.6x at M = 8 (32 rows: 1.05-1.17x and 2.1x); bf16 128-row products 1.24-1.37x and 3.8x.
+# Bitwise checks, fp32 and bf16, R from 1 to 16: tests/test_invariance.py; the module's cost:
 # benchmarks/invariance.py.
-ROW_TILE: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 32, torch.float64: 8}
+ROW_TILE: dict[torch.dtype, int] = {torch.float32: 16, torch.bfloat16: 128, torch.float64: 8}
 LOOPED: frozenset[torch.dtype] = frozenset({torch.bfloat16})
 
 _F = TypeVar("_F", bound=Callable[..., Any])
