@@ -68,13 +68,16 @@ def reference_attention(q, k, v, attention_mask=None, **kwargs):
 
 def contract_backends() -> list[str]:
     """:func:`headwise.available_backends` but those that compile on first use (``Kernel.compiles``,
-    "flex": seconds per rule and shape family, and on a CPU inference only). The shared tests run
-    every backend over many shapes and rules, with gradients; a compiling backend is held to the
-    contract in its own file (tests/kernels/test_flex.py), on few shapes."""
+    "flex": seconds per rule and shape family, and on a CPU inference only) and the batch-invariant
+    one (``Kernel.invariant``, "invariant": fp32 / bf16, padding and causal masks only, by design).
+    The shared tests run every backend over many shapes, masks and rules, in float64, with
+    gradients; those two are held to the contract in their own files (tests/kernels/test_flex.py,
+    tests/kernels/test_invariant.py)."""
     import headwise
     from headwise.kernels import get_kernel
 
-    return [name for name in headwise.available_backends() if not get_kernel(name).compiles]
+    return [name for name in headwise.available_backends()
+            if not get_kernel(name).compiles and not get_kernel(name).invariant]
 
 
 def assert_served(backend, q, k, v, mask=None, **kwargs):

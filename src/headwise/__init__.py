@@ -10,6 +10,7 @@ from headwise import calibration, masks, reference, tune
 from headwise.calibration import calibrate
 from headwise.dispatch import Dispatch
 from headwise.functional import attention, available_backends, choose_backend
+from headwise.invariance import batch_invariant, is_batch_invariant
 from headwise.module import MultiHeadAttention
 from headwise.packing import packed_attention
 from headwise.paged import paged_attention
@@ -24,8 +25,10 @@ __all__ = [
     "MultiHeadAttention",
     "attention",
     "available_backends",
+    "batch_invariant",
     "calibrate",
     "choose_backend",
+    "is_batch_invariant",
     "masks",
     "packed_attention",
     "paged_attention",

@@ -29,6 +29,12 @@ threshold they read lives in :mod:`headwise.policy` with the benchmark that sets
 Logit soft-capping is refused by ``sdpa`` and ``varlen`` (SDPA cannot cap), so "auto"
 runs the next kernel of the ranking that can.
 
+Inside :func:`headwise.batch_invariant`, before every other rule:
+
+0. ``invariant``, the one kernel whose reduction order is fixed by key positions alone; a
+   request it cannot serve is refused with its reason, and a backend asked for by name that
+   cannot keep the promise is refused too.
+
 With rules as functions (``mask_mod`` / ``score_mod``), before rules 2-6:
 
 7. A document mask over contiguous documents (with or without causal or a window):
@@ -61,11 +67,13 @@ _DEFAULT_ORDER = ("sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _LOW_MEMORY_ORDER = ("chunked", "sdpa", "matmul", "einsum", "einops", "bmm")
 _CUDA_STRUCTURED_ORDER = ("triton", "sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
 _VARLEN_ORDER = ("varlen", "sdpa", "chunked", "matmul", "einsum", "einops", "bmm")
+_INVARIANT_ORDER = ("invariant",)
 _COST = {
     "varlen": "attends per row or per length bucket: pays off only when many keys are padding",
     "triton": "fused on CUDA for masks, windows and ALiBi; SDPA's flash kernel is kept for the plain cases",
     "sdpa": "PyTorch's fused kernel, unfused when it cannot fuse the request",
     "chunked": "a Python loop over tiles: slower than a fused kernel, its gain is O(S) memory",
+    "invariant": "keeps a row's bits whatever the batch (fixed key blocks): for headwise.batch_invariant()",
     "flex": "torch's compiled flex_attention: seconds to compile per rule and shape family, not ranked until measured",
     "matmul": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",
     "einsum": "materialises the (B, H, S, Sk) scores: slower than a fused kernel",
@@ -117,6 +125,10 @@ def _scores_bytes(r: Request) -> int:
 def _ranking(r: Request, budget: int, varlen: tuple[float, policy.Costs, policy.Costs],
              sinks_min: int = 0) -> tuple[tuple[str, ...], str]:
     """Preference order for a request, and the sentence that explains it."""
+    if r.batch_invariant:
+        return _INVARIANT_ORDER, ("inside headwise.batch_invariant(): the one kernel whose reduction order is fixed by "
+                                  "key positions alone (blocks of 32 keys at fixed offsets from each row's first "
+                                  "key), so a row's bits do not depend on the batch, the padding or the query count")
     if r.need_weights:
         return _WEIGHT_ORDER, "need_weights=True: it returns the probabilities and is the plainest"
     structured = r.mask_kind != "none" or r.window is not None or r.alibi or (r.is_causal and r.q_len != r.k_len)
@@ -254,6 +266,10 @@ def _select(request: Request, backend: str, registered: tuple[Kernel, ...], budg
         else:
             cost = _COST.get(name)
             passed[name] = f"ranked below {chosen!r}" + (f" ({cost})" if cost else "")
+    if chosen is None and request.batch_invariant:
+        raise ValueError(f"inside headwise.batch_invariant() no kernel keeps the promise for this call: backend "
+                         f"'invariant' {passed.get('invariant', 'is not registered')}; attend outside the mode "
+                         "(with headwise.batch_invariant(False): ...) or drop what it refuses")
     if chosen is None:  # matmul serves everything; only a broken registry gets here
         raise RuntimeError(f"no registered backend can serve {request}: {passed}")
     reason = because if order[0] == chosen else f"first able backend in the ranking ({because})"

@@ -49,7 +49,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from headwise import policy
+from headwise import invariance, policy
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch, select
 from headwise.dispatch import logger as dispatch_logger
@@ -249,6 +249,7 @@ def _request(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, dropout
         sink_tokens=sink_tokens,
         forward_ad=policy.forward_ad_active(),
         functorch=policy.functorch_active(),
+        batch_invariant=invariance.is_batch_invariant(),
         **extra,
     )
 
@@ -462,7 +463,7 @@ def _signature(q, k, v, is_causal, dropout_p, scale, backend, mask=None, lengths
         shapes = (qs, ks, vs)
     return (shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, is_causal, dropout_p, scale, backend,
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad), policy.forward_ad_active(),
-            policy.functorch_active(), policy.GENERATION)
+            policy.functorch_active(), policy.GENERATION, invariance.is_batch_invariant())
 
 
 def prepare(q, k, v, attention_mask=None, mask_4d=None, *, is_causal=False, dropout_p=0.0, scale=None,

@@ -36,7 +36,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from headwise import native, paged_native
+from headwise import invariance, native, paged_native
 from headwise import tracing as trace
 from headwise.dispatch import Dispatch
 from headwise.functional import _prepare, attend
@@ -155,11 +155,12 @@ def native_refusal(q: Tensor, k_pages: Tensor, v_pages: Tensor, options: _Option
                                          ("softcap", o.softcap is not None), ("sinks", o.sinks is not None),
                                          ("sink_tokens", bool(o.sink_tokens))) if on]
     tensors = (q, k_pages, v_pages)
-    if o.backend != "auto":
+    invariant = invariance.is_batch_invariant()  # the mode: the native kernel for every T, or a refusal
+    if o.backend != "auto" and not (invariant and o.backend == "invariant"):
         return f"backend={o.backend!r} was asked for by name: the per-sequence path runs it"
     if unsupported:
         return f"{', '.join(unsupported)}: the native kernel applies none of them; the per-sequence kernels do"
-    if q.shape[2] > NATIVE_MAX_QUERIES:
+    if q.shape[2] > NATIVE_MAX_QUERIES and not invariant:
         return (f"T={q.shape[2]} new queries per sequence, above NATIVE_MAX_QUERIES={NATIVE_MAX_QUERIES}: a prefill "
                 "chunk, where the per-sequence kernels' matrix products are faster")
     if any(type(t) is not Tensor for t in tensors) or any(t.device.type != "cpu" for t in tensors):
@@ -193,8 +194,15 @@ def _attend_all(q: Tensor, k_pages: Tensor, v_pages: Tensor, table: Tensor, lens
     sequence apart: ``(out (B, H, T, Dv), lse (B, H, T) or None)``."""
     P = k_pages.shape[2]
     pools = (k_pages.transpose(0, 1), v_pages.transpose(0, 1))  # (Hkv, N, P, D), (Hkv, N, P, Dv)
-    if native_refusal(q, k_pages, v_pages, options) is not None:
+    refused = native_refusal(q, k_pages, v_pages, options)
+    if refused is not None and invariance.is_batch_invariant():
+        raise ValueError(f"inside headwise.batch_invariant() paged attention runs only through the native kernel "
+                         f"(fixed key blocks whatever the pages' order), which cannot serve this call: {refused}; "
+                         "attend outside the mode (with headwise.batch_invariant(False): ...)")
+    if refused is not None:
         return _attend_sequences(q, pools, _rows(table, lens, P), lens, groups, options, return_lse)
+    if invariance.is_batch_invariant():  # a shared prefix folded in: the bits of private sequences
+        return paged_native.attend(q, k_pages, v_pages, table, lens, _scale(options, q), options.is_causal, groups)
 
     def prefix(members: list[int], keys: int) -> tuple[Tensor, Tensor]:
         pages = table[members[0], :-(-keys // P)].tolist()
@@ -354,6 +362,8 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
             d = replace(d, passed_over={**d.passed_over, paged_native.KERNEL: why_not})
         return what, rows, keys, d
 
+    if why_not is None and invariance.is_batch_invariant():  # the prefix folded into the kernel: no matrix product
+        return _native_calls(q, lens, groups, P, None)
     if why_not is None:
         return _native_calls(q, lens, groups, P, lambda members, keys: call(
             f"the shared prefix of sequences {members}", Hkv, H // Hkv * len(members) * T, keys, False, True, False))
@@ -370,10 +380,11 @@ def choose_backends(q: Tensor, k_pages: Tensor, v_pages: Tensor, tables: list[li
 
 
 def _native_calls(q: Tensor, lens: list[int], groups: list[tuple[list[int], int]], P: int,
-                  prefix_call: Callable[[list[int], int], tuple[str, int, int, Dispatch]],
+                  prefix_call: Callable[[list[int], int], tuple[str, int, int, Dispatch]] | None,
                   ) -> list[tuple[str, int, int, Dispatch]]:
     """The calls of :func:`paged_native.attend`, in its order: for each shared prefix of at
-    least KEY_BLOCK keys, the members' stacked rows over it (``prefix_call``, a matrix product)
+    least KEY_BLOCK keys, the members' stacked rows over it (``prefix_call``, a matrix product;
+    None: the kernel's one pass folded into each member's call, the batch-invariant mode's way)
     and the kernel for the members past it; then the kernel for the other sequences."""
     B, H, T, _ = q.shape
     built = "" if native.load_state() == "built" else " (built on first use, about a minute)"
@@ -387,7 +398,9 @@ def _native_calls(q: Tensor, lens: list[int], groups: list[tuple[list[int], int]
     for members, shared in groups:
         S0 = paged_native.prefix_keys(shared, P)
         if S0:
-            calls.append(prefix_call(members, S0))
+            calls.append(prefix_call(members, S0) if prefix_call is not None else (
+                f"the shared prefix of sequences {members}, one pass folded into each member's state",
+                H * len(members) * T, S0, d))
             calls.append((f"sequences {members} past their {S0} shared keys", H * len(members) * T,
                           max(lens[b] for b in members) - S0, d))
             grouped.update(members)

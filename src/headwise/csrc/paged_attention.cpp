@@ -17,6 +17,17 @@
 // The address of key j of sequence b, kv head h is
 //     pool + table[b, j / P] * s_n + h * s_h + (j % P) * s_p   (+ d * s_d)
 // so a contiguous (B, Hkv, Sk, D) cache is the pool of B pages of Sk keys with table[b] = [b].
+//
+// Optional per-sequence placement (the batch-invariant mode's padded and packed layouts): key j
+// of sequence b lies at position key_offset[b] + j of its pages (left padding: the first real
+// key), and query row t sits at key position query_pos[b] + t (default L - T, bottom-right);
+// or, with row_end (B, T), query t attends keys 0 .. row_end[b, t] - 1 (a mask of runs).
+// Blocks stay at offsets 0, 32, ... of the sequence's own keys, so the padding around it
+// changes no bit. A row that may attend no key outputs zeros with lse -inf (the contract).
+//
+// attention_backward: the input gradients of the same attention, again in a fixed order
+// (dq: each row's keys in key order; dk, dv: each key's rows in row order), so a row's
+// gradient does not depend on the batch either. Contiguous pools only (table[b] = [b]).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -123,13 +134,17 @@ struct Pool {
   const scalar_t* data;
   int64_t s_n, s_h, s_p, s_d, P, D;
 
+  const scalar_t* at(const int64_t* pages, int64_t h, int64_t page, int64_t slot) const {
+    return data + pages[page] * s_n + h * s_h + slot * s_p;
+  }
+
   // Float pointers to keys j0 .. j0 + count - 1: the pool itself where it holds contiguous
   // fp32 rows, else a float copy in ``tile`` (KEY_BLOCK x D). The values are the same.
   void block(const int64_t* pages, int64_t h, int64_t j0, int64_t count, float* tile, const float** rows) const {
     int64_t page = j0 / P, slot = j0 % P;  // one division a block; the slots follow
     for (int64_t j = 0; j < count; ++j, ++slot) {
       if (slot == P) slot = 0, ++page;
-      const scalar_t* src = data + pages[page] * s_n + h * s_h + slot * s_p;
+      const scalar_t* src = at(pages, h, page, slot);
       if constexpr (std::is_same_v<scalar_t, float>) {
         if (s_d == 1) {
           rows[j] = src;
@@ -234,6 +249,20 @@ struct Problem {
   bool causal;
   const int64_t* table;
   const int64_t* lens;
+  const int64_t* key_offset;  // (B,) or null: 0
+  const int64_t* query_pos;   // (B,) or null: L - T
+  const int64_t* row_end;     // (B, T) or null: each query's keys 0 .. row_end - 1 (then ``causal`` is not read)
+
+  int64_t offset(int64_t b) const { return key_offset ? key_offset[b] : 0; }
+
+  // The keys row r of sequence b may attend: 0 .. end - 1 (its own L when not causal).
+  int64_t end(int64_t b, int64_t r) const {
+    const int64_t L = lens[b];
+    if (row_end) return std::min(L, std::max<int64_t>(row_end[b * T + r / G], 0));
+    if (!causal) return L;
+    const int64_t e = (query_pos ? query_pos[b] : L - T) + r / G + 1;
+    return std::min(L, std::max<int64_t>(e, 0));
+  }
 };
 
 struct Buffers {
@@ -252,13 +281,13 @@ template <typename scalar_t>
 void run_task(const Problem& pr, const Task& task, const scalar_t* q, const Pool<scalar_t>& kp,
               const Pool<scalar_t>& vp, const float* state_in[3], float* state_out[3], scalar_t* out, float* lse,
               Buffers& buf) {
-  const int64_t L = pr.lens[task.b], n = task.r1 - task.r0, D = pr.D, Dv = pr.Dv;
+  const int64_t n = task.r1 - task.r0, D = pr.D, Dv = pr.Dv, off = pr.offset(task.b);
   const int64_t* pages = pr.table + task.b * pr.W;
   int64_t last = 0;  // the last key any row of the task sees
   std::vector<int64_t> end(n);  // each row's keys: 0 .. end - 1
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = task.r0 + i, at = row_index(pr, task, r);
-    end[i] = pr.causal ? L - pr.T + r / pr.G + 1 : L;
+    end[i] = pr.end(task.b, r);
     last = std::max(last, end[i]);
     for (int64_t d = 0; d < D; ++d) buf.q[i * D + d] = to_float(q[at * D + d]);
     buf.m[i] = state_in[0] ? state_in[0][at] : NEG_INF;
@@ -269,8 +298,8 @@ void run_task(const Problem& pr, const Task& task, const scalar_t* q, const Pool
   const float* values[KEY_BLOCK];
   for (int64_t j0 = pr.start; j0 < last; j0 += KEY_BLOCK) {
     const int64_t count = std::min(KEY_BLOCK, last - j0);
-    kp.block(pages, task.h, j0, count, buf.k_tile.data(), keys);
-    vp.block(pages, task.h, j0, count, buf.v_tile.data(), values);
+    kp.block(pages, task.h, off + j0, count, buf.k_tile.data(), keys);
+    vp.block(pages, task.h, off + j0, count, buf.v_tile.data(), values);
     for (int64_t i = 0; i < n;) {  // runs of up to VALUE_ROWS rows that see the same keys of the block
       const int64_t live = std::min(count, end[i] - j0);
       int R = 1;
@@ -289,6 +318,11 @@ void run_task(const Problem& pr, const Task& task, const scalar_t* q, const Pool
       continue;
     }
     const float l = buf.l[i];
+    if (l == 0.0f) {  // no key: the contract's zero row
+      for (int64_t d = 0; d < Dv; ++d) out[at * Dv + d] = static_cast<scalar_t>(0.0f);
+      lse[at] = NEG_INF;
+      continue;
+    }
     for (int64_t d = 0; d < Dv; ++d) out[at * Dv + d] = static_cast<scalar_t>(buf.acc[i * Dv + d] / l);
     lse[at] = buf.m[i] + std::log(l);
   }
@@ -332,8 +366,14 @@ void run_all(const Problem& pr, const at::Tensor& q, const at::Tensor& k_pool, c
   });
 }
 
+const int64_t* placement(const c10::optional<at::Tensor>& t, int64_t B, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B, name, " int64 (B,)");
+  return t->data_ptr<int64_t>();
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
-                  const at::Tensor& lens, int64_t start) {
+                  const at::Tensor& lens, int64_t start, const int64_t* key_offset, bool free_rows) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.dim() == 4, "q (B, H, T, D), pools (N, Hkv, P, D)");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(), "one dtype");
@@ -346,8 +386,10 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   const int64_t* t = table.data_ptr<int64_t>();
   const int64_t* n = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < q.size(0); ++b) {
-    TORCH_CHECK(n[b] >= T && n[b] >= start && (n[b] + P - 1) / P <= W, "seq_lens[", b, "] = ", n[b]);
-    for (int64_t i = 0; i < (n[b] + P - 1) / P; ++i)
+    const int64_t off = key_offset ? key_offset[b] : 0, used = off + n[b];  // positions read: off .. used - 1
+    TORCH_CHECK((free_rows || n[b] >= T) && n[b] >= start && off >= 0 && (used + P - 1) / P <= W,
+                "seq_lens[", b, "] = ", n[b], ", key_offset ", off);
+    for (int64_t i = off / P; i < (used + P - 1) / P; ++i)
       TORCH_CHECK(t[b * W + i] >= 0 && t[b * W + i] < N, "block_table[", b, "] names page ", t[b * W + i]);
   }
 }
@@ -361,12 +403,19 @@ std::vector<at::Tensor> paged_attention(const at::Tensor& q_in, const at::Tensor
                                         const at::Tensor& table, const at::Tensor& lens, double scale, bool causal,
                                         int64_t start, const c10::optional<at::Tensor>& state_m,
                                         const c10::optional<at::Tensor>& state_l,
-                                        const c10::optional<at::Tensor>& state_acc, bool finalize) {
-  check_inputs(q_in, k_pool, v_pool, table, lens, start);
+                                        const c10::optional<at::Tensor>& state_acc, bool finalize,
+                                        const c10::optional<at::Tensor>& key_offset,
+                                        const c10::optional<at::Tensor>& query_pos,
+                                        const c10::optional<at::Tensor>& row_end) {
+  const int64_t B = q_in.size(0);
+  const int64_t* offsets = placement(key_offset, B, "key_offset");
+  const int64_t* positions = placement(query_pos, B, "query_pos");
+  const int64_t* ends = placement(row_end, B * q_in.size(2), "row_end");
+  check_inputs(q_in, k_pool, v_pool, table, lens, start, offsets, positions || ends);
   const at::Tensor q = q_in.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Hkv = k_pool.size(1), Dv = v_pool.size(3);
+  const int64_t H = q.size(1), T = q.size(2), Hkv = k_pool.size(1), Dv = v_pool.size(3);
   const Problem pr{B, H, Hkv, H / Hkv, T, q.size(3), Dv, table.size(1), start, static_cast<float>(scale), causal,
-                   table.data_ptr<int64_t>(), lens.data_ptr<int64_t>()};
+                   table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), offsets, positions, ends};
   const auto f32 = q.options().dtype(at::kFloat);
   const float* state_in[3] = {nullptr, nullptr, nullptr};
   at::Tensor m_in, l_in, acc_in;
@@ -410,10 +459,132 @@ int64_t first_bad_page(const at::Tensor& table, const std::vector<int64_t>& lens
   return -1;
 }
 
+// --- the backward: input gradients in a fixed order -------------------------------------------
+
+// Run fn(i) for i in 0 .. count - 1, each index taken by whichever thread is free (which thread
+// runs an index changes no bit of its result).
+template <typename Fn>
+void for_each_task(int64_t count, const Fn& fn) {
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t first, int64_t past) {
+    for (int64_t w = first; w < past; ++w)
+      for (int64_t i = next++; i < count; i = next++) fn(i);
+  });
+}
+
+// Float copies of the backward's inputs, and where row r of (sequence b, kv head h) and key j lie.
+struct Backward {
+  Problem pr;
+  int64_t Sk;
+  const float *q, *k, *v, *dout, *lse, *delta;
+
+  int64_t row(int64_t b, int64_t h, int64_t r) const { return (b * pr.H + h * pr.G + r % pr.G) * pr.T + r / pr.G; }
+  int64_t key(int64_t b, int64_t h, int64_t j) const { return (b * pr.Hkv + h) * Sk + pr.offset(b) + j; }
+
+  // The row's weight of key j and its score gradient: p = exp(s - lse), ds = p (dout . v_j - delta).
+  inline void weight(int64_t at, int64_t kj, float& p, float& ds) const {
+    const float s = dot(q + at * pr.D, k + kj * pr.D, pr.D) * pr.scale;
+    p = exp_nonpositive(s - lse[at]);
+    ds = p * (dot(dout + at * pr.Dv, v + kj * pr.Dv, pr.Dv) - delta[at]);
+  }
+};
+
+// dq of rows r0 .. r1 - 1 of (b, h): each row's keys in key order.
+void dq_task(const Backward& bw, int64_t b, int64_t h, int64_t r0, int64_t r1, float* dq) {
+  const int64_t D = bw.pr.D;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t at = bw.row(b, h, r), e = bw.pr.end(b, r);
+    float* acc = dq + at * D;  // zeroed by the caller: a row with no key keeps zeros
+    for (int64_t j = 0; j < e; ++j) {
+      float p, ds;
+      const int64_t kj = bw.key(b, h, j);
+      bw.weight(at, kj, p, ds);
+      const float c = ds * bw.pr.scale;
+      const float* kr = bw.k + kj * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += c * kr[d];
+    }
+  }
+}
+
+// dk, dv of keys j0 .. j0 + KEY_BLOCK - 1 of (b, h): each key's rows in row order (query, then head).
+void dkv_task(const Backward& bw, int64_t b, int64_t h, int64_t j0, float* dk, float* dv) {
+  const int64_t D = bw.pr.D, Dv = bw.pr.Dv, count = std::min(KEY_BLOCK, bw.pr.lens[b] - j0);
+  const int64_t rows = bw.pr.G * bw.pr.T;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t at = bw.row(b, h, r), live = std::min(count, bw.pr.end(b, r) - j0);
+    const float* qr = bw.q + at * D;
+    const float* dor = bw.dout + at * Dv;
+    for (int64_t j = 0; j < live; ++j) {
+      float p, ds;
+      const int64_t kj = bw.key(b, h, j0 + j);
+      bw.weight(at, kj, p, ds);
+      const float c = ds * bw.pr.scale;
+      float* dkr = dk + kj * D;
+      float* dvr = dv + kj * Dv;
+      for (int64_t d = 0; d < Dv; ++d) dvr[d] += p * dor[d];
+      for (int64_t d = 0; d < D; ++d) dkr[d] += c * qr[d];
+    }
+  }
+}
+
+// (dq, dk, dv) in the inputs' dtype for attention over contiguous keys k, v (B, Hkv, Sk, D|Dv),
+// placed as paged_attention places them (lens, key_offset, query_pos or row_end, causal). out and lse are
+// the forward's; dout the output's gradient, dlse (or none) the lse's.
+std::vector<at::Tensor> attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
+                                           const at::Tensor& lens, double scale, bool causal,
+                                           const c10::optional<at::Tensor>& key_offset,
+                                           const c10::optional<at::Tensor>& query_pos,
+                                           const c10::optional<at::Tensor>& row_end,
+                                           const c10::optional<at::Tensor>& dlse) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), Sk = k.size(2),
+                Dv = v.size(3);
+  const at::Tensor table = at::arange(B, lens.options()).view({B, 1});
+  const int64_t* offsets = placement(key_offset, B, "key_offset");
+  const int64_t* positions = placement(query_pos, B, "query_pos");
+  const int64_t* ends = placement(row_end, B * T, "row_end");
+  check_inputs(q, k, v, table, lens, 0, offsets, positions || ends);
+  TORCH_CHECK(out.sizes() == dout.sizes() && out.size(3) == Dv && lse.numel() == B * H * T, "out, dout, lse");
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
+  const at::Tensor qf = f32(q), kf = f32(k), vf = f32(v), of = f32(out), dof = f32(dout), lf = f32(lse);
+  const at::Tensor delta = (dof * of).sum(-1).contiguous();  // overwritten below in a fixed order
+  float* dl = delta.data_ptr<float>();
+  const at::Tensor dlf = dlse.has_value() ? f32(*dlse) : at::Tensor();  // the lse's own gradient: ds += p dlse
+  TORCH_CHECK(!dlf.defined() || dlf.numel() == B * H * T, "dlse (B, H, T)");
+  for (int64_t i = 0; i < B * H * T; ++i) {
+    dl[i] = dot(dof.data_ptr<float>() + i * Dv, of.data_ptr<float>() + i * Dv, Dv);
+    if (dlf.defined()) dl[i] -= dlf.data_ptr<float>()[i];
+  }
+  const Problem pr{B, H, Hkv, H / Hkv, T, D, Dv, 1, 0, static_cast<float>(scale), causal,
+                   table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), offsets, positions, ends};
+  const Backward bw{pr, Sk, qf.data_ptr<float>(), kf.data_ptr<float>(), vf.data_ptr<float>(), dof.data_ptr<float>(),
+                    lf.data_ptr<float>(), dl};
+  at::Tensor dq = at::zeros_like(qf), dk = at::zeros_like(kf), dv = at::zeros_like(vf);
+  float *dqp = dq.data_ptr<float>(), *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
+  const int64_t rows = pr.G * T, row_tiles = (rows + ROW_TILE - 1) / ROW_TILE, blocks = (Sk + KEY_BLOCK - 1) / KEY_BLOCK;
+  for_each_task(B * Hkv * row_tiles, [&](int64_t i) {
+    const int64_t b = i / (Hkv * row_tiles), h = i / row_tiles % Hkv, r0 = i % row_tiles * ROW_TILE;
+    dq_task(bw, b, h, r0, std::min(rows, r0 + ROW_TILE), dqp);
+  });
+  for_each_task(B * Hkv * blocks, [&](int64_t i) {
+    const int64_t b = i / (Hkv * blocks), h = i / blocks % Hkv, j0 = i % blocks * KEY_BLOCK;
+    if (j0 < pr.lens[b]) dkv_task(bw, b, h, j0, dkp, dvp);
+  });
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("first_bad_page", &first_bad_page, "the first page id of a block table outside the pool, or -1");
   // The GIL is released while the kernel runs: a server's other Python threads go on.
   m.def("paged_attention", &paged_attention, "paged attention over a block table (CPU, fp32 / bf16)",
+        pybind11::arg("q"), pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("table"),
+        pybind11::arg("lens"), pybind11::arg("scale"), pybind11::arg("causal"), pybind11::arg("start"),
+        pybind11::arg("state_m"), pybind11::arg("state_l"), pybind11::arg("state_acc"), pybind11::arg("finalize"),
+        pybind11::arg("key_offset") = pybind11::none(), pybind11::arg("query_pos") = pybind11::none(),
+        pybind11::arg("row_end") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("attention_backward", &attention_backward,
+        "the input gradients of attention over contiguous (B, Hkv, Sk, D) keys, in a fixed order (CPU, fp32 / bf16)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.attr("KEY_BLOCK") = KEY_BLOCK;
 }

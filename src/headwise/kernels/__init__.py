@@ -5,7 +5,7 @@ each kernel module defines its ``KERNEL`` (the function and what it can do) and 
 package adds them to the registry. :func:`register` adds your own.
 """
 
-from headwise.kernels import bmm, chunked, einops_kernel, einsum, flex, matmul, sdpa, triton, varlen
+from headwise.kernels import bmm, chunked, einops_kernel, einsum, flex, invariant, matmul, sdpa, triton, varlen
 from headwise.kernels.registry import Kernel, KernelResult, Request, add, get_kernel, kernels, register
 
 __all__ = ["BUILTIN", "Kernel", "KernelResult", "Request", "get_kernel", "kernels", "register"]
@@ -16,6 +16,7 @@ BUILTIN: dict[str, Kernel] = {
     "einops": einops_kernel.KERNEL,
     "einsum": einsum.KERNEL,
     "flex": flex.KERNEL,
+    "invariant": invariant.KERNEL,
     "matmul": matmul.KERNEL,
     "sdpa": sdpa.KERNEL,
     "triton": triton.KERNEL,

@@ -123,6 +123,7 @@ class Request:
     return_lse: bool = False  # the log-sum-exp per row is asked for
     forward_ad: bool = False  # forward-mode AD is active (a dual level, torch.func.jvp): tangents must pass
     functorch: bool = False  # a torch.func transform is active (grad, vmap, jvp, ...): wrapped tensors
+    batch_invariant: bool = False  # inside headwise.batch_invariant(): only kernels that keep a row's bits serve
 
     @property
     def is_gqa(self) -> bool:
@@ -251,6 +252,9 @@ class Kernel:
         compiles: its first call for a new rule or shape family compiles (torch.compile: seconds),
             later calls reuse the graph: a measurement of its speed must call it once first, and
             it pays off only where calls repeat.
+        invariant: a row's outputs and input gradients have the same bits whatever the batch,
+            the padding and the query count around it: the only kind that serves inside
+            :func:`headwise.batch_invariant`.
     """
 
     name: str
@@ -265,12 +269,16 @@ class Kernel:
     forward_ad: bool = True
     functorch: bool = True
     compiles: bool = False
+    invariant: bool = False
 
     def why_not(self, request: Request) -> str | None:
         """None if this kernel can serve ``request``, else a short reason."""
         reason = self.available()
         if reason is not None:
             return reason
+        if request.batch_invariant and not self.invariant:
+            return ("cannot keep headwise.batch_invariant()'s promise: its reduction order follows the batch and the "
+                    "shapes; backend 'invariant' keeps it")
         if request.need_weights and not self.supports_weights:
             return "cannot return attention weights (need_weights=True)"
         if request.functorch and not self.functorch:
@@ -394,6 +402,7 @@ def register(
     forward_ad: bool = True,
     functorch: bool = True,
     compiles: bool = False,
+    invariant: bool = False,
 ) -> Callable[[KernelFn], KernelFn]:
     """Decorator: register your own ``fn`` as backend ``name`` (the arguments are :class:`Kernel`'s).
 
@@ -419,6 +428,7 @@ def register(
             forward_ad=forward_ad,
             functorch=functorch,
             compiles=compiles,
+            invariant=invariant,
         ))
         return fn
 

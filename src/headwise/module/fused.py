@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
-from headwise import policy
+from headwise import invariance, policy
 from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.module import checks, qkv
@@ -70,7 +70,8 @@ def why(mha: Layer, x: Tensor, padded: bool, context: Tensor | None, cache: KVCa
         need_weights: bool, causal: bool) -> str | None:
     """Why "auto" runs this call on the fused path, or None where it does not."""
     if (mha.backend != "auto" or context is not None or cache is not None or need_weights
-            or torch.is_grad_enabled() or trace.ACTIVE or torch.compiler.is_compiling()):
+            or torch.is_grad_enabled() or trace.ACTIVE or torch.compiler.is_compiling()
+            or invariance.is_batch_invariant()):  # torch's fused op blocks its GEMMs by the batch
         return None
     if (causal and x.shape[1] > 1) or padded:
         return None

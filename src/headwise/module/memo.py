@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headwise import functional, policy
+from headwise import functional, invariance, policy
 from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.functional import Prepared
@@ -88,7 +88,9 @@ def signature(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Ten
         # what the checks read of a cache, and whether it is empty (then S == Sk: "auto" may choose otherwise)
         fits = None if cache is None else (cache.k.shape, cache.v.shape[-1], cache.k.dtype, cache.k.device,
                                            cache._length == 0)
-        key = (x.shape, x.dtype, device, masked, causal, grads, mha.training, policy.GENERATION, fits)
+        # the batch-invariant mode changes the path (no fused op) and the kernels
+        key = (x.shape, x.dtype, device, masked, causal, grads, mha.training, policy.GENERATION,
+               invariance.is_batch_invariant(), fits)
         return key, padding, lengths
     except (AttributeError, TypeError):  # not tensors: the plan's checks name the error
         return None

@@ -12,7 +12,7 @@ D head dim, Dv value head dim, E embed dim.
 from __future__ import annotations
 
 import itertools
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -74,7 +74,8 @@ def attend(mha: Layer, x: Tensor, cu_seqlens: Tensor, lengths: tuple[int, ...],
     if trace.ACTIVE:
         trace.record("merge heads", out, "flatten(1): (T, H, D) -> (T, E), a view" if mha.v_head_dim == mha.head_dim
                      else "flatten(1): (T, H, Dv) -> (T, H*Dv), a view")
-    out = mha.out_proj(out)  # (T, H*Dv) -> (T, E)
+    out_proj: Any = mha._modules["out_proj"]
+    out = proj.linear(out_proj, out, proj.plain_linears(mha))  # (T, H*Dv) -> (T, E): tiled in the batch-invariant mode
     if trace.ACTIVE:
         trace.record("output projection", out, "out_proj: (T, E) x (E, E)^T + b, on the real tokens only")
     return out

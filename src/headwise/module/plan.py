@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headwise import calibration, packing, policy
+from headwise import calibration, invariance, packing, policy
 from headwise.cache import KVCache
 from headwise.module import checks, fused
 from headwise.module.layer_protocol import Layer
@@ -83,6 +83,11 @@ def make_plan(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Ten
     checks.check_mask(mha, x, attention_mask, context, cache)
     causal = mha.is_causal if is_causal is None else bool(is_causal)
     if mha.context_parallel is not None:
+        if invariance.is_batch_invariant():
+            raise ValueError(f"context_parallel={mha.context_parallel} cannot keep headwise.batch_invariant()'s "
+                             "promise: its ring merges partial results in an order that follows the ranks; attend "
+                             "outside the mode (with headwise.batch_invariant(False): ...) or build the module without "
+                             "context_parallel")
         return Plan("context parallel", f"context_parallel={mha.context_parallel}: x is this rank's shard of "
                     "the sequence, attention runs across the ranks", causal, None)
     if read is not None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
-from headwise import policy
+from headwise import invariance, policy
 from headwise import tracing as trace
 from headwise.module import qkv
 from headwise.module.layer_protocol import Layer
@@ -54,6 +54,8 @@ def linear(m: nn.Module, x: Tensor, plain: bool) -> Tensor:
     name)."""
     if plain:
         params: Any = m._parameters
+        if invariance.is_batch_invariant():  # fixed row tiles: a row's bits whatever the other rows
+            return invariance.linear(x, params["weight"], params["bias"])
         return F.linear(x, params["weight"], params["bias"])
     return m(x)
 
@@ -61,7 +63,9 @@ def linear(m: nn.Module, x: Tensor, plain: bool) -> Tensor:
 def rows_for(mha: Layer, context: Tensor | None, plain: bool) -> qkv.Pack | None:
     """The q, k, v rows one GEMM may project with (:func:`headwise.module.qkv.packed`):
     self-attention whose projections nothing hooks or wraps (``plain``); else None."""
-    return qkv.packed(mha, torch.is_grad_enabled()) if plain and context is None else None
+    if not plain or context is not None or invariance.is_batch_invariant():  # the mode: per projection, tiled
+        return None
+    return qkv.packed(mha, torch.is_grad_enabled())
 
 
 def project(mha: Layer, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
