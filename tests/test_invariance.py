@@ -211,6 +211,29 @@ def test_cached_generation_gives_the_bits_of_one_prefill(dtype):
                 assert torch.equal(torch.cat(steps, 1)[:1], full), (static, B)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_trainers_forward_gives_the_samplers_bits_wherever_the_weights_lie(dtype):
+    """RL's match: cached generation without gradients (the sampler) equals the forward pass
+    with gradients taken (the trainer), also once the q, k, v weights no longer lie in one
+    tensor (an assignment gave one other memory), and so does the input gradient."""
+    import headwise
+
+    mha = _module(dtype)
+    x = torch.randn(2, 19, EMB).to(dtype)
+    g = torch.randn(2, 19, EMB).to(dtype)
+    with headwise.batch_invariant():
+        with torch.no_grad():
+            cache = mha.new_cache(2, 24)
+            steps = [mha(x[:, :7], cache=cache)] + [mha(x[:, t:t + 1], cache=cache) for t in range(7, 19)]
+            sampled = torch.cat(steps, 1)
+        trained, grad = _forward_and_grad(mha, x, None, g)
+        mha.k_proj.weight.data = mha.k_proj.weight.data.clone()  # out of the shared rows
+        moved, moved_grad = _forward_and_grad(mha, x, None, g)
+    assert torch.equal(trained, sampled)
+    assert torch.equal(moved, sampled)
+    assert torch.equal(moved_grad, grad)
+
+
 def _churned_pool(mha, dtype):
     """A PagedKVCache after requests came and went: its free pages out of order."""
     import headwise

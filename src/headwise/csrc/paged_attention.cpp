@@ -138,6 +138,17 @@ struct Pool {
     return data + pages[page] * s_n + h * s_h + slot * s_p;
   }
 
+  // Ask the memory for keys j0 .. j0 + count - 1 ahead of their block (a hint: no value changes).
+  void prefetch(const int64_t* pages, int64_t h, int64_t j0, int64_t count) const {
+    int64_t page = j0 / P, slot = j0 % P;
+    const int64_t bytes = D * s_d * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t j = 0; j < count; ++j, ++slot) {
+      if (slot == P) slot = 0, ++page;
+      const char* src = reinterpret_cast<const char*>(at(pages, h, page, slot));
+      for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(src + at);
+    }
+  }
+
   // Float pointers to keys j0 .. j0 + count - 1: the pool itself where it holds contiguous
   // fp32 rows, else a float copy in ``tile`` (KEY_BLOCK x D). The values are the same.
   void block(const int64_t* pages, int64_t h, int64_t j0, int64_t count, float* tile, const float** rows) const {
@@ -171,21 +182,31 @@ struct Row {
 
 // For each of R rows: acc = acc * alpha + p[0] v[0] + p[1] v[1] + ... (in this order for every
 // element, whatever R), over the live keys only: a key past the rows' last is never read, so NaN
-// there cannot leak. LANES elements at a time, kept in registers across the keys; each value
-// row is loaded once for the R rows (the query heads of one kv head at one position).
+// there cannot leak. C x LANES elements at a time, kept in registers across the keys (R x C
+// independent sums, so that the adds of one key do not wait on each other); each value row is
+// loaded once for the R rows (the query heads of one kv head at one position).
+template <int R, int C>
+inline void add_value_lanes(float* const* acc, const float* alpha, const float (*p)[KEY_BLOCK],
+                            const float* const* values, int64_t live, int64_t d0) {
+  Lanes a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = load(acc[r] + d0 + c * LANES) * alpha[r];
+  for (int64_t j = 0; j < live; ++j)
+    for (int c = 0; c < C; ++c) {
+      const Lanes v = load(values[j] + d0 + c * LANES);
+      for (int r = 0; r < R; ++r) a[r][c] += p[r][j] * v;
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store(acc[r] + d0 + c * LANES, a[r][c]);
+}
+
 template <int R>
 inline void add_values(float* const* acc, const float* alpha, const float (*p)[KEY_BLOCK],
                        const float* const* values, int64_t live, int64_t Dv) {
+  constexpr int C = R <= 2 ? 4 : 2;  // R x C <= 8 sums: registers with AVX-512 (a zmm each) and AVX2 (two ymm)
   int64_t d0 = 0;
-  for (; d0 + LANES <= Dv; d0 += LANES) {
-    Lanes a[R];
-    for (int r = 0; r < R; ++r) a[r] = load(acc[r] + d0) * alpha[r];
-    for (int64_t j = 0; j < live; ++j) {
-      const Lanes v = load(values[j] + d0);
-      for (int r = 0; r < R; ++r) a[r] += p[r][j] * v;
-    }
-    for (int r = 0; r < R; ++r) store(acc[r] + d0, a[r]);
-  }
+  for (; d0 + C * LANES <= Dv; d0 += C * LANES) add_value_lanes<R, C>(acc, alpha, p, values, live, d0);
+  for (; d0 + LANES <= Dv; d0 += LANES) add_value_lanes<R, 1>(acc, alpha, p, values, live, d0);
   for (; d0 < Dv; ++d0)
     for (int r = 0; r < R; ++r) {
       float a = acc[r][d0] * alpha[r];
@@ -300,6 +321,11 @@ void run_task(const Problem& pr, const Task& task, const scalar_t* q, const Pool
     const int64_t count = std::min(KEY_BLOCK, last - j0);
     kp.block(pages, task.h, off + j0, count, buf.k_tile.data(), keys);
     vp.block(pages, task.h, off + j0, count, buf.v_tile.data(), values);
+    if (j0 + KEY_BLOCK < last) {  // the next block's rows, read while this one computes
+      const int64_t ahead = std::min(KEY_BLOCK, last - j0 - KEY_BLOCK);
+      kp.prefetch(pages, task.h, off + j0 + KEY_BLOCK, ahead);
+      vp.prefetch(pages, task.h, off + j0 + KEY_BLOCK, ahead);
+    }
     for (int64_t i = 0; i < n;) {  // runs of up to VALUE_ROWS rows that see the same keys of the block
       const int64_t live = std::min(count, end[i] - j0);
       int R = 1;
