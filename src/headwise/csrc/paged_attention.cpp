@@ -145,7 +145,7 @@ struct Pool {
     for (int64_t j = 0; j < count; ++j, ++slot) {
       if (slot == P) slot = 0, ++page;
       const char* src = reinterpret_cast<const char*>(at(pages, h, page, slot));
-      for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(src + at);
+      for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(src + byte);
     }
   }
 
