@@ -78,14 +78,12 @@ def project(mha: Layer, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tens
 def _project(mha: Layer, x: Tensor, context: Tensor | None, plain: bool,
              pack: qkv.Pack | None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`project` with :func:`plain_linears` and :func:`rows_for` read."""
-    stacked = None
-    if pack is None and plain and context is None and invariance.is_batch_invariant():
-        stacked = qkv.stacked(mha, torch.is_grad_enabled())
     if pack is not None:  # one GEMM over the adjacent q, k, v weights (no copy)
         qkv_out = F.linear(x, pack.weight, pack.bias)  # (.., E) -> (.., H*D + Hkv*D + Hkv*Dv)
         q, k, v = qkv_out.split_with_sizes(pack.rows, -1)  # views: (.., H*D), (.., Hkv*D), (.., Hkv*Dv)
-    elif stacked is not None:  # the mode's self-attention: one tiled GEMM over the stacked q, k, v rows
-        weight, bias, rows = stacked
+    elif (plain and context is None and invariance.is_batch_invariant()
+          and (stacked := qkv.stacked(mha, torch.is_grad_enabled())) is not None):
+        weight, bias, rows = stacked  # the mode's self-attention: one tiled GEMM over the stacked q, k, v rows
         qkv_out = invariance.linear(x, weight, bias)  # (.., E) -> (.., H*D + Hkv*D + Hkv*Dv), fixed row tiles
         q, k, v = qkv_out.split_with_sizes(rows, -1)  # views: (.., H*D), (.., Hkv*D), (.., Hkv*Dv)
     else:

@@ -146,25 +146,20 @@ def stacked(mha: Layer, grad: bool) -> tuple[Tensor, Tensor | None, tuple[int, i
     """The q, k and v weights (and biases) as one (Nq + Nk + Nv, E) matrix, with their row
     counts: the :class:`Pack`'s rows where they serve (:func:`packed`), else the three
     concatenated, in autograd's graph of each parameter (a copy, about 3 E^2 values). None
-    where the three are not plain ``nn.Linear`` with weights of one E and dtype and biases on
-    all three or none. The batch-invariant mode projects self-attention through it always,
-    with or without gradients and wherever the weights lie: one tiled GEMM (N = Nq + Nk + Nv)
-    in every case, so that no GEMM library's choice by N can make the sampler's bits differ
-    from the trainer's. (A decode step's projections then take two tiled GEMMs, not four.)"""
+    where :func:`_parts` finds no three weights that could lie in rows (on any device). The
+    batch-invariant mode projects self-attention through it always, with or without gradients
+    and wherever the weights lie: one tiled GEMM (N = Nq + Nk + Nv) in every case, so that no
+    GEMM library's choice by N can make the sampler's bits differ from the trainer's. (A decode
+    step's projections then take two tiled GEMMs, not four.)"""
     pack = packed(mha, grad)
     if pack is not None:
         return pack.weight, pack.bias, pack.rows
-    modules: list[Any] = [mha._modules.get(name) for name in _NAMES]
-    if not all(type(m) is nn.Linear for m in modules):
+    parts = _parts(mha, device_type=None)
+    if parts is None:
         return None
-    weights: list[Any] = [m._parameters.get("weight") for m in modules]
-    biases: list[Any] = [m._parameters.get("bias") for m in modules]
-    if (any(w is None for w in weights) or len({(w.shape[1], w.dtype, w.device) for w in weights}) != 1
-            or (any(b is None for b in biases) and any(b is not None for b in biases))):
-        return None
+    weights, biases = parts[:3], parts[3:]
     rows = (weights[0].shape[0], weights[1].shape[0], weights[2].shape[0])
-    bias = None if biases[0] is None else torch.cat(biases)  # (Nq + Nk + Nv,)
-    return torch.cat(weights), bias, rows  # (Nq + Nk + Nv, E)
+    return torch.cat(weights), torch.cat(biases) if biases else None, rows  # (Nq + Nk + Nv, E), (Nq + Nk + Nv,)
 
 
 def is_packed(mha: Layer) -> bool:
