@@ -302,10 +302,23 @@ def test_narrow_heads_widened_for_the_gpu_kernel_change_no_result():
     no score, and v's extra output columns are dropped."""
     q, k, v = inputs(2, 5, 7)
     v = v[..., :6]  # Dv = 6 != D = 8
-    wide = flex._widened(q, k, v)
+    wide = flex._widened(q, k, v, flex.GPU_MIN_HEAD_DIM, flex.GPU_MIN_HEAD_DIM)
     assert [t.shape[-1] for t in wide] == [16, 16, 16]
     got = reference_attention(*wide, is_causal=True, scale=D ** -0.5).out[..., :6]
     torch.testing.assert_close(got, reference_attention(q, k, v, is_causal=True).out)
+
+
+@pytest.mark.parametrize("dim", [8, 16, 32])
+def test_every_key_count_at_narrow_head_dims_matches_the_oracle(dim):
+    """torch 2.13's C++ template on an AVX2 CPU computed head dims 8 and 16 wrong at 8, 24, 40, ...
+    keys (an appended sink key counts): the kernel widens them (flex.CPU_WRONG_HEAD_DIMS). Every key
+    count from 2 to 40, and 136, plain and with ALiBi and sinks; the key count is dynamic in the
+    compiled graph, so these are two graphs per head dim (one where the dims are widened)."""
+    rules = dict(alibi_slopes=torch.linspace(0.1, 1.0, H), sinks=torch.linspace(-1, 1, H))
+    for Sk in [*range(2, 41), 136]:
+        q, k, v = inputs(2, 3, Sk, dim=dim, seed=Sk)
+        for options in ({}, rules):
+            close(flex_attention(q, k, v, **options), reference_attention(q, k, v, **options).out)
 
 
 def test_a_cpu_torch_compile_cannot_lower_for_is_named(monkeypatch):

@@ -17,6 +17,9 @@ How the contract maps onto Flex:
   contract's order (softcap, ALiBi, score_mod, then the mask's bias).
 * Attention sinks: one appended key whose score is the head's sink logit and whose value is
   zero (the sdpa kernel's trick, carried by the score_mod instead of a float mask).
+* On an AVX2 CPU, q and k with a head dim of 8 or 16 run with zero columns up to 32
+  (:data:`CPU_WRONG_HEAD_DIMS`): torch 2.13's C++ template computes those head dims wrong at
+  8, 24, 40, ... keys.
 * What no query may attend (NaN and inf there included) has been zeroed by
   :func:`headwise.mask_contract.hide_excluded` before any kernel runs, as
   :func:`headwise.attention` does for every kernel. Flex multiplies ``p = 0`` by v inside a
@@ -66,6 +69,14 @@ Lists = tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tens
 BLOCK = (128, 128)  # (rows, columns) of one BlockMask block: Flex's default sparse block
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what flex_attention's lowerings take
 GPU_MIN_HEAD_DIM = 16  # Flex's Triton kernel: tl.dot needs head dims of at least 16 (narrower ones are padded)
+# torch 2.13's C++ template on an AVX2 CPU computes wrong outputs (wrong numbers, at times NaN) where
+# q and k have a head dim of 8 or 16 and the key count is 8 more than a multiple of 16: 8, 24,
+# 40, ... keys, an appended sink key included. Measured on an AMD EPYC without AVX-512 against
+# softmax(q k^T) v, fp32 and bf16: head dims 1-33, 40, 48, 56, 64, 80, 96, 128 and 256 at 8 and
+# 24 keys, and 8, 16, 32, 64 at 1-40, 48, 64, 72, 128 and 136 keys; only those two head dims
+# failed. Such q and k run with zero columns up to CPU_SAFE_HEAD_DIM, which change no score.
+CPU_WRONG_HEAD_DIMS = (8, 16)
+CPU_SAFE_HEAD_DIM = 32
 RECOMPILE_LIMIT = 64  # graphs of the one compiled function: rules x shape families x dtypes
 _TORCH = torch.__version__.split("+")[0]
 
@@ -102,6 +113,7 @@ def _cpu_compiles() -> str | None:
 _HAS_FLEX = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 _CPU_COMPILES = _cpu_compiles()
+_CPU_AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"  # see CPU_WRONG_HEAD_DIMS
 
 
 def _triton_installed() -> bool:
@@ -436,12 +448,13 @@ def _dynamic(dynamo: Any, t: Tensor | None, dims: tuple[int, ...]) -> None:
         dynamo.maybe_mark_dynamic(t, list(dims))
 
 
-def _widened(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k and v with their head dims padded with zeros to at least :data:`GPU_MIN_HEAD_DIM`."""
+def _widened(q: Tensor, k: Tensor, v: Tensor, qk_width: int, v_width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q and k with their head dims padded with zeros to at least ``qk_width``, v's to at least
+    ``v_width``: zero columns change no score, and v's add output columns the caller drops."""
     D, Dv = q.shape[-1], v.shape[-1]
-    width = max(D, GPU_MIN_HEAD_DIM)
+    width = max(D, qk_width)
     q, k = F.pad(q, (0, width - D)), F.pad(k, (0, width - D))  # (B, H|Hkv, S|Sk, width)
-    return q, k, F.pad(v, (0, max(Dv, GPU_MIN_HEAD_DIM) - Dv))  # (B, Hkv, Sk, max(Dv, 16))
+    return q, k, F.pad(v, (0, max(Dv, v_width) - Dv))  # (B, Hkv, Sk, max(Dv, v_width))
 
 
 def _append_sink_key(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -498,7 +511,9 @@ def flex_attention_kernel(
         k, v = _append_sink_key(k, v)
     Dv = v.shape[-1]
     if q.device.type == "cuda" and min(q.shape[-1], Dv) < GPU_MIN_HEAD_DIM:
-        q, k, v = _widened(q, k, v)  # zero columns change no score; v's extra output columns are dropped
+        q, k, v = _widened(q, k, v, GPU_MIN_HEAD_DIM, GPU_MIN_HEAD_DIM)  # v's extra output columns are dropped
+    elif q.device.type == "cpu" and _CPU_AVX2_ONLY and q.shape[-1] in CPU_WRONG_HEAD_DIMS:
+        q, k, v = _widened(q, k, v, CPU_SAFE_HEAD_DIM, Dv)
     backward = torch.is_grad_enabled() and q.device.type == "cuda"  # any input may learn: sinks, a bias table
     lists = _blocks(attention_mask, rules, B, H, S, Sk, q.device, sink, backward)
     mask_mod = _mask_mod(attention_mask, rules, S, Sk, sink, q.device)
@@ -530,6 +545,9 @@ def flex_stages(call: Call) -> list[KernelStage]:
         how += f"; {call.rules.describe()}"
     if call.sinks is not None:
         how += "; the sink logits as the score of one appended zero key and value"
+    if call.q.device.type == "cpu" and _CPU_AVX2_ONLY and call.q.shape[-1] in CPU_WRONG_HEAD_DIMS:
+        how += (f"; q and k widened from {call.q.shape[-1]} to {CPU_SAFE_HEAD_DIM} zero columns (torch {_TORCH}'s AVX2 "
+                "template computes head dims 8 and 16 wrong at 8, 24, 40, ... keys)")
     how += describe.shared_kv(call)
     return [describe.fused(call, "flex", how, f"scores {describe.scores_shape(call)} not materialised")]
 
