@@ -144,30 +144,27 @@ def markdown_blocks(path, kind: str) -> list:
 
 
 def run_python_block(code: str, cwd, timeout: float = 300.0):
-    """Run one Markdown block alone in a fresh interpreter, as a reader pastes it.
+    """Run one Markdown block alone, as a reader pastes it into a fresh interpreter: ``python -c``
+    in a process of its own, forked from one that has imported only torch (``fresh_process``).
 
     Returns:
         The finished ``subprocess.CompletedProcess`` (stdout and stderr as text).
     """
-    import subprocess
-    import sys
+    import fresh_process
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return fresh_process.run(code=code, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
 
 
 def run_example(name: str, *args: str, timeout: float = 300.0):
-    """Run ``examples/<name>`` with ``args`` in a fresh interpreter, as CI runs it (``--quick``).
+    """Run ``examples/<name>`` with ``args`` as ``python examples/<name> args`` in a process of its
+    own, as CI runs it (``--quick``); forked like :func:`run_python_block`.
 
     Returns:
         The finished ``subprocess.CompletedProcess`` (stdout and stderr as text).
     """
-    import subprocess
-    import sys
     from pathlib import Path
 
+    import fresh_process
+
     script = Path(__file__).resolve().parents[1] / "examples" / name
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return fresh_process.run(script=script, args=args, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)

@@ -406,19 +406,21 @@ def _free_port() -> int:
 
 def launch(world: int, spec: dict, tmp: Path, timeout: float = TIMEOUT_S, reporting: int | None = None) -> list[dict]:
     """Run the worker on ``world`` processes; every rank's results, or a failure on timeout."""
+    import fresh_process  # tests/: `python tests/test_distributed.py worker ...` per rank, torch imported
     cases_path, out_path = tmp / f"spec{world}.json", tmp / f"out{world}"
     cases_path.write_text(json.dumps(spec))
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(HERE), "worker", str(r), str(world), str(port), str(cases_path),
-                               str(out_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    procs = [fresh_process.start(script=HERE, args=("worker", str(r), str(world), str(port), str(cases_path),
+                                                    str(out_path)), env=env, stderr_to_stdout=True)
              for r in range(world)]
     deadline = time.monotonic() + timeout
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0].decode(errors="replace"))
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            logs.append(p.output()[0])
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()

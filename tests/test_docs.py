@@ -220,8 +220,9 @@ PYTHON_BLOCKS = [(str(page.relative_to(DOCS)), line, code) for page in PAGES
 @pytest.mark.parametrize(("page", "line", "code"), PYTHON_BLOCKS,
                          ids=[f"{page}:{line}" for page, line, _ in PYTHON_BLOCKS])
 def test_every_python_block_runs_alone_in_a_fresh_interpreter(page, line, code, tmp_path):
-    """A reader pastes one block, not the page: each runs in an interpreter of its own. Blocks
-    that are not meant to run (signatures, output) use another fence (``text``, ``bash``)."""
+    """A reader pastes one block, not the page: each runs as ``python -c`` in a process of its own
+    (``conftest.run_python_block``). Blocks that are not meant to run (signatures, output) use
+    another fence (``text``, ``bash``)."""
     if re.search(r"^\s*(from|import) transformers\b", code, re.M) and not importlib.util.find_spec("transformers"):
         pytest.skip("the hf extra is not installed: pip install -e '.[hf]'")
     run = run_python_block(code, cwd=tmp_path)

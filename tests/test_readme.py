@@ -1,8 +1,9 @@
 """README.md, the front door: short, every Python block runs alone as written, no indented
 code, and the test command CI runs is the one it shows.
 
-Each fenced ``python`` block runs in a fresh interpreter of its own (a reader pastes one
-block, not the page); blocks not meant to run use another fence (``bash``, ``text``).
+Each fenced ``python`` block runs as ``python -c`` in a process of its own (a reader pastes one
+block, not the page), forked from one that has imported only torch (``tests/fresh_process.py``);
+blocks not meant to run use another fence (``bash``, ``text``).
 """
 
 from __future__ import annotations

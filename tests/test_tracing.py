@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import fresh_process
 import headwise
 from conftest import contract_backends
 from headwise import tracing as trace_module
@@ -176,7 +175,7 @@ def test_importing_headwise_loads_neither_rich_nor_matplotlib():
             "headwise.attention(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4)); "
             "t.__exit__(None, None, None); print(loaded()); "
             "text = str(t); print(loaded(), 'sdpa (fused)' in text)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = fresh_process.run(code=code, timeout=120)  # python -c, forked from a process that imported only torch
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["[]", "[]", "['rich'] True"]  # rich only once a trace is printed
 

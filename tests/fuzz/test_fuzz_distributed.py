@@ -153,13 +153,16 @@ def launch(cases: list[dict], tmp: Path) -> tuple[list[dict], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE), "worker", str(r), str(WORLD), str(port), str(spec),
-                               str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    import fresh_process  # tests/: `python tests/fuzz/test_fuzz_distributed.py worker ...` per rank, torch imported
+
+    procs = [fresh_process.start(script=HERE, args=("worker", str(r), str(WORLD), str(port), str(spec), str(out)),
+                                 env=env, stderr_to_stdout=True)
              for r in range(WORLD)]
     deadline, logs, hung = time.monotonic() + TIMEOUT_S, [], False
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0].decode(errors="replace"))
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            logs.append(p.output()[0])
         except subprocess.TimeoutExpired:
             hung = True
             for other in procs:

@@ -64,10 +64,9 @@ def test_a_kernel_written_for_the_first_signature_serves_plain_calls_and_refuses
 def test_a_compiled_call_reads_kernel_signatures_without_dynamo_warnings():
     """`takes` memoises signatures with lru_cache, which Dynamo traces through with a UserWarning
     ("Dynamo detected a call to a functools.lru_cache-wrapped function at registry.py"): under
-    compilation the plain function runs instead. In a fresh interpreter, since Dynamo warns once
+    compilation the plain function runs instead. In a process of its own, since Dynamo warns once
     a process."""
-    import subprocess
-    import sys
+    import fresh_process  # python -c, forked from a process that imported only torch
 
     code = (
         "import warnings, torch, headwise\n"
@@ -75,7 +74,7 @@ def test_a_compiled_call_reads_kernel_signatures_without_dynamo_warnings():
         "f = torch.compile(lambda q: headwise.attention(q, q, q, is_causal=True), fullgraph=True, backend='eager')\n"
         "print(tuple(f(torch.randn(1, 2, 4, 8)).shape))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    run = fresh_process.run(code=code, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "(1, 2, 4, 8)", run.stderr[-3000:]
     assert registry.takes(lambda q, k, v: q, "rules") is False  # eager calls still read signatures
     assert registry.takes(lambda q, **kw: q, "rules") is True

@@ -512,19 +512,20 @@ def test_ddp_gloo_two_ranks_equals_one_process(tmp_path):
     out, world, port = tmp_path / "ddp.pt", 2, _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(HERE), "ddp-worker", str(r), str(world), str(port), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    import fresh_process  # tests/: `python tests/module/test_ecosystem.py ddp-worker ...` per rank, torch imported
+
+    procs = [fresh_process.start(script=HERE, args=("ddp-worker", str(r), str(world), str(port), str(out)),
+                                 env=env, stderr_to_stdout=True) for r in range(world)]
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=DDP_TIMEOUT_S)[0].decode(errors="replace"))
+            p.wait(timeout=DDP_TIMEOUT_S)
+            logs.append(p.output()[0])
     except subprocess.TimeoutExpired:
         pytest.fail(f"DDP ranks did not finish within {DDP_TIMEOUT_S} s (a deadlock?)")
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            p.kill()  # nothing where it has exited
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
     mha, x, target = _ddp_setup()
     _ddp_step(mha, x, target)
