@@ -239,8 +239,9 @@ def run(*, timeout: float, **options) -> subprocess.CompletedProcess:
     child = start(**options)
     try:
         code = child.wait(timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as late:
         child.kill()
+        late.output, late.stderr = child.output()  # what it wrote before it was killed; its files removed
         raise
     out, err = child.output()
     return subprocess.CompletedProcess(child.args, code, out, err)

@@ -457,6 +457,11 @@ def _widened(q: Tensor, k: Tensor, v: Tensor, qk_width: int, v_width: int) -> tu
     return q, k, F.pad(v, (0, max(Dv, v_width) - Dv))  # (B, Hkv, Sk, max(Dv, v_width))
 
 
+def _cpu_widens(q: Tensor) -> bool:
+    """Whether q and k run widened to :data:`CPU_SAFE_HEAD_DIM` (see :data:`CPU_WRONG_HEAD_DIMS`)."""
+    return q.device.type == "cpu" and _CPU_AVX2_ONLY and q.shape[-1] in CPU_WRONG_HEAD_DIMS
+
+
 def _append_sink_key(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """k (B, Hkv, Sk, D) and v (B, Hkv, Sk, Dv) with one more key and value, zeros: the sink's."""
     return F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))  # (B, Hkv, Sk + 1, D), (B, Hkv, Sk + 1, Dv)
@@ -512,7 +517,7 @@ def flex_attention_kernel(
     Dv = v.shape[-1]
     if q.device.type == "cuda" and min(q.shape[-1], Dv) < GPU_MIN_HEAD_DIM:
         q, k, v = _widened(q, k, v, GPU_MIN_HEAD_DIM, GPU_MIN_HEAD_DIM)  # v's extra output columns are dropped
-    elif q.device.type == "cpu" and _CPU_AVX2_ONLY and q.shape[-1] in CPU_WRONG_HEAD_DIMS:
+    elif _cpu_widens(q):
         q, k, v = _widened(q, k, v, CPU_SAFE_HEAD_DIM, Dv)
     backward = torch.is_grad_enabled() and q.device.type == "cuda"  # any input may learn: sinks, a bias table
     lists = _blocks(attention_mask, rules, B, H, S, Sk, q.device, sink, backward)
@@ -545,7 +550,7 @@ def flex_stages(call: Call) -> list[KernelStage]:
         how += f"; {call.rules.describe()}"
     if call.sinks is not None:
         how += "; the sink logits as the score of one appended zero key and value"
-    if call.q.device.type == "cpu" and _CPU_AVX2_ONLY and call.q.shape[-1] in CPU_WRONG_HEAD_DIMS:
+    if _cpu_widens(call.q):
         how += (f"; q and k widened from {call.q.shape[-1]} to {CPU_SAFE_HEAD_DIM} zero columns (torch {_TORCH}'s AVX2 "
                 "template computes head dims 8 and 16 wrong at 8, 24, 40, ... keys)")
     how += describe.shared_kv(call)
