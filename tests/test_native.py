@@ -70,16 +70,21 @@ def test_a_failed_build_falls_back_once_and_says_why(monkeypatch, caplog):
     assert torch.equal(out, ref)
 
 
-def test_the_extension_name_changes_with_the_torch_version(monkeypatch):
+def test_the_extension_name_changes_with_the_torch_version_and_installation(monkeypatch):
+    """Another torch, or the same one in another environment (its include paths are in the build's
+    command): another build, so that two environments never rebuild each other's."""
     tag = native._build_tag()
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert native._build_tag() != tag and len(tag) == 12
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
+    assert native._build_tag() != tag
 
 
 def test_two_installs_of_one_source_share_one_build(monkeypatch, tmp_path):
-    """A checkout and a wheel (two paths, the same text) build the same copy in one directory:
-    torch reruns a build whose source path changed, so loading from each in turn rebuilt it
-    every time. Another text gets another name."""
+    """A checkout and a wheel in one environment (two paths, the same text) build the same copy
+    in one directory: torch reruns a build whose source path changed, so loading from each in
+    turn rebuilt it every time. Another text gets another name."""
     from torch.utils import cpp_extension
 
     calls = []

@@ -7,10 +7,12 @@ once). The build targets this CPU (``-march=native``), so the extension's name c
 of the CPU, the torch version, the flags and the source's text: a cache directory shared
 between machines never serves another CPU's build.
 
-The source is built from a copy in the build's own directory, not from where headwise is
-installed: torch's build reruns whenever the source's path changes, so a checkout and an
-installed wheel (or two virtual environments) that load in turn rebuilt it each time (about
-40 s on 2 cores), and now share one build.
+torch reruns a build whose command changed, and the command names the source's path and the
+include paths of the torch that builds it. So the source is built from a copy in the build's
+own directory, and the tag also names where torch is installed: a checkout and a wheel in one
+environment share one build, and each virtual environment keeps its own. Before, loading in
+turn from two installs, or from two environments, rebuilt it every time (about 40 s on 2
+cores; CI built it three times a run).
 
 Where it cannot be built (no compiler, ``HEADWISE_NO_EXTENSION=1``, any build error),
 :func:`load` returns None, :func:`unavailable` says why, and the callers run their
@@ -49,15 +51,16 @@ _warned: set[str] = set()
 
 
 def _build_tag() -> str:
-    """A short hash of what a -march=native build depends on: the CPU, torch, the flags and
-    the source's text."""
+    """A short hash of what a -march=native build depends on: the CPU, torch (its version and
+    where it is installed), the flags and the source's text."""
     cpu = platform.machine() + platform.processor()
     try:
         with open("/proc/cpuinfo") as info:
             cpu += "".join(line for line in info if line.startswith(("model name", "flags")))[:8192]
     except OSError:
         pass
-    text = "|".join([cpu, torch.__version__, " ".join(FLAGS + LDFLAGS), SOURCE.read_text()])
+    installed = str(Path(torch.__file__).resolve().parent)  # the build's include and library paths
+    text = "|".join([cpu, torch.__version__, installed, " ".join(FLAGS + LDFLAGS), SOURCE.read_text()])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
