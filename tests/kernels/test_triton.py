@@ -712,6 +712,26 @@ def test_every_kernel_tile_divides_the_map_tile():
 
 
 @needs_triton
+@pytest.mark.skipif(DEVICE != "cpu", reason="counts the interpreter's scans of triton.language")
+def test_the_interpreter_scans_triton_language_per_launch_not_per_helper_call(interpreter, monkeypatch):
+    """Triton's interpreter re-points triton.language's builtins at every device-function call (a
+    scan of the module, about a millisecond); inside a running kernel headwise's helpers skip it, so
+    they scan never, and each kernel once, at its launch, however many tiles and helper calls its
+    programs have (triton's own library functions, tl.sum and the like, still scan)."""
+    from triton.runtime import interpreter as triton_interpreter
+
+    scans = []
+    original = triton_interpreter._patch_lang
+    monkeypatch.setattr(triton_interpreter, "_patch_lang", lambda fn: scans.append(fn.__name__) or original(fn))
+    q, k, v, gen = make_inputs(2, 2, 2, 40, 40, 16, seed=3)  # 3 x 3 tiles of 16 per head
+    out = headwise.attention(q, k, v, key_mask("right_pad", 2, 40, gen), is_causal=True, backend="triton")
+    torch.autograd.grad(out.square().sum(), (q, k, v))  # the results: every other test of this file
+    ours = {fn.__name__ for fn in jit._DEVICE_CODE}
+    assert sorted(name for name in scans if name in ours) == [
+        "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel", "_fwd_kernel"]
+
+
+@needs_triton
 @pytest.mark.skipif(DEVICE != "cpu", reason="counts the interpreter's tile visits")
 def test_empty_tiles_are_never_visited(interpreter):
     """Each kernel's per-tile step, counted: forward, dq and dkdv visit exactly the kernel

@@ -31,10 +31,6 @@ def _compiled(interpret: bool) -> types.SimpleNamespace:
     import triton
     import triton.language as tl
 
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction as jit
-    else:
-        jit = triton.jit
     ns: dict = {"tl": tl, "triton": triton}
     for fn in _DEVICE_CODE:
         clone = types.FunctionType(fn.__code__, ns, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -43,5 +39,35 @@ def _compiled(interpret: bool) -> types.SimpleNamespace:
         clone.__annotations__ = {name: tl.constexpr if hint == "tl.constexpr" else hint
                                  for name, hint in fn.__annotations__.items()}
         clone.__module__, clone.__qualname__, clone.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
-        ns[fn.__name__] = jit(clone)
+        ns[fn.__name__] = _interpreted(clone) if interpret else triton.jit(clone)
     return types.SimpleNamespace(**{fn.__name__: ns[fn.__name__] for fn in _DEVICE_CODE})
+
+
+def _interpreted(fn: types.FunctionType):
+    """``fn`` as the CPU interpreter's function.
+
+    The interpreter re-points ``triton.language``'s builtins to its own on every call of a
+    device function, not only at a kernel's launch: a scan of the module with
+    ``inspect.getmembers``, about a millisecond, for every helper call of every program of
+    the grid, which the launch has already done (a quarter of the interpreter's time in
+    ``tests/kernels/test_triton.py``). Inside a running kernel, where ``tl.load`` is the
+    interpreter's already, a helper's call runs its rewritten code at once; elsewhere, and on
+    a Triton whose interpreter lacks what this reads, it calls as the interpreter does.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    base = interpreter.InterpretedFunction
+    if not (hasattr(base, "rewrite") and hasattr(interpreter, "InterpreterError")):
+        return base(fn)
+
+    class Helper(base):  # type: ignore[misc, valid-type]
+        def __call__(self, *args, **kwargs):
+            if tl.core.is_builtin(tl.load):  # not inside a kernel: the interpreter patches, as always
+                return super().__call__(*args, **kwargs)
+            try:
+                return self.rewrite()(*args, **kwargs)
+            except Exception as error:
+                raise interpreter.InterpreterError(repr(error)) from error
+
+    return Helper(fn)
