@@ -31,6 +31,7 @@ def _compiled(interpret: bool) -> types.SimpleNamespace:
     import triton
     import triton.language as tl
 
+    jit = _interpreter_function() if interpret else triton.jit
     ns: dict = {"tl": tl, "triton": triton}
     for fn in _DEVICE_CODE:
         clone = types.FunctionType(fn.__code__, ns, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -39,12 +40,13 @@ def _compiled(interpret: bool) -> types.SimpleNamespace:
         clone.__annotations__ = {name: tl.constexpr if hint == "tl.constexpr" else hint
                                  for name, hint in fn.__annotations__.items()}
         clone.__module__, clone.__qualname__, clone.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
-        ns[fn.__name__] = _interpreted(clone) if interpret else triton.jit(clone)
+        ns[fn.__name__] = jit(clone)
     return types.SimpleNamespace(**{fn.__name__: ns[fn.__name__] for fn in _DEVICE_CODE})
 
 
-def _interpreted(fn: types.FunctionType):
-    """``fn`` as the CPU interpreter's function.
+@functools.cache
+def _interpreter_function() -> type:
+    """The CPU interpreter's function class, for the device code.
 
     The interpreter re-points ``triton.language``'s builtins to its own on every call of a
     device function, not only at a kernel's launch: a scan of the module with
@@ -52,14 +54,15 @@ def _interpreted(fn: types.FunctionType):
     the grid, which the launch has already done (a quarter of the interpreter's time in
     ``tests/kernels/test_triton.py``). Inside a running kernel, where ``tl.load`` is the
     interpreter's already, a helper's call runs its rewritten code at once; elsewhere, and on
-    a Triton whose interpreter lacks what this reads, it calls as the interpreter does.
+    a Triton whose interpreter lacks what this reads (then the class is the interpreter's
+    own), it calls as the interpreter does.
     """
     import triton.language as tl
     from triton.runtime import interpreter
 
     base = interpreter.InterpretedFunction
     if not (hasattr(base, "rewrite") and hasattr(interpreter, "InterpreterError")):
-        return base(fn)
+        return base
 
     class Helper(base):  # type: ignore[misc, valid-type]
         def __call__(self, *args, **kwargs):
@@ -70,4 +73,4 @@ def _interpreted(fn: types.FunctionType):
             except Exception as error:
                 raise interpreter.InterpreterError(repr(error)) from error
 
-    return Helper(fn)
+    return Helper
