@@ -1,7 +1,8 @@
 """torch.compile: whole graphs (fullgraph=True, zero graph breaks) equal to eager, and no host reads.
 
 Most cases compile with the "aot_eager" backend (traces forward and backward, compiles
-nothing: fast); one runs through inductor. ``torch._dynamo.explain`` counts the graph breaks.
+nothing: fast); one runs through inductor. ``fullgraph=True`` makes any graph break raise (a second trace through
+``torch._dynamo.explain`` to count them would double Dynamo's time, most of these tests' time).
 
 Legend: B batch, H heads, S query length, Sk key length, E embed dim, T new positions.
 """
@@ -80,9 +81,7 @@ def _module_call(name):
 @pytest.mark.parametrize("name", list(MODULE_CASES))
 def test_module_compiles_whole_and_equals_eager(name):
     mha, args, kwargs = _module_call(name)
-    assert dynamo.explain(mha)(*args, **kwargs).graph_break_count == 0
-    dynamo.reset()
-    compiled = torch.compile(mha, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(mha, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
     want, got = mha(*args, **kwargs), compiled(*args, **kwargs)
     want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
     for w, g in zip(want, got, strict=True):
@@ -95,9 +94,7 @@ def test_module_compiles_whole_and_equals_eager(name):
 def test_dropout_in_training_compiles_whole():
     mha = headwise.MultiHeadAttention(E, H, dropout=0.2).train()
     x = _inputs()["x"].requires_grad_()
-    assert dynamo.explain(mha)(x, PAD).graph_break_count == 0
-    dynamo.reset()
-    out = torch.compile(mha, fullgraph=True, backend="aot_eager")(x, PAD)
+    out = torch.compile(mha, fullgraph=True, backend="aot_eager")(x, PAD)  # fullgraph: a graph break raises
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
     assert (out[1, 3:] == 0).all()  # padded queries output zeros
@@ -141,8 +138,6 @@ def test_attention_compiles_whole_and_equals_eager(name, kv_heads):
     mask = {None: None, "pad": torch.tensor([[1] * 7, [1] * 4 + [0] * 3]).bool(),
             "4d": torch.rand(B, 1, S, S + 2, generator=gen) > 0.3,
             "bias": torch.randn(B, H, S, S + 2, generator=gen)}[kind]
-    assert dynamo.explain(headwise.attention)(q, k, v, mask, **kwargs).graph_break_count == 0
-    dynamo.reset()
     got = torch.compile(headwise.attention, fullgraph=True, backend="aot_eager")(q, k, v, mask, **kwargs)
     want = headwise.attention(q, k, v, mask, **kwargs)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

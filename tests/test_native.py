@@ -70,44 +70,83 @@ def test_a_failed_build_falls_back_once_and_says_why(monkeypatch, caplog):
     assert torch.equal(out, ref)
 
 
-def test_the_extension_name_changes_with_the_torch_version_and_installation(monkeypatch):
-    """Another torch, or the same one in another environment (its include paths are in the build's
-    command): another build, so that two environments never rebuild each other's."""
+def test_the_extension_name_changes_with_the_torch_build_not_with_where_it_is_installed(monkeypatch):
+    """Another torch version or revision (another ABI): another build. The same torch in another
+    environment: the same build, which that environment imports without rebuilding."""
     tag = native._build_tag()
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert native._build_tag() != tag and len(tag) == 12
     monkeypatch.undo()
-    monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
+    monkeypatch.setattr(torch.version, "git_version", "0" * 40)
     assert native._build_tag() != tag
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
+    assert native._build_tag() == tag
 
 
-def test_two_installs_of_one_source_share_one_build(monkeypatch, tmp_path):
-    """A checkout and a wheel in one environment (two paths, the same text) build the same copy
-    in one directory: torch reruns a build whose source path changed, so loading from each in
-    turn rebuilt it every time. Another text gets another name."""
+def _fake_torch_build(monkeypatch, tmp_path):
+    """torch's build replaced by one that writes a Python file as the library and loads it,
+    recording (name, sources) per call; its build directories under tmp_path / "ext"."""
+    import importlib.util
+
     from torch.utils import cpp_extension
 
     calls = []
+
+    def load(name, sources, **kw):
+        calls.append((name, sources))
+        library = Path(sources[0]).with_name(f"{name}.py")
+        library.write_text(f"BUILT_FROM = {sources[0]!r}\n")
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "ext" / name))
-    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: calls.append((name, sources)))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    return calls
+
+
+def test_two_installs_of_one_source_share_one_build(monkeypatch, tmp_path):
+    """A checkout and a wheel (two paths, the same text), or two environments: one build, which
+    every later load imports directly. torch reruns a build whose command changed (the source's
+    path, the torch include paths), so loading from each in turn rebuilt it every time. Another
+    text gets another name and its own build."""
+    calls = _fake_torch_build(monkeypatch, tmp_path)
     installs = []
     for where in ("checkout", "wheel"):
         (tmp_path / where).mkdir()
         installs.append(tmp_path / where / native.SOURCE.name)
         installs[-1].write_text(native.SOURCE.read_text())
-    stamps = []
-    for source in installs + installs[:1]:  # the checkout, the wheel, the checkout again
-        monkeypatch.setattr(native, "SOURCE", source)
-        native._build()
-        stamps.append(Path(calls[-1][1][0]).stat().st_mtime_ns)
-    names, sources = zip(*calls, strict=True)
-    assert len(set(names)) == 1 and len({tuple(s) for s in sources}) == 1 and len(set(stamps)) == 1
-    staged = Path(sources[0][0])
-    assert staged.parent == tmp_path / "ext" / names[0] and staged.read_text() == installs[0].read_text()
+    modules = []
+    for source, torch_at in zip(installs + installs[:1], ["/venv-a", "/venv-b", "/venv-b"], strict=True):
+        monkeypatch.setattr(native, "SOURCE", source)  # the checkout, the wheel, the checkout again
+        monkeypatch.setattr(torch, "__file__", f"{torch_at}/site-packages/torch/__init__.py")
+        modules.append(native._build())
+    assert len(calls) == 1, calls  # built once, then imported from its stamp
+    (name, (staged,)), = calls
+    assert Path(staged).parent == tmp_path / "ext" / name and Path(staged).read_text() == installs[0].read_text()
+    assert {m.__name__ for m in modules} == {name} and {m.BUILT_FROM for m in modules} == {staged}
+    assert (tmp_path / "ext" / name / native.STAMP).read_text() == f"{name}.py"
     installs[1].write_text(installs[1].read_text() + "\n// another version\n")
     monkeypatch.setattr(native, "SOURCE", installs[1])
     native._build()
-    assert calls[-1][0] != names[0] and Path(calls[-1][1][0]).read_text().endswith("another version\n")
+    assert len(calls) == 2 and calls[-1][0] != name
+    assert Path(calls[-1][1][0]).read_text().endswith("another version\n")
+
+
+def test_a_stamped_library_that_does_not_import_is_built_again(monkeypatch, tmp_path):
+    """The stamp names a library that is gone or broken: torch's build runs, and stamps anew."""
+    calls = _fake_torch_build(monkeypatch, tmp_path)
+    native._build()
+    (name, (staged,)), = calls
+    library = Path(staged).with_name(f"{name}.py")
+    library.unlink()
+    native._build()
+    assert len(calls) == 2
+    library.write_text("raise ImportError('undefined symbol: at::foo')\n")  # another torch's ABI
+    assert native._build().BUILT_FROM == staged
+    assert len(calls) == 3
 
 
 def test_the_ninja_of_a_virtual_environment_that_is_not_activated_is_found(monkeypatch):

@@ -9,10 +9,11 @@ between machines never serves another CPU's build.
 
 torch reruns a build whose command changed, and the command names the source's path and the
 include paths of the torch that builds it. So the source is built from a copy in the build's
-own directory, and the tag also names where torch is installed: a checkout and a wheel in one
-environment share one build, and each virtual environment keeps its own. Before, loading in
-turn from two installs, or from two environments, rebuilt it every time (about 40 s on 2
-cores; CI built it three times a run).
+own directory, and once a build has loaded, a stamp beside it lets every later load import it
+directly, without asking torch (and ninja) whether the command changed: a checkout and a wheel,
+or two virtual environments with the same torch (its version and git revision are in the tag),
+share one build. Before, loading in turn from two installs or two environments rebuilt it every
+time (about 40 s on 2 cores; CI built it three times a run, then twice).
 
 Where it cannot be built (no compiler, ``HEADWISE_NO_EXTENSION=1``, any build error),
 :func:`load` returns None, :func:`unavailable` says why, and the callers run their
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import logging
 import os
 import platform
@@ -51,16 +53,17 @@ _warned: set[str] = set()
 
 
 def _build_tag() -> str:
-    """A short hash of what a -march=native build depends on: the CPU, torch (its version and
-    where it is installed), the flags and the source's text."""
+    """A short hash of what a -march=native build depends on: the CPU, torch (its version and the
+    git revision it was built from: its ABI, not where it is installed), the flags and the
+    source's text."""
     cpu = platform.machine() + platform.processor()
     try:
         with open("/proc/cpuinfo") as info:
             cpu += "".join(line for line in info if line.startswith(("model name", "flags")))[:8192]
     except OSError:
         pass
-    installed = str(Path(torch.__file__).resolve().parent)  # the build's include and library paths
-    text = "|".join([cpu, torch.__version__, installed, " ".join(FLAGS + LDFLAGS), SOURCE.read_text()])
+    revision = str(getattr(torch.version, "git_version", ""))
+    text = "|".join([cpu, torch.__version__, revision, " ".join(FLAGS + LDFLAGS), SOURCE.read_text()])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -82,12 +85,50 @@ def _build() -> ModuleType:
     _ninja_on_path()
 
     name = f"headwise_paged_{_build_tag()}"
+    build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+    built = _import_built(name, build_directory)
+    if built is not None:
+        return built
     logger.info("loading headwise's native paged kernel %s (built once per CPU and torch, about a minute)", name)
-    source = _staged(Path(cpp_extension._get_build_directory(name, verbose=False)))
+    source = _staged(build_directory)
     with warnings.catch_warnings():  # torch warns about the compiler's ABI; the build either works or raises
         warnings.simplefilter("ignore")
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
-                                   verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+                                    verbose=False)
+    _write_atomically(build_directory / STAMP, Path(module.__file__).name.encode())
+    return module
+
+
+STAMP = "loaded"  # in a build's directory: the file name of a library that torch built there and a process loaded
+
+
+def _import_built(name: str, build_directory: Path) -> ModuleType | None:
+    """The library built in ``build_directory`` where its stamp says a process loaded it (so it is
+    whole: the stamp is written after the load, and atomically), imported without torch's build
+    step; None where there is none yet, or it does not import (then torch's build decides)."""
+    try:
+        library = build_directory / (build_directory / STAMP).read_text()
+    except OSError:
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None or not library.is_file():
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        logger.info("the built %s did not import (%s); building it again", library, error)
+        return None
+    return module
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """``path`` holding ``data``, written through a temporary file, so a process beside this one
+    reads the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    partial.write_bytes(data)
+    os.replace(partial, path)
 
 
 def _staged(build_directory: Path) -> Path:
@@ -98,10 +139,7 @@ def _staged(build_directory: Path) -> Path:
     staged = build_directory / SOURCE.name
     text = SOURCE.read_bytes()
     if not staged.is_file() or staged.read_bytes() != text:
-        build_directory.mkdir(parents=True, exist_ok=True)
-        partial = staged.with_name(f"{staged.name}.{os.getpid()}.tmp")
-        partial.write_bytes(text)
-        os.replace(partial, staged)
+        _write_atomically(staged, text)
     return staged
 
 
