@@ -9,6 +9,8 @@ what "auto" then decides and says. tests/test_tune.py runs the real measurement.
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +26,8 @@ SLOW_PACK = policy.Costs(call_us=10.0, pack_us=1e6, bucket_us=1e6, gemm_ps=10.0,
 @pytest.fixture
 def calibrating(monkeypatch, tmp_path):
     """HEADWISE_TUNE=auto with a cache dir of the test's own and a stand-in measurement that
-    counts its calls; the process's calibration forgotten before and after."""
+    counts its calls, on a machine that reads as quiet; the process's calibration forgotten
+    before and after."""
     calls = []
 
     def measure(timing=None):
@@ -34,6 +37,7 @@ def calibrating(monkeypatch, tmp_path):
     monkeypatch.setenv("HEADWISE_TUNE", "auto")
     monkeypatch.setenv("HEADWISE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_measure", [measure])
+    monkeypatch.setattr(calibration, "_cpu_waiting_us", lambda: 0)  # a quiet machine, whatever runs beside the test
     calibration.forget()
     yield calls
     calibration.forget()
@@ -120,6 +124,81 @@ def test_a_noisy_measurement_keeps_the_built_in_costs_and_stores_nothing(calibra
     assert not calibration.cache_file().exists()
     assert "R^2 0.31" in calibration.describe() and "R^2 0.31" in caplog.text
     assert calibration.current() is None  # this process does not measure again on every call
+
+
+def test_a_measurement_while_other_work_waits_for_a_cpu_is_not_kept(calibrating, monkeypatch, caplog):
+    """Fits that hold can still price a load: other work that kept tasks waiting for a CPU for
+    most of the measurement (Linux's pressure stall information) makes it refused, as a noisy
+    fit is: the built-in costs serve, nothing is stored, and the reason says why."""
+    waited = [0]
+
+    def measure(timing=None):
+        waited[0] += 10**6  # a second of waiting, in a measurement far shorter
+        return SLOW_PACK, SLOW_PACK
+
+    monkeypatch.setattr(calibration, "_measure", [measure])
+    monkeypatch.setattr(calibration, "_cpu_waiting_us", lambda: waited[0])
+    assert calibration.current() is None
+    assert policy.INFERENCE_COSTS == policy.BUILT_IN_INFERENCE_COSTS and not calibration.cache_file().exists()
+    assert "the machine was busy" in calibration.describe() and "waited for a CPU" in caplog.text
+    with pytest.raises(calibration.MeasurementError, match=r"the machine was busy: for \d+% of the"):
+        calibration.calibrate()
+
+
+def test_a_little_waiting_is_within_what_a_measurement_keeps(calibrating, monkeypatch):
+    waited = [0]
+
+    def measure(timing=None):
+        time.sleep(0.05)  # seconds, of which other work kept a task waiting for 90% of the share allowed
+        waited[0] += int(0.05 * 1e6 * calibration.MAX_WAITING * 0.9)
+        return FAST, FAST
+
+    monkeypatch.setattr(calibration, "_measure", [measure])
+    monkeypatch.setattr(calibration, "_cpu_waiting_us", lambda: waited[0])
+    assert calibration.calibrate().inference == FAST and calibration.cache_file().exists()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("some avg10=0.00 avg60=0.00 avg300=2.57 total=328099479\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+     328099479),
+    ("full avg10=0.00 avg60=0.00 avg300=0.00 total=5\n", None),
+    ("some avg10=0.00 total=many\n", None),
+])
+def test_the_cpu_pressure_is_read_from_its_some_line(monkeypatch, tmp_path, text, expected):
+    (tmp_path / "cpu").write_text(text)
+    monkeypatch.setattr(calibration, "_pressure_file", lambda: tmp_path / "cpu")
+    assert calibration._cpu_waiting_us() == expected
+    monkeypatch.setattr(calibration, "_pressure_file", lambda: tmp_path / "absent")
+    assert calibration._cpu_waiting_us() is None  # not Linux, or a kernel without PSI: no check
+
+
+def test_the_pressure_file_is_the_processs_own_cgroups_where_it_has_one(monkeypatch, tmp_path):
+    """cgroup v2: /sys/fs/cgroup/<the path in /proc/self/cgroup's 0:: line>/cpu.pressure, which
+    counts the container's own tasks only; else the system's /proc/pressure/cpu."""
+    own = Path("/sys/fs/cgroup", *_own_cgroup(), "cpu.pressure")
+    assert calibration._pressure_file() == (own if _own_cgroup() and own.is_file() else calibration.CPU_PRESSURE)
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "0::/kubepods/pod7\n" if str(self) ==
+                        "/proc/self/cgroup" else real(self, *a, **k))
+    monkeypatch.setattr(Path, "is_file", lambda self: str(self) == "/sys/fs/cgroup/kubepods/pod7/cpu.pressure")
+    assert calibration._pressure_file() == Path("/sys/fs/cgroup/kubepods/pod7/cpu.pressure")
+    monkeypatch.setattr(Path, "is_file", lambda self: False)
+    assert calibration._pressure_file() == calibration.CPU_PRESSURE
+
+
+def _own_cgroup() -> tuple[str, ...]:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return ()
+    return next((tuple(p for p in line[3:].split("/") if p) for line in lines if line.startswith("0::")), ())
+
+
+def test_this_machines_cpu_pressure_only_grows():
+    first = calibration._cpu_waiting_us()
+    if first is None:
+        pytest.skip(f"{calibration.CPU_PRESSURE} is not readable here")
+    assert calibration._cpu_waiting_us() >= first >= 0
 
 
 def test_an_unreadable_file_is_measured_over(calibrating, tmp_path):
