@@ -9,6 +9,7 @@ what "auto" then decides and says. tests/test_tune.py runs the real measurement.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -145,6 +146,32 @@ def test_a_measurement_while_other_work_waits_for_a_cpu_is_not_kept(calibrating,
         calibration.calibrate()
 
 
+def test_a_process_with_more_threads_than_cpus_keeps_its_measurement(calibrating, monkeypatch):
+    """torch's threads beyond the CPUs the process may use (a container's quota below the host's
+    cores) wait for each other whatever else runs: the check would refuse every measurement, so
+    it stands aside and the measurement prices the way the process runs."""
+    waited = [0]
+
+    def measure(timing=None):
+        waited[0] += 10**6
+        return FAST, FAST
+
+    monkeypatch.setattr(calibration, "_measure", [measure])
+    monkeypatch.setattr(calibration, "_cpu_waiting_us", lambda: waited[0])
+    monkeypatch.setattr(calibration, "_usable_cpus", lambda: torch.get_num_threads() - 0.5)
+    assert calibration.calibrate().inference == FAST and calibration.cache_file().exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
+def test_the_usable_cpus_follow_the_affinity_and_the_cgroups_quota(monkeypatch, tmp_path):
+    assert 0 < calibration._usable_cpus() <= (os.cpu_count() or 1)
+    monkeypatch.setattr(calibration, "_own_cgroup", lambda: tmp_path)
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert calibration._usable_cpus() == min(1.5, len(os.sched_getaffinity(0)))
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert calibration._usable_cpus() == len(os.sched_getaffinity(0))
+
+
 def test_a_little_waiting_is_within_what_a_measurement_keeps(calibrating, monkeypatch):
     waited = [0]
 
@@ -175,8 +202,9 @@ def test_the_cpu_pressure_is_read_from_its_some_line(monkeypatch, tmp_path, text
 def test_the_pressure_file_is_the_processs_own_cgroups_where_it_has_one(monkeypatch, tmp_path):
     """cgroup v2: /sys/fs/cgroup/<the path in /proc/self/cgroup's 0:: line>/cpu.pressure, which
     counts the container's own tasks only; else the system's /proc/pressure/cpu."""
-    own = Path("/sys/fs/cgroup", *_own_cgroup(), "cpu.pressure")
-    assert calibration._pressure_file() == (own if _own_cgroup() and own.is_file() else calibration.CPU_PRESSURE)
+    own = calibration._own_cgroup()
+    assert calibration._pressure_file() == (own / "cpu.pressure" if own and (own / "cpu.pressure").is_file()
+                                            else calibration.CPU_PRESSURE)
     real = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "0::/kubepods/pod7\n" if str(self) ==
                         "/proc/self/cgroup" else real(self, *a, **k))
@@ -184,14 +212,6 @@ def test_the_pressure_file_is_the_processs_own_cgroups_where_it_has_one(monkeypa
     assert calibration._pressure_file() == Path("/sys/fs/cgroup/kubepods/pod7/cpu.pressure")
     monkeypatch.setattr(Path, "is_file", lambda self: False)
     assert calibration._pressure_file() == calibration.CPU_PRESSURE
-
-
-def _own_cgroup() -> tuple[str, ...]:
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return ()
-    return next((tuple(p for p in line[3:].split("/") if p) for line in lines if line.startswith("0::")), ())
 
 
 def test_this_machines_cpu_pressure_only_grows():

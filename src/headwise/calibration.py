@@ -206,17 +206,36 @@ CPU_PRESSURE = Path("/proc/pressure/cpu")
 MAX_WAITING = 0.1  # the share of the measurement's wall time that other work may keep a task waiting
 
 
-def _pressure_file() -> Path:
-    """This process's cgroup's CPU pressure file (cgroup v2) where there is one, else the system's."""
+def _own_cgroup() -> Path | None:
+    """This process's cgroup-v2 directory (None: cgroup v1 only, the root cgroup, or not Linux)."""
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             if line.startswith("0::") and line[3:].strip("/"):
-                own = Path("/sys/fs/cgroup", line[3:].strip("/"), "cpu.pressure")
-                if own.is_file():
-                    return own
+                return Path("/sys/fs/cgroup", line[3:].strip("/"))
     except OSError:
         pass
+    return None
+
+
+def _pressure_file() -> Path:
+    """This process's cgroup's CPU pressure file (cgroup v2) where there is one, else the system's."""
+    own = _own_cgroup()
+    if own is not None and (own / "cpu.pressure").is_file():
+        return own / "cpu.pressure"
     return CPU_PRESSURE
+
+
+def _usable_cpus() -> float:
+    """The CPUs this process may run on: its affinity, and its cgroup's quota (cgroup v2 ``cpu.max``)."""
+    cpus: float = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    own = _own_cgroup()
+    try:
+        quota, period = (own / "cpu.max").read_text().split()[:2] if own is not None else ("max", "1")
+        if quota != "max":
+            cpus = min(cpus, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def _cpu_waiting_us() -> int | None:
@@ -240,9 +259,15 @@ def _cpu_waiting_us() -> int | None:
 
 def _check_quiet(waited_before: int | None, seconds: float) -> None:
     """Raise MeasurementError where other work kept tasks waiting for a CPU for more than
-    :data:`MAX_WAITING` of a measurement that started at ``waited_before`` and took ``seconds``."""
+    :data:`MAX_WAITING` of a measurement that started at ``waited_before`` and took ``seconds``.
+
+    Not where torch runs more threads than the process has CPUs (a container's quota below the
+    host's cores, say): its own threads then wait for each other, and the measurement prices the
+    way it runs, as it did before this check."""
     waited_after = _cpu_waiting_us()
     if waited_before is None or waited_after is None or seconds <= 0:
+        return
+    if torch.get_num_threads() > _usable_cpus():  # its own threads wait too: the costs of how it runs
         return
     share = (waited_after - waited_before) / 1e6 / seconds
     if share > MAX_WAITING:
