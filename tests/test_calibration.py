@@ -201,7 +201,8 @@ def test_the_cpu_pressure_is_read_from_its_some_line(monkeypatch, tmp_path, text
 
 def test_the_pressure_file_is_the_processs_own_cgroups_where_it_has_one(monkeypatch, tmp_path):
     """cgroup v2: /sys/fs/cgroup/<the path in /proc/self/cgroup's 0:: line>/cpu.pressure, which
-    counts the container's own tasks only; else the system's /proc/pressure/cpu."""
+    counts the container's own tasks only (in a cgroup namespace the path is "/"); else the
+    system's /proc/pressure/cpu."""
     own = calibration._own_cgroup()
     assert calibration._pressure_file() == (own / "cpu.pressure" if own and (own / "cpu.pressure").is_file()
                                             else calibration.CPU_PRESSURE)
@@ -212,6 +213,10 @@ def test_the_pressure_file_is_the_processs_own_cgroups_where_it_has_one(monkeypa
     assert calibration._pressure_file() == Path("/sys/fs/cgroup/kubepods/pod7/cpu.pressure")
     monkeypatch.setattr(Path, "is_file", lambda self: False)
     assert calibration._pressure_file() == calibration.CPU_PRESSURE
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "0::/\n" if str(self) ==
+                        "/proc/self/cgroup" else real(self, *a, **k))  # a container's own cgroup namespace
+    monkeypatch.setattr(Path, "is_file", lambda self: str(self) == "/sys/fs/cgroup/cpu.pressure")
+    assert calibration._pressure_file() == Path("/sys/fs/cgroup/cpu.pressure")
 
 
 def test_this_machines_cpu_pressure_only_grows():

@@ -207,10 +207,12 @@ MAX_WAITING = 0.1  # the share of the measurement's wall time that other work ma
 
 
 def _own_cgroup() -> Path | None:
-    """This process's cgroup-v2 directory (None: cgroup v1 only, the root cgroup, or not Linux)."""
+    """This process's cgroup-v2 directory (None: not Linux). In a container with its own cgroup
+    namespace the path reads "/", and /sys/fs/cgroup is the container's own cgroup; on a host's
+    root cgroup that directory has no ``cpu.pressure`` nor ``cpu.max``, and the system's serve."""
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::") and line[3:].strip("/"):
+            if line.startswith("0::"):
                 return Path("/sys/fs/cgroup", line[3:].strip("/"))
     except OSError:
         pass
