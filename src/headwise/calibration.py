@@ -14,8 +14,9 @@ price that load, not the machine. The built-in costs then serve, and the next pr
 again.
 
 ``HEADWISE_TUNE`` chooses: ``auto`` (the default) as above; ``off``: the built-in costs
-of :mod:`headwise.policy`, never measured nor read from disk (the test suite runs so, for
-decisions that do not depend on the machine); ``cache``: the stored costs where there are
+of :mod:`headwise.policy`, never measured nor read from disk, and no packing choice measured
+either (``headwise.module.measured``; the test suite runs so, for decisions that do not depend
+on the machine); ``cache``: the stored costs where there are
 any, never a measurement. ``HEADWISE_CACHE_DIR`` (else ``$XDG_CACHE_HOME/headwise``, else
 ``~/.cache/headwise``) holds the file.
 

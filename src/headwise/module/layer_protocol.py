@@ -26,6 +26,8 @@ class Remembers(Protocol):
 
     def remember(self, key: tuple | None, repeat: Any) -> None: ...
 
+    def get(self, key: tuple) -> Any: ...
+
 
 class Planned(Protocol):
     """What a caller of :meth:`Layer.plan` reads of the plan (:class:`headwise.module.plan.Plan`)."""

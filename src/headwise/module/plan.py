@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 from headwise import calibration, invariance, packing, policy
+from headwise import tracing as trace
 from headwise.cache import KVCache
-from headwise.module import checks, fused
+from headwise.module import checks, fused, projections
 from headwise.module.layer_protocol import Layer
 
 
@@ -37,6 +38,10 @@ class Plan:
             x's tokens; else None.
         lengths: the real tokens of each row of ``padding``, where its values were read
             (on the CPU, outside torch.compile); else None.
+        measure: where the estimates cannot tell the dense and the packed path apart
+            (``policy.PACK_MEASURE_BAND``), the key this call measures them under: forward
+            runs both in turns, keeps the faster for the key (:func:`measured`) and returns
+            its output; ``path`` is then the estimates' choice. None: ``path`` runs.
     """
 
     path: str
@@ -44,6 +49,41 @@ class Plan:
     is_causal: bool
     padding: Tensor | None
     lengths: tuple[int, ...] | None = None
+    measure: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Both paths timed on one call of a shape (microseconds, the least of the turns), and the
+    faster one, which later calls of the shape take."""
+
+    path: str
+    dense_us: float
+    packed_us: float
+
+    def __str__(self) -> str:
+        return (f"measured on this machine: packed {self.packed_us:,.0f} us vs dense {self.dense_us:,.0f} us "
+                "(the first call of this shape ran both)")
+
+
+_MEASURED: dict[tuple, Measured] = {}
+MEASURED_LIMIT = 1024  # shapes remembered; the record starts over when full
+
+
+def measured(key: tuple) -> Measured | None:
+    """What the call measured under ``key`` (:attr:`Plan.measure`) found, or None."""
+    return _MEASURED.get(key)
+
+
+def remember_measured(key: tuple, result: Measured) -> None:
+    if len(_MEASURED) >= MEASURED_LIMIT:
+        _MEASURED.clear()
+    _MEASURED[key] = result
+
+
+def forget_measured() -> None:
+    """Drop every measured choice: the next call of each shape measures again."""
+    _MEASURED.clear()
 
 
 def all_tokens(lengths: tuple[int, ...] | None, S: int) -> bool:
@@ -101,14 +141,56 @@ def make_plan(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Ten
                     need_weights, causal)
     if why is not None:
         return Plan("fused", why, causal, padding, lengths)
-    path, why = choose_packing(mha, x, padding, lengths, cache, need_weights, causal)
-    return Plan(path, why, causal, padding, lengths)
+    path, why, measure = choose_packing(mha, x, padding, lengths, cache, need_weights, causal)
+    return Plan(path, why, causal, padding, lengths, measure)
 
 
 def choose_packing(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple[int, ...] | None,
-                   cache: KVCache | None, need_weights: bool, causal: bool) -> tuple[str, str]:
-    """("packed" or "dense", why): by request, or where "auto" prices packing below the
-    dense path (:func:`headwise.policy.estimate_packing`)."""
+                   cache: KVCache | None, need_weights: bool, causal: bool) -> tuple[str, str, tuple | None]:
+    """("packed" or "dense", why, the key to measure under or None): by request, or where
+    "auto" prices packing below the dense path (:func:`headwise.policy.estimate_packing`), or
+    where a call without gradients measured both (:data:`headwise.policy.PACK_MEASURE_BAND`)."""
+    fixed = _fixed(mha, x, padding, lengths, cache, need_weights)
+    if fixed is not None:
+        return fixed[0], fixed[1], None
+    assert padding is not None and lengths is not None  # _fixed decides without them
+    training = torch.is_grad_enabled() and (x.requires_grad or mha.trains())
+    calibration.current()  # this machine's unit costs: measured at first use, then read from disk
+    costs = policy.TRAINING_COSTS if training else policy.INFERENCE_COSTS
+    S, E, H, Hkv = padding.shape[1], mha.embed_dim, mha.num_heads, mha.num_kv_heads
+    bucketing = (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH)
+    path, why = price_packing(lengths, S, E, H, Hkv, causal, training, costs, policy.PACK_MIN_PADDING, bucketing,
+                              margin=policy.PACK_MARGIN)
+    if " estimated " not in why:
+        return path, why, None
+    why = f"{why}; {calibration.describe()}"
+    share, estimate = _priced(lengths, S, E, H, Hkv, causal, training, costs, policy.PACK_MIN_PADDING, bucketing)
+    low, high = policy.PACK_MEASURE_BAND
+    if estimate is None or not low <= estimate.packed_us / max(estimate.dense_us, 1e-9) < high \
+            or not measurable(mha, training):
+        return path, why, None
+    key = (len(lengths), S, E, H, Hkv, causal, x.dtype, round(share * 20), estimate.buckets,
+           torch.get_num_threads(), policy.GENERATION)  # padding in steps of 5%, and the attention calls
+    found = measured(key)
+    if found is not None:
+        return found.path, f"{why}; within PACK_MEASURE_BAND {low:g}-{high:g}: {found}", None
+    return path, (f"{why}; within PACK_MEASURE_BAND {low:g}-{high:g} of each other, so this call runs both paths "
+                  "and later calls of the shape take the faster"), key
+
+
+def measurable(mha: Layer, training: bool) -> bool:
+    """Whether a call may run both paths to time them: a forward without gradients on plain
+    projections (a hook or wrapper would see the call twice), without dropout (it would draw
+    from the caller's RNG), outside headwise.trace() and headwise.batch_invariant(), and not with
+    ``HEADWISE_TUNE=off`` (no measurement at all)."""
+    return (not training and not (mha.training and mha.dropout) and not trace.ACTIVE
+            and not invariance.is_batch_invariant() and calibration.mode() != "off"
+            and projections.plain_linears(mha))
+
+
+def _fixed(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple[int, ...] | None,
+           cache: KVCache | None, need_weights: bool) -> tuple[str, str] | None:
+    """The path where no price decides it (the call, a setting, or nothing to read), else None."""
     if padding is None:
         return "dense", "no 2-D padding mask of x's own tokens (self-attention) to pack by"
     if cache is not None:
@@ -131,13 +213,7 @@ def choose_packing(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple
     if lengths is None:
         return "dense", (f"the padding share of a {padding.device.type} mask is not read: it would sync the host "
                          "with the device on every call (packing=True packs anyway)")
-    training = torch.is_grad_enabled() and (x.requires_grad or mha.trains())
-    calibration.current()  # this machine's unit costs: measured at first use, then read from disk
-    costs = policy.TRAINING_COSTS if training else policy.INFERENCE_COSTS
-    path, why = price_packing(lengths, padding.shape[1], mha.embed_dim, mha.num_heads, mha.num_kv_heads, causal,
-                              training, costs, policy.PACK_MIN_PADDING,
-                              (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH), margin=policy.PACK_MARGIN)
-    return path, (f"{why}; {calibration.describe()}" if " estimated " in why else why)
+    return None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -152,14 +228,25 @@ def price_packing(lengths: tuple[int, ...], S: int, E: int, H: int, Hkv: int, ca
     ``margin``: packs only where the packed price is under this share of the dense one
     (``policy.PACK_MARGIN``; 1.0: wherever it is lower).
     """
-    B = len(lengths)
-    share = (B * S - sum(lengths)) / max(B * S, 1)  # padded / all: 2 of 20 is exactly 0.1 (1 - 18 / 20 is not)
-    if share < limit:
+    share, estimate = _priced(lengths, S, E, H, Hkv, causal, training, costs, limit, bucketing)
+    if estimate is None:
         return "dense", f"{share:.0%} of the batch is padding (< PACK_MIN_PADDING {limit:.0%}): nothing to save"
-    buckets = packing.bucket_shapes(lengths, lengths)
-    estimate = policy.estimate_packing(B, S, E, H, Hkv, buckets, is_causal=causal, training=training, costs=costs)
     kind = "forward + backward" if training else "forward"
     if estimate.packed_us < margin * estimate.dense_us:
         return "packed", f"{share:.0%} of the batch is padding; {kind} {estimate}"
     close = f" (packing pays under PACK_MARGIN {margin:.0%} of dense)" if estimate.packs else ""
     return "dense", f"{share:.0%} of the batch is padding, but {kind} {estimate}{close}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _priced(lengths: tuple[int, ...], S: int, E: int, H: int, Hkv: int, causal: bool, training: bool,
+            costs: policy.Costs, limit: float,
+            bucketing: tuple[float, int]) -> tuple[float, policy.PackingEstimate | None]:
+    """(the batch's padding share, :func:`headwise.policy.estimate_packing`'s prices or None
+    below ``limit``): :func:`price_packing`'s arguments but the margin, cached as it is."""
+    B = len(lengths)
+    share = (B * S - sum(lengths)) / max(B * S, 1)  # padded / all: 2 of 20 is exactly 0.1 (1 - 18 / 20 is not)
+    if share < limit:
+        return share, None
+    buckets = packing.bucket_shapes(lengths, lengths)
+    return share, policy.estimate_packing(B, S, E, H, Hkv, buckets, is_causal=causal, training=training, costs=costs)
