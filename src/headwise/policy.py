@@ -86,11 +86,12 @@ PACK_MARGIN = 0.9
 # ... but a forward without gradients whose packed price is within this band of the dense one
 # (packed / dense) is measured instead: its first call of a shape runs both paths in turns and
 # keeps the faster (module/measured.py), as cudnn.benchmark does; below the band the module
-# packs, above it stays dense, on the estimate alone. The estimates missed by up to a third on
-# another CPU than the one their unit costs came from: on an Intel Xeon (AMX, 2 cores) with
-# costs measured there, auto_grid's B=16 S=128 E=384 forward with 22% padding was priced packed
-# 15.7 ms vs dense 17.5 ms (0.90) and ran 16.9 vs 14.3 ms (1.18); B=8 S=128 E=256 with 36%, packed
-# under one day's calibration, ran 1.19x the dense path, and the next day's priced it 0.985.
+# packs, above it stays dense, on the estimate alone. A linear model fitted on small operations
+# misses by a fifth even with this machine's own unit costs: on an Intel Xeon (AMX, 2 cores),
+# auto_grid's B=16 S=128 E=384 forward with 22% padding was priced packed 15.7 ms vs dense
+# 17.5 ms (0.90) and ran 16.9 vs 14.3 ms (1.18); B=8 S=128 E=256 with 36%, packed under one day's
+# calibration, ran 1.19x the dense path, and the next day's priced it 0.985. With the built-in
+# (AMD) costs there, the same row packed and ran 1.09x; measured, it stays dense.
 # HEADWISE_TUNE=off (the test suite's setting) measures nothing here either.
 PACK_MEASURE_BAND = (0.6, 1.25)
 

@@ -2,7 +2,7 @@
 in turns, the faster kept for the call's shape.
 
 Where "auto"'s estimates price the two paths within ``policy.PACK_MEASURE_BAND`` of each
-other, their error on a CPU other than the one the unit costs came from decides the choice, so a
+other, their error (a fifth, even with this machine's own unit costs) decides the choice, so a
 call without gradients measures it instead (:func:`headwise.module.plan.choose_packing` says
 when), as ``torch.backends.cudnn.benchmark`` does for convolutions. Both paths give the same
 result up to rounding (tests/module/test_measured.py compares them with a float64 computation);
