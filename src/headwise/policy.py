@@ -84,7 +84,7 @@ PACK_MIN_PADDING = 0.1
 PACK_MARGIN = 0.9
 
 # ... but a forward without gradients whose packed price is within this band of the dense one
-# (packed / dense) is measured instead: its first call of a shape runs both paths in turns and
+# (packed / dense) is measured instead: the second call of a shape runs both paths in turns and
 # keeps the faster (module/measured.py), as cudnn.benchmark does; below the band the module
 # packs, above it stays dense, on the estimate alone. A linear model fitted on small operations
 # misses by a fifth even with this machine's own unit costs: on an Intel Xeon (AMX, 2 cores),

@@ -1,10 +1,11 @@
 """``module/measured.py``: a packing choice the estimates cannot make is measured.
 
 Where the packed and the dense path are priced within ``policy.PACK_MEASURE_BAND`` of each
-other, a call without gradients runs both in turns, returns the faster one's output and
-remembers the choice for its shape. The clock is replaced here by one that each path's run
-advances by a known amount, so which path is faster is the test's to say; outputs are
-compared with a float64 computation from the module's weights.
+other, the second call of a shape without gradients runs both in turns, returns the faster
+one's output and remembers the choice for the shape; its first call runs the estimates' path.
+The clock is replaced here by one that each path's run advances by a known amount, so which
+path is faster is the test's to say; outputs are compared with a float64 computation from the
+module's weights.
 
 Legend: B batch, S query length, E embed dim, H heads.
 """
@@ -41,6 +42,7 @@ def measuring_on(monkeypatch, tmp_path):
     calibration.current()  # loaded before the costs are assigned, so that loading keeps them
     monkeypatch.setattr(policy, "INFERENCE_COSTS", CLOSE)
     monkeypatch.setattr(planning, "_MEASURED", {})
+    monkeypatch.setattr(planning, "_SIGHTED", set())
     now = [0.0]
     speeds = {"dense": 1.0, "packed": 2.0}
     runs: list[str] = []
@@ -81,14 +83,20 @@ def expected(mha, x, mask, ref):
 
 
 @pytest.mark.parametrize("faster", ["dense", "packed"])
-def test_a_close_call_runs_both_paths_and_its_shape_keeps_the_faster(measuring_on, faster, ref):
+def test_a_recurring_close_call_runs_both_paths_and_its_shape_keeps_the_faster(measuring_on, faster, ref):
     speeds, runs = measuring_on
     speeds[faster] = 0.5
     mha = headwise.MultiHeadAttention(E, H).eval()
     x, mask = batch()
     with torch.no_grad():
         first = mha.plan(x, mask)
-        assert first.measure is not None and "this call runs both paths" in first.why
+        assert first.measure is not None and "the shape's second call runs both paths" in first.why
+        assert first.path == "dense"  # the estimates' choice: PACK_MARGIN keeps the close case dense
+        out = mha(x, mask)
+        assert runs == ["dense"]  # the shape's first call: the estimates' path alone
+        torch.testing.assert_close(out.double(), expected(mha, x, mask, ref), atol=2e-5, rtol=1e-4)
+        assert mha.plan(x, mask).measure is not None  # plan() reads the record, it adds no call to it
+        runs.clear()
         out = mha(x, mask)
         assert runs == TURNS  # in turns, each path first in every other one
         torch.testing.assert_close(out.double(), expected(mha, x, mask, ref), atol=2e-5, rtol=1e-4)
@@ -113,6 +121,7 @@ def test_another_batch_of_the_same_shape_takes_the_measured_path(measuring_on):
     x, mask = batch()
     with torch.no_grad():
         mha(x, mask)
+        mha(x, mask)  # measured
         runs.clear()
         shuffled = mask[torch.randperm(B)]
         assert mha.plan(x, shuffled).path == "packed"
@@ -126,10 +135,12 @@ def test_a_changed_policy_measures_again(measuring_on, monkeypatch):
     x, mask = batch()
     with torch.no_grad():
         mha(x, mask)
+        mha(x, mask)  # measured
         monkeypatch.setattr(policy, "BUCKET_SLACK", policy.BUCKET_SLACK)  # any assignment: a new GENERATION
         runs.clear()
         mha(x, mask)
-        assert runs == TURNS
+        mha(x, mask)
+        assert runs == ["dense", *TURNS]
 
 
 @pytest.mark.parametrize("band, path", [((0.1, 0.5), "dense"), ((1.5, 2.0), "packed")])
@@ -146,7 +157,8 @@ def test_prices_outside_the_band_decide_without_measuring(measuring_on, monkeypa
         plan = mha.plan(x, mask)
         assert (plan.path, plan.measure) == (path, None)
         mha(x, mask)
-    assert runs == [path]
+        mha(x, mask)  # the shape recurs: still the estimates' path, once a call
+    assert runs == [path, path]
 
 
 def _hooked(mha):
@@ -179,4 +191,23 @@ def test_no_call_measures_where_running_twice_would_show(measuring_on, monkeypat
         else:
             assert mha.plan(x, mask).measure is None
             mha(x, mask)
-    assert len(runs) == 1
+            mha(x, mask)  # the shape recurs
+    assert len(runs) in (1, 2) and len(set(runs)) == 1
+
+
+def test_shapes_that_never_recur_are_never_measured(measuring_on):
+    """Padding each batch to its longest sequence gives every call a new length: each runs the
+    estimates' path once, and only a length that comes back is measured."""
+    _, runs = measuring_on
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    calls = []
+    with torch.no_grad():
+        for longest in (32, 33, 34, 35, 32):
+            x = torch.randn(B, longest, E)
+            mask = torch.arange(longest)[None, :] < torch.tensor(LENGTHS)[:, None]  # (B, longest)
+            assert mha.plan(x, mask).measure is not None  # each priced within the band
+            runs.clear()
+            mha(x, mask)
+            calls.append(list(runs))
+    assert calls[:4] == [["dense"]] * 4  # each new length: the estimates' path alone
+    assert calls[4] == TURNS  # the length that came back is measured

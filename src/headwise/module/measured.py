@@ -8,7 +8,8 @@ when), as ``torch.backends.cudnn.benchmark`` does for convolutions. Both paths g
 result up to rounding (tests/module/test_measured.py compares them with a float64 computation);
 the call returns the faster path's output, and every later call of the shape (batch, length,
 heads, dtype, padding in steps of 5%, attention calls, threads) takes that path without
-measuring.
+measuring. A shape is measured at its second call (:func:`headwise.module.plan.recurs`); its
+first runs the estimates' path.
 
 Legend: B batch, S query length, E embed dim.
 """

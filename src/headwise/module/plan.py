@@ -39,9 +39,10 @@ class Plan:
         lengths: the real tokens of each row of ``padding``, where its values were read
             (on the CPU, outside torch.compile); else None.
         measure: where the estimates cannot tell the dense and the packed path apart
-            (``policy.PACK_MEASURE_BAND``), the key this call measures them under: forward
-            runs both in turns, keeps the faster for the key (:func:`measured`) and returns
-            its output; ``path`` is then the estimates' choice. None: ``path`` runs.
+            (``policy.PACK_MEASURE_BAND``) and nothing was measured yet, the shape's key:
+            where the shape came before (:func:`recurs`), forward runs both paths in turns,
+            keeps the faster for the key (:func:`measured`) and returns its output; on its
+            first call ``path``, the estimates' choice, runs. None: ``path`` runs.
     """
 
     path: str
@@ -63,11 +64,12 @@ class Measured:
 
     def __str__(self) -> str:
         return (f"measured on this machine: packed {self.packed_us:,.0f} us vs dense {self.dense_us:,.0f} us "
-                "(the first call of this shape ran both)")
+                "(a call of this shape ran both)")
 
 
 _MEASURED: dict[tuple, Measured] = {}
-MEASURED_LIMIT = 1024  # shapes remembered; the record starts over when full
+_SIGHTED: set[tuple] = set()  # shapes called once, on the estimates' path: the next call of each measures
+MEASURED_LIMIT = 1024  # shapes remembered (measured, or called once); each record starts over when full
 
 
 def measured(key: tuple) -> Measured | None:
@@ -79,11 +81,28 @@ def remember_measured(key: tuple, result: Measured) -> None:
     if len(_MEASURED) >= MEASURED_LIMIT:
         _MEASURED.clear()
     _MEASURED[key] = result
+    _SIGHTED.discard(key)
+
+
+def recurs(key: tuple) -> bool:
+    """Whether a call of this shape (:attr:`Plan.measure`) came before; records this one.
+
+    Only a shape that recurs is measured: its second call runs both paths. A loop whose shapes
+    never repeat (padding to each batch's longest sequence) would otherwise pay a measurement
+    on nearly every call, and keep nothing it could reuse."""
+    if key in _SIGHTED:
+        return True
+    if len(_SIGHTED) >= MEASURED_LIMIT:
+        _SIGHTED.clear()
+    _SIGHTED.add(key)
+    return False
 
 
 def forget_measured() -> None:
-    """Drop every measured choice: the next call of each shape measures again."""
+    """Drop every measured choice and every shape called once: each shape is measured anew
+    at its second call."""
     _MEASURED.clear()
+    _SIGHTED.clear()
 
 
 def all_tokens(lengths: tuple[int, ...] | None, S: int) -> bool:
@@ -174,8 +193,8 @@ def choose_packing(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple
     found = measured(key)
     if found is not None:
         return found.path, f"{why}; within PACK_MEASURE_BAND {low:g}-{high:g}: {found}", None
-    return path, (f"{why}; within PACK_MEASURE_BAND {low:g}-{high:g} of each other, so this call runs both paths "
-                  "and later calls of the shape take the faster"), key
+    return path, (f"{why}; within PACK_MEASURE_BAND {low:g}-{high:g} of each other, so the shape's second call runs "
+                  "both paths and its later calls take the faster"), key
 
 
 def measurable(mha: Layer, training: bool) -> bool:
