@@ -78,6 +78,7 @@ def measured(key: tuple) -> Measured | None:
 
 
 def remember_measured(key: tuple, result: Measured) -> None:
+    """Keep what a measured call found for its shape: the shape's later calls take ``result.path``."""
     if len(_MEASURED) >= MEASURED_LIMIT:
         _MEASURED.clear()
     _MEASURED[key] = result
