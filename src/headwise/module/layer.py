@@ -417,10 +417,10 @@ class MultiHeadAttention(nn.Module):
         else:
             plan = planning.make_plan(self, x, attention_mask, context, is_causal, need_weights, cache,
                                       None if key is None else (padding, lengths))
-            if plan.measure is not None and planning.recurs(plan.measure):  # both paths timed
-                return measuring.run(self, x, cast(Tensor, attention_mask), plan, key)
-            if plan.measure is not None:  # a shape's first call: the estimates' path, not remembered,
-                key = None  # so that its next call plans again and measures
+            if plan.measure is not None:  # the estimates cannot choose: a recurring shape is measured
+                if planning.recurs(plan.measure):  # both paths timed, the faster kept
+                    return measuring.run(self, x, cast(Tensor, attention_mask), plan, plan.measure, key)
+                key = None  # its first call: the estimates' path, not remembered, so the next call measures
         if plan.path == "fused" and fused.allowed(self):  # nothing hooks or wraps the projections since
             out = fused.forward(self, x)
         elif plan.path == "packed":

@@ -36,15 +36,15 @@ TURNS = 3
 _clock = time.perf_counter  # tests replace it
 
 
-def run(mha: Layer, x: Tensor, attention_mask: Tensor, plan: Plan, key: tuple | None) -> Tensor:
-    """Run the dense and the packed path in turns, remember the faster under ``plan.measure``
-    and return its output (B, S, E). ``key``: the call's memo key (None: not remembered).
+def run(mha: Layer, x: Tensor, attention_mask: Tensor, plan: Plan, shape: tuple, key: tuple | None) -> Tensor:
+    """Run the dense and the packed path in turns, remember the faster under ``shape`` (the
+    plan's :attr:`~headwise.module.plan.Plan.measure`) and return its output (B, S, E).
+    ``key``: the call's memo key (None: not remembered).
 
     Each path is timed as the shape's later calls would run it: the dense path's first run
     checks and dispatches its attention call and the memo keeps it under ``key``, so its other
     runs are the memo's repeats (``dense.forward_repeat``); the packed path runs in full every
     call. The memo then holds the faster path for ``key``."""
-    assert plan.measure is not None  # only a plan choose_packing marked to measure comes here
     dense_plan, packed_plan = replace(plan, path="dense", measure=None), replace(plan, path="packed", measure=None)
 
     def run_dense() -> Tensor:
@@ -63,7 +63,7 @@ def run(mha: Layer, x: Tensor, attention_mask: Tensor, plan: Plan, key: tuple | 
             least[path] = min(least[path], _clock() - start)
     faster = min(least, key=least.__getitem__)
     found = Measured(faster, least["dense"] * 1e6, least["packed"] * 1e6)
-    remember_measured(plan.measure, found)
+    remember_measured(shape, found)
     if faster == "packed":  # the memo holds the dense path's prepared call: the shape packs instead
         mha._repeats.remember(key, Repeat("packed", f"{plan.why}; {found}", plan.is_causal, None, True))
     return outputs[faster]

@@ -170,10 +170,14 @@ def choose_packing(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple
     """("packed" or "dense", why, the key to measure under or None): by request, or where
     "auto" prices packing below the dense path (:func:`headwise.policy.estimate_packing`), or
     where a call without gradients measured both (:data:`headwise.policy.PACK_MEASURE_BAND`)."""
-    fixed = _fixed(mha, x, padding, lengths, cache, need_weights)
+    if padding is None:
+        return "dense", "no 2-D padding mask of x's own tokens (self-attention) to pack by", None
+    fixed = _fixed(mha, padding, cache, need_weights)
     if fixed is not None:
         return fixed[0], fixed[1], None
-    assert padding is not None and lengths is not None  # _fixed decides without them
+    if lengths is None:
+        return "dense", (f"the padding share of a {padding.device.type} mask is not read: it would sync the host "
+                         "with the device on every call (packing=True packs anyway)"), None
     training = torch.is_grad_enabled() and (x.requires_grad or mha.trains())
     calibration.current()  # this machine's unit costs: measured at first use, then read from disk
     costs = policy.TRAINING_COSTS if training else policy.INFERENCE_COSTS
@@ -181,13 +185,12 @@ def choose_packing(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple
     bucketing = (policy.BUCKET_SLACK, policy.DIRECT_MIN_LENGTH)
     path, why = price_packing(lengths, S, E, H, Hkv, causal, training, costs, policy.PACK_MIN_PADDING, bucketing,
                               margin=policy.PACK_MARGIN)
-    if " estimated " not in why:
+    share, estimate = _priced(lengths, S, E, H, Hkv, causal, training, costs, policy.PACK_MIN_PADDING, bucketing)
+    if estimate is None:  # too little padding to price
         return path, why, None
     why = f"{why}; {calibration.describe()}"
-    share, estimate = _priced(lengths, S, E, H, Hkv, causal, training, costs, policy.PACK_MIN_PADDING, bucketing)
     low, high = policy.PACK_MEASURE_BAND
-    if estimate is None or not low <= estimate.packed_us / max(estimate.dense_us, 1e-9) < high \
-            or not measurable(mha, training):
+    if not low <= estimate.packed_us / max(estimate.dense_us, 1e-9) < high or not measurable(mha, training):
         return path, why, None
     key = (len(lengths), S, E, H, Hkv, causal, x.dtype, round(share * 20), estimate.buckets,
            torch.get_num_threads(), policy.GENERATION)  # padding in steps of 5%, and the attention calls
@@ -208,11 +211,9 @@ def measurable(mha: Layer, training: bool) -> bool:
             and projections.plain_linears(mha))
 
 
-def _fixed(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple[int, ...] | None,
-           cache: KVCache | None, need_weights: bool) -> tuple[str, str] | None:
-    """The path where no price decides it (the call, a setting, or nothing to read), else None."""
-    if padding is None:
-        return "dense", "no 2-D padding mask of x's own tokens (self-attention) to pack by"
+def _fixed(mha: Layer, padding: Tensor, cache: KVCache | None, need_weights: bool) -> tuple[str, str] | None:
+    """The path a padded self-attention call takes whatever the prices (the call or a setting
+    decides it), else None."""
     if cache is not None:
         return "dense", "decoding with a cache keeps the (B, S) layout"
     if need_weights:
@@ -230,9 +231,6 @@ def _fixed(mha: Layer, x: Tensor, padding: Tensor | None, lengths: tuple[int, ..
         return "dense", f"backend={mha.backend!r} runs on the (B, S) batch (packing=True packs for it)"
     if torch.compiler.is_compiling():
         return "dense", "under torch.compile: packing needs data-dependent shapes (packing=True packs anyway)"
-    if lengths is None:
-        return "dense", (f"the padding share of a {padding.device.type} mask is not read: it would sync the host "
-                         "with the device on every call (packing=True packs anyway)")
     return None
 
 
