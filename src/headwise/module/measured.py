@@ -38,7 +38,7 @@ _clock = time.perf_counter  # tests replace it
 
 def run(mha: Layer, x: Tensor, attention_mask: Tensor, plan: Plan, shape: tuple, key: tuple | None) -> Tensor:
     """Run the dense and the packed path in turns, remember the faster under ``shape`` (the
-    plan's :attr:`~headwise.module.plan.Plan.measure`) and return its output (B, S, E).
+    plan's ``measure``) and return its output (B, S, E).
     ``key``: the call's memo key (None: not remembered).
 
     Each path is timed as the shape's later calls would run it: the dense path's first run
