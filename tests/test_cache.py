@@ -448,3 +448,41 @@ def test_steps_under_inference_mode_and_no_grad_after_steps_with_gradients_keep_
     assert len(cache) == 4 and not cache.k.is_inference()
     (held[:, :, :2] * 3).sum().backward()
     torch.testing.assert_close(k.grad, torch.full((1, 1, 2, 2), 3.0), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["same dtype", "float64 steps"])
+def test_append_writes_each_step_in_place_and_returns_every_position(dtype):
+    cache = KVCache(2, 6, 3, 4)
+    steps = [torch.randn(2, T, 3, 4, dtype=dtype).transpose(1, 2) for T in (2, 1, 3)]  # (B, Hkv, T, D), strided
+    k_buffer = cache.k
+    for i, step in enumerate(steps):
+        k_all, v_all = cache.append(step, -step)
+        n = sum(s.shape[2] for s in steps[:i + 1])
+        written = torch.cat(steps[:i + 1], 2).float()  # (B, Hkv, n, D)
+        assert len(cache) == cache.held == cache._written == n
+        assert torch.equal(k_all, written) and torch.equal(v_all, -written)
+        assert k_all.data_ptr() == cache.k.data_ptr() and cache.k is k_buffer  # views of the same buffers
+    assert not cache.k[:, :, 6:].any()
+
+
+def test_append_refuses_what_does_not_fit_after_steps_and_changes_nothing():
+    cache = KVCache(2, 4, 3, 4)
+    for _ in range(3):
+        cache.append(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4))
+    k, v = cache.k.clone(), cache.v.clone()
+    with pytest.raises(ValueError, match=r"holds 3 of max_seq_len 4 positions and cannot take 2 more"):
+        cache.append(torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 4))
+    with pytest.raises(ValueError, match=r"made for batch_size 2, got a batch of 1"):
+        cache.append(torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4))
+    assert len(cache) == cache._written == 3 and torch.equal(cache.k, k) and torch.equal(cache.v, v)
+
+
+def test_append_of_values_that_take_gradients_leaves_the_old_buffers_as_they_were():
+    cache = KVCache(1, 4, 2, 3)
+    cache.append(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 3))
+    old_k, before = cache.k, cache.k.clone()
+    k = torch.randn(1, 2, 1, 3, requires_grad=True)
+    k_all, _ = cache.append(k, k.detach())
+    assert cache.k is not old_k and torch.equal(old_k, before)  # a new buffer, out of place
+    k_all.sum().backward()
+    assert torch.equal(k.grad, torch.ones_like(k))

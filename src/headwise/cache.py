@@ -292,12 +292,12 @@ class KVCache:
         usual decoding step; slots written around the cache's methods are not tracked).
         ``masked=False``: the step gives no mask, so only eviction could change the key
         mask (it is not copied otherwise)."""
-        keep_mask = masked or self.evicts
+        keep_mask = masked or self.window is not None  # evicts
         if self.static:
             slots = (self.position + torch.arange(new, device=self.position.device)).clamp(0, self.max_seq_len - 1)
             return (self.position.clone(), self.key_mask.clone() if keep_mask else None, slots,
                     self.k.index_select(2, slots), self.v.index_select(2, slots), self.k, self.v)
-        lo = self.kept()[0] if self.evicts else self._length  # eviction moves the recent slots to the sinks
+        lo = self.kept()[0] if self.window is not None else self._length  # eviction moves the recent slots to the sinks
         hi = min(self._length + new, self.max_seq_len)
         k = v = None  # zeros: slots lo..hi were never written
         if lo < self._written:
@@ -436,10 +436,23 @@ class KVCache:
             ``(k, v)``, (B, Hkv, L, D) and (B, Hkv, L, Dv) with L = :attr:`held` after
             appending (after eviction, for an evicting cache): views of the buffers, not copies.
         """
-        self._dynamic("append")
-        self.check(k.shape[0], k.shape[2])
-        self._evict(self._out_of_place(k, v))
-        return self._write(k, v)
+        B, T = k.shape[0], k.shape[2]
+        if (self.static or self.window is not None or B != self.batch_size or self._length + T > self.max_seq_len
+                or self._out_of_place(k, v)):  # the general way, which names what does not fit
+            self._dynamic("append")
+            self.check(B, T)
+            self._evict(self._out_of_place(k, v))
+            return self._write(k, v)
+        # a decoding step on a dynamic cache that keeps every position (nothing evicted: its
+        # length is len(self)), written in place: the checks above and the write, inline
+        start = self._length
+        end = start + T
+        self.k.narrow(2, start, T).copy_(k)  # (B, Hkv, T, D) into (B, Hkv, L_max, D)
+        self.v.narrow(2, start, T).copy_(v)
+        self._length = end
+        if end > self._written:
+            self._written = end
+        return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)  # (B, Hkv, L, D), (B, Hkv, L, Dv)
 
     def _write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """append() after its checks: (B, Hkv, T, D|Dv) into the buffers at the held length."""

@@ -57,6 +57,7 @@ from headwise.evaluate import MaskMod, ScoreMod
 from headwise.kernels import get_kernel, kernels  # the package: its BUILTIN list is the registry's start
 from headwise.kernels.common import attached_zeros, lse_dtype
 from headwise.kernels.registry import (
+    BoundFn,
     Call,
     Kernel,
     Request,
@@ -421,6 +422,8 @@ class Prepared:
     kernel: Kernel
     rules: Rules
     args: dict  # every keyword of the kernel's call but the mask, rules included (kernel_arguments)
+    unmasked: BoundFn | None = None  # the kernel's shortcut for a call without a mask (Kernel.bind), or None
+    masked: BoundFn | None = None  # its shortcut for a masked call whose excluded positions are finite, or None
 
     def current(self) -> bool:
         """Whether the kernel is still the one registered under its name."""
@@ -431,8 +434,13 @@ class Prepared:
         """``excluded_finite``: the caller made what ``mask`` excludes for every query finite
         (the module zeroes padded positions of x before projecting them), so the NaN
         contract's :func:`~headwise.mask_contract.hide_excluded` has nothing to hide."""
-        if mask is not None:
+        if mask is None:
+            if self.unmasked is not None:  # bound for no mask and no causal rule: nothing to hide
+                return self.unmasked(q, k, v, None)  # (B, H, S, Dv)
+        else:
             check_mask_values(mask)
+            if excluded_finite and self.masked is not None:
+                return self.masked(q, k, v, mask)  # (B, H, S, Dv)
         if not excluded_finite:
             q, k, v = hide_excluded(q, k, v, mask, is_causal=self.rules.is_causal)  # the NaN contract
         return run_kernel(self.kernel.fn, q, k, v, mask, self.args).out  # (B, H, S, Dv)
@@ -510,7 +518,12 @@ def prepare(q, k, v, attention_mask=None, mask_4d=None, *, is_causal=False, drop
         args["known_live"] = True
     if len(_REPEATS) >= _REPEATS_LIMIT:
         _REPEATS.clear()
-    _REPEATS[key] = prepared = Prepared(dispatch.kernel, rules, kernel_arguments(dispatch.kernel.fn, rules, args))
+    kernel = dispatch.kernel
+    keywords = kernel_arguments(kernel.fn, rules, args)
+    bind = kernel.bind
+    bound = (None, None) if bind is None else (bind(kernel.fn, rules, keywords, q, k, False),
+                                               bind(kernel.fn, rules, keywords, q, k, True))
+    _REPEATS[key] = prepared = Prepared(kernel, rules, keywords, *bound)
     return prepared
 
 

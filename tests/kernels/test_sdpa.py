@@ -89,3 +89,77 @@ def test_any_strides_give_the_reference(backend, Hkv, Dv, layout, which, return_
         want_loss = want_loss + (want_lse.masked_fill(torch.isneginf(want_lse), 0.0) * gl).sum()
     for got, expected in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(want_loss, leaves), strict=True):
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+
+
+# --- the bound call (Kernel.bind): a remembered signature's later calls, branches taken once ---
+
+
+def _bound_case(Hkv: int, masked: bool, scale: float | None):
+    """q, k, v in a transformer's (B, S, H, D) memory, the mask (every row with a key) and the
+    kernel's keywords as headwise.functional.prepare makes them."""
+    from headwise.rules import Rules
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S, H, D, generator=gen).transpose(1, 2)  # (B, H, S, D), strided
+    k = torch.randn(B, Sk, Hkv, D, generator=gen).transpose(1, 2)  # (B, Hkv, Sk, D)
+    v = torch.randn(B, Sk, Hkv, D, generator=gen).transpose(1, 2)
+    mask = torch.tensor([[True] * Sk, [True] * 3 + [False] * (Sk - 3)])[:, None, None, :] if masked else None
+    args = {"rules": Rules(), "dropout_p": 0.0, "scale": D ** -0.5 if scale is None else scale, "need_weights": False}
+    if masked:
+        args["known_live"] = True
+    return q, k, v, mask, args
+
+
+@pytest.mark.parametrize("scale", [None, 0.3], ids=["default scale", "scale 0.3"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no mask", "padding mask"])
+@pytest.mark.parametrize("Hkv", [H, 2], ids=["MHA", "GQA"])
+def test_the_bound_call_gives_the_kernels_bits_and_the_reference(Hkv, masked, scale):
+    from headwise.kernels.sdpa import KERNEL, sdpa_attention
+
+    q, k, v, mask, args = _bound_case(Hkv, masked, scale)
+    bound = KERNEL.bind(KERNEL.fn, args["rules"], args, q, k, masked)
+    assert bound is not None
+    out = bound(q, k, v, mask)  # (B, H, S, D)
+    assert torch.equal(out, sdpa_attention(q, k, v, attention_mask=mask, **args).out)
+    allowed = torch.ones(B, H, S, Sk, dtype=torch.bool) if mask is None else mask.expand(B, H, S, Sk)
+    s = q.double() @ k.double().repeat_interleave(H // Hkv, 1).transpose(-2, -1) * args["scale"]  # (B, H, S, Sk)
+    expected = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ v.double().repeat_interleave(H // Hkv, 1)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_bound_call_keeps_a_nan_querys_row_nan():
+    from headwise.kernels.sdpa import KERNEL
+
+    q, k, v, _, args = _bound_case(H, False, None)
+    q = q.clone()
+    q[1, 2, 3, 0] = float("nan")  # one query row: torch's CPU flash kernel alone returns zeros there
+    out = KERNEL.bind(KERNEL.fn, args["rules"], args, q, k, False)(q, k, v, None)
+    assert out[1, 2, 3].isnan().all()
+    rows = torch.ones(B, H, S, dtype=torch.bool)
+    rows[1, 2, 3] = False
+    assert out[rows].isfinite().all()
+
+
+@pytest.mark.parametrize("case", ["causal", "a rule", "weights", "lse", "a mask with a dead row", "another fn"])
+def test_the_kernel_binds_nothing_it_would_not_run_the_same(case):
+    import dataclasses
+
+    from headwise.kernels.sdpa import KERNEL
+    from headwise.rules import Rules
+
+    q, k, v, _, args = _bound_case(H, case == "a mask with a dead row", None)
+    fn, masked = KERNEL.fn, False
+    if case == "causal":
+        args["rules"] = Rules(is_causal=True)
+    elif case == "a rule":
+        args["rules"] = Rules(window=2, is_causal=True)
+    elif case == "weights":
+        args["need_weights"] = True
+    elif case == "lse":
+        args["return_lse"] = True
+    elif case == "a mask with a dead row":
+        del args["known_live"]  # the mask was not read: a row may have no key
+        masked = True
+    else:  # a kernel copied with another function keeps its bind, which must not stand in for that function
+        fn = dataclasses.replace(KERNEL, fn=lambda *a, **kw: KERNEL.fn(*a, **kw)).fn
+    assert KERNEL.bind(fn, args["rules"], args, q, k, masked) is None

@@ -517,3 +517,31 @@ def test_a_static_cache_with_alibi_and_a_score_mod_equals_the_full_forward(kwarg
             steps = [mha(x[:, :3], cache=cache), mha(x[:, 3:5], cache=cache), mha(x[:, 5:6], cache=cache),
                      mha(x[:, 6:], cache=cache)]
         torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-12, rtol=1e-12, msg=f"static={static}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_remembered_steps_take_the_kernels_bound_call_and_give_its_bits(dtype, monkeypatch):
+    """A decoding step's attention runs the sdpa kernel's bound call (Kernel.bind), with the
+    same bits as the kernel's function: the steps of a module whose kernel binds nothing."""
+    torch.manual_seed(0)
+    mha = headwise.MultiHeadAttention(E, H, num_kv_heads=2, dtype=dtype).eval()
+    x = torch.randn(2, 9, E, dtype=dtype)
+    calls = []
+    original = registry.get_kernel("sdpa")
+    with torch.no_grad():
+        bound = decode(mha, x, mha.new_cache(2, 9), prompt=3)
+        monkeypatch.setitem(registry._KERNELS, "sdpa", dataclasses.replace(
+            original, bind=None, fn=lambda *a, **kw: calls.append(1) or original.fn(*a, **kw)))
+        unbound = decode(mha, x, mha.new_cache(2, 9), prompt=3)
+    assert len(calls) == 7  # the prompt and every step ran the kernel's function there
+    assert torch.equal(bound, unbound)
+    bound_calls = []
+
+    def counted(fn, *args):
+        call = original.bind(fn, *args)
+        return None if call is None else (lambda *a: bound_calls.append(1) or call(*a))
+
+    monkeypatch.setitem(registry._KERNELS, "sdpa", dataclasses.replace(original, bind=counted))
+    with torch.no_grad():
+        again = decode(mha, x, mha.new_cache(2, 9), prompt=3)
+    assert len(bound_calls) == 7 and torch.equal(again, bound)  # the prompt and every step took the bound call

@@ -87,6 +87,7 @@ class KernelResult(NamedTuple):
 
 
 KernelFn = Callable[..., Any]  # returns a KernelResult (one of your own may return a plain (out, weights[, lse]))
+BoundFn = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], Tensor]  # Kernel.bind's shortcut: (q, k, v, mask) -> out
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,15 @@ class Kernel:
         invariant: a row's outputs and input gradients have the same bits whatever the batch,
             the padding and the query count around it: the only kind that serves inside
             :func:`headwise.batch_invariant`.
+        bind: a repeated call's shortcut, or None (``fn`` always runs). Called once per
+            remembered call signature (:func:`headwise.functional.prepare`) with ``fn``, the
+            call's rules, its keywords (:func:`kernel_arguments`), its first q and k, and
+            whether a mask comes; returns a function ``(q, k, v, mask) -> out`` (B, H, S, Dv)
+            that gives ``fn``'s output bit for bit on every later call of the signature, with
+            the branches that read only the signature taken once; or None where ``fn`` must
+            run, and always where ``fn`` is not the function it was written for (a kernel
+            copied with ``dataclasses.replace(kernel, fn=...)`` keeps its ``bind``). A masked
+            call takes it only where the caller has hidden what the mask excludes.
     """
 
     name: str
@@ -270,6 +280,7 @@ class Kernel:
     functorch: bool = True
     compiles: bool = False
     invariant: bool = False
+    bind: Callable[[KernelFn, Rules, dict, Tensor, Tensor, bool], BoundFn | None] | None = None
 
     def why_not(self, request: Request) -> str | None:
         """None if this kernel can serve ``request``, else a short reason."""

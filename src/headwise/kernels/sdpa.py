@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from headwise import policy
 from headwise.kernels import describe
 from headwise.kernels.common import fold_rules, lse_dtype
-from headwise.kernels.registry import Call, Kernel, KernelResult, KernelStage, Request
+from headwise.kernels.registry import BoundFn, Call, Kernel, KernelFn, KernelResult, KernelStage, Request
 from headwise.masks import row_is_dead
 from headwise.rules import Rules
 
@@ -266,6 +266,47 @@ def sdpa_attention(
     return KernelResult(sdpa_masked(q, k, v, mask, dropout_p=dropout_p, scale=scale))  # (B, H, S, Dv)
 
 
+def _bind(fn: KernelFn, rules: Rules, kwargs: dict, q: Tensor, k: Tensor, masked: bool) -> BoundFn | None:
+    """The ``bind`` of this kernel (see :class:`~headwise.kernels.registry.Kernel`): what
+    :func:`sdpa_attention` runs for a remembered signature's later calls, its branches taken
+    once. A decoding step's attention is a few dozen microseconds on the CPU; the Python
+    around one SDPA call is a visible part of it.
+
+    Only the two common forms: no mask and no rule (SDPA as is, then :func:`keep_nan_rows`),
+    and a mask whose every query row has a key (``known_live``, no rule). None for the rest
+    (causal, rules, weights, the lse, grouped heads where SDPA takes none)."""
+    if (fn is not sdpa_attention or not rules.plain or rules.is_causal or kwargs.get("need_weights")
+            or kwargs.get("return_lse") or set(kwargs) - _BOUND_KEYWORDS):
+        return None
+    extra: dict[str, Any] = {}
+    if k.shape[1] != q.shape[1]:
+        if not SDPA_HAS_GQA:
+            return None
+        extra["enable_gqa"] = True
+    dropout_p, scale = kwargs["dropout_p"], kwargs["scale"]
+    if masked:
+        if not kwargs.get("known_live"):
+            return None
+        extra.update(dropout_p=dropout_p, scale=scale)
+
+        def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)  # (B, H, S, Dv)
+
+        return masked_sdpa
+    if dropout_p:
+        extra["dropout_p"] = dropout_p
+    if scale != 1.0 / math.sqrt(q.shape[-1]):  # as sdpa_attention passes it: only where not SDPA's default
+        extra["scale"] = scale
+
+    def plain_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        return keep_nan_rows(F.scaled_dot_product_attention(q, k, v, **extra), q)  # (B, H, S, Dv)
+
+    return plain_sdpa
+
+
+_BOUND_KEYWORDS = {"rules", "dropout_p", "scale", "need_weights", "known_live", "return_lse"}
+
+
 def _with_lse(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, rules: Rules, dropout_p: float,
               scale: float) -> KernelResult:
     """:func:`sdpa_attention` with ``return_lse``: ``(out, None, lse)`` from the CPU flash kernel."""
@@ -383,4 +424,5 @@ KERNEL = Kernel(
     stages=sdpa_stages,
     forward_ad=False,  # an op or autograd.Function without a forward derivative
     functorch=False,  # the lse's autograd.Function has no setup_context; vmap has no batching rule for the op
+    bind=_bind,
 )

@@ -51,11 +51,12 @@ def forward(mha: Layer, x: Tensor, attention_mask: Tensor | None, plan: Plan, ne
     return out
 
 
-def repeats(mha: Layer, cache: KVCache) -> bool:
+def repeats(mha: Layer, cache: KVCache, prepared: bool = False) -> bool:
     """Whether a remembered step may take :func:`forward_repeat`: a dynamic cache that neither
     evicts nor holds a padding mask, and an attention call that
-    :func:`headwise.functional.prepare` remembers."""
-    return not (cache.static or cache.evicts or cache.padded) and memo.preparable(mha)
+    :func:`headwise.functional.prepare` remembers. ``prepared``: the memo's step holds such a
+    call already (the module's settings were preparable then, and setting one clears the memo)."""
+    return not (cache.static or cache.window is not None or cache.padded) and (prepared or memo.preparable(mha))
 
 
 def forward_repeat(mha: Layer, x: Tensor, cache: KVCache, repeat: memo.Repeat) -> Tensor:

@@ -408,7 +408,7 @@ class MultiHeadAttention(nn.Module):
         key, padding, lengths = (None, None, None) if signature is None else signature
         repeat = None if key is None else self._repeats.get(key)
         if repeat is not None and repeat.current():  # a remembered signature: its checks passed, its plan holds
-            if cache is not None and cached.repeats(self, cache):
+            if cache is not None and cached.repeats(self, cache, repeat.attention is not None):
                 return cached.forward_repeat(self, x, cache, repeat)
             if repeat.attention is not None and cache is None:
                 return dense.forward_repeat(self, x, padding if repeat.padded else None, repeat.attention)

@@ -31,6 +31,7 @@ from headwise import functional, invariance, policy
 from headwise import tracing as trace
 from headwise.cache import KVCache
 from headwise.functional import Prepared
+from headwise.kernels.registry import find_kernel
 from headwise.module import checks, plan
 from headwise.module.layer_protocol import Layer
 
@@ -51,7 +52,8 @@ class Repeat:
 
     def current(self) -> bool:
         """Whether the remembered attention call's kernel is still the registered one."""
-        return self.attention is None or self.attention.current()
+        attention = self.attention  # attention.current(), inlined: read on every remembered call
+        return attention is None or find_kernel(attention.kernel.name) is attention.kernel
 
 
 def signature(mha: Layer, x: Tensor, attention_mask: Tensor | None, context: Tensor | None,

@@ -119,8 +119,9 @@ def transformed() -> bool:
 def functorch_or_dual() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``jvp``, ``vmap``, ...) or a forward-AD
     dual level is active (False under torch.compile, which traces the transforms itself)."""
-    return not torch.compiler.is_compiling() and (forward_ad._current_level >= 0
-                                                  or torch._C._functorch.maybe_current_level() is not None)
+    # the two flags first: torch.compiler.is_compiling() is two Python calls, on every call of the module
+    return ((forward_ad._current_level >= 0 or torch._C._functorch.maybe_current_level() is not None)
+            and not torch.compiler.is_compiling())
 
 
 def packed(mha: Layer, grad: bool) -> Pack | None:
