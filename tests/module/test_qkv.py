@@ -376,6 +376,20 @@ def test_a_square_weight_transposed_over_the_same_memory_is_read_transposed():
     check(mha, LARGE)
 
 
+def test_a_weight_given_fewer_rows_over_the_same_memory_leaves_the_rows():
+    """The same pointer, contiguous, another shape (the first E - 8 of its rows): the rows'
+    GEMM would still read E rows, so the module calls the projection itself, as nn.Linear
+    would: v gets E - 8 features, and a head split that no longer fits is refused."""
+    mha = headwise.MultiHeadAttention(E, H).eval()
+    w = mha.v_proj.weight
+    ptr = w.data_ptr()
+    w.data = w.data[:E - 8]  # (E - 8, E)
+    assert w.data_ptr() == ptr and w.is_contiguous()
+    assert qkv.packed(mha, False) is None
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        mha(torch.randn(1, 3, E))
+
+
 @pytest.mark.parametrize("frozen", ["weights", "biases"])
 def test_gradients_reach_whichever_parameters_train(frozen):
     """BitFit trains the biases only; a frozen bias with trained weights is the converse: the
